@@ -1,0 +1,11 @@
+"""Decode settings (``EPD_`` environment variables or ``epd decode --flags``)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from shared.engine.builder import EngineSettings
+
+
+class DecodeSettings(EngineSettings):
+    max_concurrent_jobs: int = Field(512, ge=1, description="hand-offs being admitted at once")

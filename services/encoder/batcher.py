@@ -1,0 +1,104 @@
+"""Batches images from any number of requests into one variable-length ViT forward, in its own thread."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from shared.aio import settle
+from shared.logging import get_logger
+from shared.model.vision import VisionTower
+
+log = get_logger(__name__)
+
+
+@dataclass
+class _Item:
+    patches: torch.Tensor
+    grid: tuple[int, int, int]
+    future: asyncio.Future
+
+
+class VisionBatcher:
+    def __init__(self, tower: VisionTower, loop: asyncio.AbstractEventLoop, max_images: int, max_patches: int):
+        self.tower = tower
+        self.loop = loop
+        self.max_images = max_images
+        self.max_patches = max_patches
+        self.device = next(tower.parameters()).device
+        self.dtype = next(tower.parameters()).dtype
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._carry: _Item | None = None
+        self._thread = threading.Thread(target=self._run, name="vision", daemon=True)
+        self.batches = 0
+        self.images = 0
+        self.patches = 0
+        self.queued = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    def encode(self, patches: torch.Tensor, grid: tuple[int, int, int]) -> asyncio.Future:
+        """Queue one image's patches; the future resolves to its embeddings ``[tokens, out_dim]``."""
+        future = self.loop.create_future()
+        self.queued += 1
+        self._queue.put(_Item(patches, grid, future))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            batch = self._collect()
+            if batch is None:
+                return
+            self.queued -= len(batch)
+            try:
+                outputs = self._forward(batch)
+            except Exception as err:
+                log.exception("vision.batch_failed", images=len(batch))
+                for item in batch:
+                    self.loop.call_soon_threadsafe(settle, item.future, None, err)
+                continue
+            for item, out in zip(batch, outputs):
+                self.loop.call_soon_threadsafe(settle, item.future, out, None)
+
+    def _collect(self) -> list[_Item] | None:
+        first = self._carry or self._queue.get()
+        self._carry = None
+        if first is None:
+            return None
+        batch, patches = [first], first.patches.shape[0]
+        while len(batch) < self.max_images:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                self._queue.put(None)
+                break
+            if patches + item.patches.shape[0] > self.max_patches:
+                self._carry = item  # starts the next batch
+                break
+            batch.append(item)
+            patches += item.patches.shape[0]
+        return batch
+
+    @torch.inference_mode()
+    def _forward(self, batch: list[_Item]) -> list[torch.Tensor]:
+        patches = torch.cat([item.patches for item in batch]).to(self.device, self.dtype, non_blocking=True)
+        grids = [item.grid for item in batch]
+        embeds = self.tower(patches, grids)
+        unit = self.tower.config.merge_size ** 2
+        sizes = [t * h * w // unit for t, h, w in grids]
+        self.batches += 1
+        self.images += len(batch)
+        self.patches += patches.shape[0]
+        return list(embeds.split(sizes))
+

@@ -1,0 +1,202 @@
+"""Fetching and decoding images for the frontend: bounded, off the event loop, and hard to abuse.
+
+- ``data:`` URLs always; ``https:`` by default (``http:`` on request); ``file:`` only inside a configured
+  directory. Hosts may be restricted to an allowlist.
+- A fetched host is resolved once, every address checked (private, loopback, link-local, metadata and
+  other non-global addresses are refused unless allowed), and the checked address is the one dialled,
+  so DNS cannot be rebound between check and use. Redirects are followed by hand and re-checked.
+- Byte caps apply while streaming; pixel caps apply to the header, before any pixel is decoded
+  (decompression bombs); animated images are refused.
+- Each image gets a content hash over its decoded pixels, size and mode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import hashlib
+import io
+import ipaddress
+import socket
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import unquote, urljoin, urlsplit
+
+import httpx
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from services.frontend.errors import ApiError
+
+FORMATS = {"PNG", "JPEG", "WEBP", "GIF", "BMP"}
+MAX_REDIRECTS = 3
+
+
+@dataclass(frozen=True)
+class DecodedImage:
+    pixels: np.ndarray  # uint8 [height, width, 3]
+    content_hash: str
+
+    @property
+    def height(self) -> int:
+        return self.pixels.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.pixels.shape[1]
+
+
+def content_hash(pixels: np.ndarray, mode: str = "RGB") -> str:
+    h = hashlib.blake2b(digest_size=20)
+    h.update(f"{mode}:{pixels.shape[1]}x{pixels.shape[0]}:".encode())
+    h.update(np.ascontiguousarray(pixels).data)
+    return h.hexdigest()
+
+
+def decode_image(data: bytes, max_pixels: int) -> DecodedImage:
+    """Bytes → RGB pixels, refusing what is not a plain still image within the pixel cap."""
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            if img.format not in FORMATS:
+                raise ApiError(400, f"unsupported image format {img.format or 'unknown'}; "
+                                    f"use one of {', '.join(sorted(FORMATS))}")
+            width, height = img.size
+            if width < 1 or height < 1:
+                raise ApiError(400, "image has no pixels")
+            if width * height > max_pixels:
+                raise ApiError(400, f"image of {width}x{height} pixels exceeds the limit of {max_pixels} pixels")
+            if getattr(img, "n_frames", 1) > 1:
+                raise ApiError(400, "animated or multi-frame images are not supported")
+            pixels = np.asarray(img.convert("RGB"), dtype=np.uint8)
+    except ApiError:
+        raise
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+        raise ApiError(400, "image data could not be decoded") from None
+    return DecodedImage(pixels, content_hash(pixels))
+
+
+def _address_allowed(address: str) -> bool:
+    ip = ipaddress.ip_address(address.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_global and not ip.is_multicast
+
+
+class MediaLoader:
+    def __init__(self, settings, executor: Executor):
+        self.settings = settings
+        self.executor = executor
+        self.client = httpx.AsyncClient(follow_redirects=False, trust_env=False,
+                                        timeout=httpx.Timeout(settings.fetch_timeout))
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    async def load_all(self, urls: list[str]) -> list[DecodedImage]:
+        return list(await asyncio.gather(*(self.load(u) for u in urls)))
+
+    async def load(self, url: str) -> DecodedImage:
+        data = await self._read(url)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, decode_image, data, self.settings.max_image_pixels)
+
+    async def _read(self, url: str) -> bytes:
+        scheme = url.split(":", 1)[0].lower()
+        if scheme == "data":
+            return self._data_url(url)
+        if scheme == "https" or (scheme == "http" and self.settings.allow_http_media):
+            try:
+                return await asyncio.wait_for(self._fetch(url), self.settings.fetch_timeout)
+            except asyncio.TimeoutError:
+                raise ApiError(400, "fetching the image URL timed out") from None
+        if scheme == "file" and self.settings.local_media_dir:
+            return await asyncio.to_thread(self._local_file, url)
+        allowed = "data:, https:" + (", http:" if self.settings.allow_http_media else "") + \
+                  (", file:" if self.settings.local_media_dir else "")
+        raise ApiError(400, f"unsupported image URL scheme; allowed: {allowed}")
+
+    def _data_url(self, url: str) -> bytes:
+        header, sep, payload = url.partition(",")
+        if not sep or not header.lower().startswith("data:image/") or not header.lower().endswith(";base64"):
+            raise ApiError(400, "image data URLs must look like data:image/<type>;base64,<data>")
+        if len(payload) * 3 // 4 > self.settings.max_image_bytes:
+            raise ApiError(400, f"image exceeds {self.settings.max_image_bytes} bytes")
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise ApiError(400, "image data URL is not valid base64") from None
+
+    def _local_file(self, url: str) -> bytes:
+        root = Path(self.settings.local_media_dir).resolve()
+        parts = urlsplit(url)
+        if parts.netloc not in ("", "localhost"):
+            raise ApiError(400, "file URLs must name a local path")
+        path = (root / unquote(parts.path).lstrip("/")).resolve()
+        if not path.is_relative_to(root) or not path.is_file():
+            raise ApiError(400, "file URL is outside the local media directory or does not exist")
+        if path.stat().st_size > self.settings.max_image_bytes:
+            raise ApiError(400, f"image exceeds {self.settings.max_image_bytes} bytes")
+        return path.read_bytes()
+
+    async def _fetch(self, url: str) -> bytes:
+        for _ in range(MAX_REDIRECTS + 1):
+            target, host_header, host = await self._checked_target(url)
+            request = self.client.build_request("GET", target, headers={"Host": host_header, "Accept": "image/*"},
+                                                extensions={"sni_hostname": host})
+            try:
+                response = await self.client.send(request, stream=True)
+            except httpx.HTTPError:
+                raise ApiError(400, "the image URL could not be fetched") from None
+            try:
+                if response.is_redirect:
+                    location = response.headers.get("location", "")
+                    url = urljoin(url, location)
+                    continue
+                if response.status_code != 200:
+                    raise ApiError(400, f"fetching the image URL returned HTTP {response.status_code}")
+                return await self._capped_body(response)
+            finally:
+                await response.aclose()
+        raise ApiError(400, "the image URL redirects too often")
+
+    async def _capped_body(self, response: httpx.Response) -> bytes:
+        cap = self.settings.max_image_bytes
+        declared = response.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > cap:
+            raise ApiError(400, f"image exceeds {cap} bytes")
+        body = bytearray()
+        async for chunk in response.aiter_raw():
+            body += chunk
+            if len(body) > cap:
+                raise ApiError(400, f"image exceeds {cap} bytes")
+        return bytes(body)
+
+    async def _checked_target(self, url: str) -> tuple[str, str, str]:
+        """The URL rewritten to a checked IP address, the Host header, and the host name for TLS."""
+        parts = urlsplit(url)
+        scheme = parts.scheme.lower()
+        if scheme not in ("http", "https") or (scheme == "http" and not self.settings.allow_http_media):
+            raise ApiError(400, "image URL redirects to a scheme that is not allowed")
+        host = (parts.hostname or "").lower()
+        if not host or "@" in parts.netloc or "\\" in url:
+            raise ApiError(400, "image URL has no host or carries credentials")
+        domains = self.settings.allowed_media_domains
+        if domains and not any(host == d or host.endswith("." + d) for d in domains):
+            raise ApiError(400, "image URL host is not in the allowed media domains")
+        port = parts.port or (443 if scheme == "https" else 80)
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except socket.gaierror:
+            raise ApiError(400, "image URL host could not be resolved") from None
+        addresses = [info[4][0] for info in infos]
+        if not self.settings.allow_private_media and not all(_address_allowed(a) for a in addresses):
+            raise ApiError(400, "image URL resolves to a private or reserved address")
+        address = addresses[0]
+        literal = f"[{address}]" if ":" in address else address
+        path = parts.path or "/"
+        query = f"?{parts.query}" if parts.query else ""
+        default_port = parts.port is None or parts.port == (443 if scheme == "https" else 80)
+        host_header = host if default_port else f"{host}:{port}"
+        return f"{scheme}://{literal}:{port}{path}{query}", host_header, host

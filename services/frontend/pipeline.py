@@ -1,0 +1,212 @@
+"""One chat request through the stack: images → encoders, prompt → prefill, tokens ← stream.
+
+``ChatPipeline.start`` does everything that can fail with a clean HTTP status (validation, media,
+encoding, prefill admission) before a single byte is streamed; ``Generation.events`` then yields text
+and ends with a finish or raises an ``ApiError``. Leaving the iteration early (client gone, stop
+string) broadcasts a cancel that every stage honours.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import torch
+
+from services.frontend.detokenizer import IncrementalDetokenizer
+from services.frontend.errors import ApiError
+from services.frontend.media import DecodedImage, MediaLoader
+from services.frontend.prompt import Prompt, PromptBuilder, image_urls
+from services.frontend.protocol import ChatCompletionRequest
+from shared.bus import ServiceCallError, Subjects, call
+from shared.dataplane.plane import DataPlane
+from shared.engine.sampling import SamplingParams
+from shared.logging import get_logger
+from shared.messages import decode, encode
+from shared.messages.control import Cancel
+from shared.messages.encode import EncodeJob, EncodeResult
+from shared.messages.prefill import ImageSlot, PrefillAccepted, PrefillJob
+from shared.messages.stream import TokenEvent
+
+log = get_logger(__name__)
+
+
+@dataclass
+class TextDelta:
+    text: str
+
+
+@dataclass
+class Finished:
+    reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class ChatPipeline:
+    def __init__(self, nc, subjects: Subjects, plane: DataPlane, media: MediaLoader, builder: PromptBuilder,
+                 tokenizer, settings, max_model_len: int):
+        self.nc = nc
+        self.subjects = subjects
+        self.plane = plane
+        self.media = media
+        self.builder = builder
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.max_model_len = max_model_len
+        self.encoded_images = 0
+
+    async def start(self, request: ChatCompletionRequest) -> "Generation":
+        urls = image_urls(request.messages)
+        if len(urls) > self.settings.max_images_per_request:
+            raise ApiError(400, f"too many images: {len(urls)} (at most {self.settings.max_images_per_request})",
+                           "messages")
+        images = await self.media.load_all(urls)
+        prompt = self.builder.build(request.messages, [(i.height, i.width) for i in images])
+        sampling = self.sampling(request, len(prompt.token_ids))
+        request_id = uuid.uuid4().hex
+        results = await self.encode_images(request_id, images) if images else []
+        generation = Generation(self, request_id, prompt, request.stop_list())
+        await generation.submit(self.prefill_job(request_id, prompt, results, sampling, generation.subject))
+        return generation
+
+    def sampling(self, request: ChatCompletionRequest, prompt_len: int) -> SamplingParams:
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise ApiError(400, f"the prompt has {prompt_len} tokens; this model's context is {self.max_model_len}",
+                           "messages")
+        asked = request.max_completion_tokens or request.max_tokens
+        if asked is not None and asked > min(room, self.settings.max_output_tokens):
+            raise ApiError(400, f"max_tokens={asked} is too large: the prompt leaves room for {room} tokens "
+                                f"(and at most {self.settings.max_output_tokens} are allowed)", "max_tokens")
+        return SamplingParams(
+            temperature=request.temperature, top_p=request.top_p, top_k=max(request.top_k, 0),
+            max_tokens=asked or min(room, self.settings.default_max_tokens), ignore_eos=request.ignore_eos,
+            seed=request.seed,
+        )
+
+    async def encode_images(self, request_id: str, images: list[DecodedImage]) -> list[EncodeResult]:
+        lease = self.settings.encode_timeout * self.settings.encode_attempts + 30
+        handles = [self.plane.publish(torch.from_numpy(i.pixels), consumers=None, lease=lease) for i in images]
+        try:
+            jobs = [EncodeJob(request_id=request_id, image=h, content_hash=i.content_hash)
+                    for h, i in zip(handles, images)]
+            return list(await asyncio.gather(*(self._encode_one(job) for job in jobs)))
+        finally:
+            for handle in handles:
+                self.plane.release(handle)
+
+    async def _encode_one(self, job: EncodeJob) -> EncodeResult:
+        attempts = self.settings.encode_attempts
+        for attempt in range(1, attempts + 1):
+            try:
+                reply = await call(self.nc, self.subjects.encode, encode(job), self.settings.encode_timeout, "encoder")
+                self.encoded_images += 1
+                return decode(EncodeResult, reply)
+            except ServiceCallError as err:
+                retry = err.status >= 500 and not err.no_responders and attempt < attempts
+                log.warning("encode.failed", request_id=job.request_id, status=err.status, retry=retry)
+                if not retry:
+                    raise ApiError(err.status, "image encoding failed: " + err.message) from None
+        raise AssertionError("unreachable")
+
+    def prefill_job(self, request_id: str, prompt: Prompt, results: list[EncodeResult], sampling: SamplingParams,
+                    subject: str) -> PrefillJob:
+        slots = []
+        for offset, grid, result in zip(prompt.image_offsets, prompt.image_grids, results):
+            if tuple(result.grid) != tuple(grid):
+                raise ApiError(500, "the encoder and the frontend disagree on an image's size")
+            slots.append(ImageSlot(offset=offset, grid=grid, embedding=result.embedding))
+        return PrefillJob(request_id=request_id, token_ids=prompt.token_ids, images=slots, sampling=sampling,
+                          stream=subject)
+
+    async def cancel(self, request_id: str, reason: str) -> None:
+        try:
+            await self.nc.publish(self.subjects.cancel, encode(Cancel(request_id=request_id, reason=reason)))
+        except Exception:  # NATS gone: the stages' own timeouts and leases clean up
+            log.warning("cancel.publish_failed", request_id=request_id)
+
+
+class Generation:
+    """A request admitted by prefill; iterate ``events`` for its text."""
+
+    def __init__(self, pipeline: ChatPipeline, request_id: str, prompt: Prompt, stop: list[str]):
+        self.pipeline = pipeline
+        self.request_id = request_id
+        self.prompt_tokens = len(prompt.token_ids)
+        self.subject = pipeline.subjects.stream(request_id)
+        self.detok = IncrementalDetokenizer(pipeline.tokenizer, stop)
+        self.completion_tokens = 0
+        self.created = time.time()
+        self.first_token_at: float | None = None
+        self._sub = None
+        self._done = False  # the stream ended normally
+        self._cut_short = False  # a stop string ended it while the model was still generating
+
+    async def submit(self, job: PrefillJob) -> None:
+        nc = self.pipeline.nc
+        self._sub = await nc.subscribe(self.subject)  # before the job: no token can be missed
+        try:
+            reply = await call(nc, self.pipeline.subjects.prefill, encode(job), self.pipeline.settings.prefill_timeout,
+                               "prefill worker")
+            decode(PrefillAccepted, reply)
+        except ServiceCallError as err:
+            await self._close()
+            if err.status == 504:
+                await self.pipeline.cancel(self.request_id, "prefill timeout")
+            raise ApiError(err.status, err.message) from None
+
+    async def events(self) -> AsyncIterator[TextDelta | Finished]:
+        settings = self.pipeline.settings
+        pending: dict[int, TokenEvent] = {}
+        expected = 0
+        try:
+            while True:
+                timeout = settings.first_token_timeout if self.first_token_at is None else settings.token_timeout
+                try:
+                    msg = await self._sub.next_msg(timeout=timeout)
+                except asyncio.TimeoutError:
+                    raise ApiError(504, "the model stopped producing tokens in time") from None
+                event = decode(TokenEvent, msg.data)
+                if event.error is not None:
+                    raise ApiError(event.error.status, event.error.message)
+                pending[event.index] = event
+                while expected in pending:
+                    event = pending.pop(expected)
+                    expected += max(1, len(event.token_ids))
+                    for output in self._consume(event):
+                        yield output
+                    if self._done:
+                        return
+        finally:
+            await self._close()
+            if not self._done or self._cut_short:
+                await self.pipeline.cancel(self.request_id, "stop string" if self._cut_short else "request ended early")
+
+    def _consume(self, event: TokenEvent) -> list[TextDelta | Finished]:
+        if self.first_token_at is None:
+            self.first_token_at = time.time()
+        self.completion_tokens += len(event.token_ids)
+        out: list[TextDelta | Finished] = []
+        text = self.detok.push(event.token_ids)
+        if self.detok.stopped or event.finish_reason is not None:
+            text += self.detok.finish()
+        if text:
+            out.append(TextDelta(text))
+        if self.detok.stopped or event.finish_reason is not None:
+            self._cut_short = self.detok.stopped and event.finish_reason is None
+            self._done = True
+            reason = "stop" if self.detok.stopped else event.finish_reason
+            out.append(Finished(reason, self.prompt_tokens, self.completion_tokens))
+        return out
+
+    async def _close(self) -> None:
+        if self._sub is not None:
+            sub, self._sub = self._sub, None
+            try:
+                await sub.unsubscribe()
+            except Exception:
+                pass

@@ -1,0 +1,33 @@
+"""Frontend settings (``EPD_`` environment variables or ``epd frontend --flags``)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from shared.settings import CommonSettings
+
+
+class FrontendSettings(CommonSettings):
+    host: str = Field("127.0.0.1", description="HTTP listen address (0.0.0.0 to serve other machines)")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port")
+    served_model_name: str = Field("", description="model name clients use; default: the checkpoint's name")
+    max_model_len: int = Field(0, ge=0, description="longest prompt + output accepted; 0: the model's limit")
+    max_concurrent_requests: int = Field(256, ge=1, description="requests in flight; more get 429")
+    max_images_per_request: int = Field(16, ge=0, description="image parts one request may carry")
+    max_image_bytes: int = Field(20 << 20, ge=1, description="encoded size of one image at most")
+    max_image_pixels: int = Field(40_000_000, ge=1, description="decoded size of one image at most (pixels)")
+    max_body_bytes: int = Field(128 << 20, ge=1024, description="HTTP request body at most")
+    max_output_tokens: int = Field(16384, ge=1, description="max_tokens a client may ask for")
+    default_max_tokens: int = Field(1024, ge=1, description="max_tokens when the client gives none")
+    media_threads: int = Field(4, ge=1, description="threads decoding images")
+    fetch_timeout: float = Field(10.0, gt=0, description="seconds to fetch one image URL")
+    allowed_media_domains: list[str] = Field(default_factory=list,
+                                             description="if set, only these hosts (and subdomains) are fetched")
+    allow_http_media: bool = Field(False, description="also fetch plain http:// image URLs (https only by default)")
+    allow_private_media: bool = Field(False, description="fetch from private/loopback addresses (tests, labs)")
+    local_media_dir: str = Field("", description="directory file:// image URLs may read from; empty: file:// off")
+    encode_timeout: float = Field(60.0, gt=0, description="seconds one encode attempt may take")
+    encode_attempts: int = Field(3, ge=1, description="tries per image when an encoder fails or vanishes")
+    prefill_timeout: float = Field(30.0, gt=0, description="seconds for prefill to accept a request")
+    first_token_timeout: float = Field(120.0, gt=0, description="seconds from admission to the first token")
+    token_timeout: float = Field(60.0, gt=0, description="seconds between two tokens before the request fails")

@@ -1,0 +1,12 @@
+"""Prefill settings (``EPD_`` environment variables or ``epd prefill --flags``)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from shared.engine.builder import EngineSettings
+
+
+class PrefillSettings(EngineSettings):
+    max_concurrent_jobs: int = Field(256, ge=1, description="prefill jobs admitted at once; more wait in NATS")
+    handoff_timeout: float = Field(30.0, gt=0, description="seconds a decode worker has to take a sequence")

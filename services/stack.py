@@ -1,0 +1,156 @@
+"""``epd up``: the whole stack on one machine — an embedded nats-server and the services as processes.
+
+Children inherit the ``EPD_*`` environment with the NATS URL and model filled in, die with the launcher
+(``PR_SET_PDEATHSIG``), and are stopped in order on Ctrl-C / SIGTERM: SIGTERM (they drain), then SIGKILL
+for any that outlive the grace period, then the embedded server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from pydantic import Field
+
+from shared.bus import service_stats
+from shared.logging import configure_logging, get_logger
+from shared.natsserver import EmbeddedNats, _die_with_parent
+from shared.settings import CommonSettings
+
+log = get_logger(__name__)
+
+KINDS = ("encoder", "prefill", "decode", "frontend")
+
+
+class UpSettings(CommonSettings):
+    nats_url: str = Field("", description="use this NATS server; empty: start an embedded one (loopback)")
+    host: str = Field("127.0.0.1", description="HTTP listen address")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port of the OpenAI-compatible API")
+    encoders: int = Field(1, ge=0, description="encoder processes (0: text-only; image requests get 503)")
+    prefills: int = Field(1, ge=0, description="prefill processes")
+    decodes: int = Field(1, ge=0, description="decode processes")
+    ready_timeout: float = Field(300.0, gt=0, description="seconds to wait for every service to come up")
+
+
+@dataclass
+class Stack:
+    """A running set of service processes (``epd up``, and the tests' fixture)."""
+
+    env: dict[str, str]
+    nats: EmbeddedNats | None = None
+    processes: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+
+    @classmethod
+    def start_nats(cls, env: dict[str, str], nats_url: str = "") -> "Stack":
+        stack = cls(env=dict(env))
+        if not nats_url:
+            stack.nats = EmbeddedNats()
+            nats_url = stack.nats.start()
+        stack.env["EPD_NATS_URL"] = nats_url
+        return stack
+
+    @property
+    def nats_url(self) -> str:
+        return self.env["EPD_NATS_URL"]
+
+    def spawn(self, kind: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        if kind not in KINDS:
+            raise ValueError(f"unknown service kind {kind!r}")
+        process = subprocess.Popen([sys.executable, "-m", f"services.{kind}", *args], env={**self.env, **(env or {})},
+                                   preexec_fn=_die_with_parent)
+        self.processes.append((kind, process))
+        return process
+
+    async def wait_ready(self, counts: dict[str, int], timeout: float, interrupted=lambda: False) -> None:
+        """Until the NATS service API lists ``counts[kind]`` instances of every kind (or a child dies)."""
+        import nats
+
+        deadline = time.monotonic() + timeout
+        nc = await nats.connect(servers=[self.nats_url], **_auth(self.env))
+        try:
+            while True:
+                self.check_alive()
+                if interrupted():
+                    raise RuntimeError("interrupted while starting")
+                stats = await service_stats(nc, wait=0.3)
+                seen = {kind: sum(1 for s in stats if s.get("name") == f"epd-{kind}")
+                        for kind in counts}
+                if kind_counts_met(seen, counts):
+                    return
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"services not ready in {timeout:g}s: expected {counts}, saw {seen}")
+                await asyncio.sleep(0.2)
+        finally:
+            await nc.close()
+
+    def check_alive(self) -> None:
+        for kind, process in self.processes:
+            if process.poll() is not None:
+                raise RuntimeError(f"the {kind} process exited with status {process.returncode}")
+
+    def stop(self, grace: float = 30.0) -> None:
+        for _, process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for _, process in self.processes:
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.processes.clear()
+        if self.nats is not None:
+            self.nats.stop()
+
+
+def kind_counts_met(seen: dict[str, int], counts: dict[str, int]) -> bool:
+    return all(seen.get(kind, 0) >= n for kind, n in counts.items())
+
+
+def _auth(env: dict[str, str]) -> dict:
+    if env.get("EPD_NATS_USER"):
+        return {"user": env["EPD_NATS_USER"], "password": env.get("EPD_NATS_PASSWORD", "")}
+    return {}
+
+
+def up(settings: UpSettings) -> int:
+    configure_logging(settings.log_level, settings.log_format, "epd-up")
+    path = settings.model_path()  # writes the built-in model once, before the children race for it
+    env = {**os.environ, "EPD_MODEL": str(path) if not settings.model or settings.load_format != "dummy"
+           else settings.model, "EPD_LOAD_FORMAT": settings.load_format, "EPD_SUBJECT_PREFIX": settings.subject_prefix}
+    stack = Stack.start_nats(env, settings.nats_url)
+    counts = {"encoder": settings.encoders, "prefill": settings.prefills, "decode": settings.decodes, "frontend": 1}
+    stopping = False
+
+    def request_stop(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    try:
+        for kind in ("encoder", "prefill", "decode"):
+            for _ in range(counts[kind]):
+                stack.spawn(kind)
+        stack.spawn("frontend", "--host", settings.host, "--port", str(settings.port))
+        asyncio.run(stack.wait_ready(counts, settings.ready_timeout, lambda: stopping))
+        log.info("stack.ready", api=f"http://{settings.host}:{settings.port}/v1", nats=stack.nats_url,
+                 encoders=settings.encoders, prefills=settings.prefills, decodes=settings.decodes)
+        while not stopping:
+            stack.check_alive()
+            time.sleep(0.2)
+        return 0
+    except (RuntimeError, TimeoutError) as err:
+        if stopping:
+            return 0
+        log.error("stack.failed", error=str(err))
+        return 1
+    finally:
+        log.info("stack.stopping")
+        stack.stop(settings.drain_seconds + 5)

@@ -1,0 +1,53 @@
+"""Builds an engine for a role from settings: loads the language model, sizes the KV pool."""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from shared.engine.engine import Engine
+from shared.engine.kv_cache import KVCache
+from shared.engine.runner import ModelRunner
+from shared.logging import get_logger
+from shared.model.config import ModelConfig
+from shared.model.loader import load_language_model
+from shared.settings import CommonSettings
+
+log = get_logger(__name__)
+
+
+class EngineSettings(CommonSettings):
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
+    max_model_len: int = Field(0, ge=0, description="longest sequence (prompt + output); 0: the model's limit")
+    max_num_seqs: int = Field(256, ge=1, description="sequences in one batch at most")
+    max_batched_tokens: int = Field(16384, ge=16, description="prompt tokens in one prefill step at most")
+    kv_cache_mb: int = Field(0, ge=0, description="KV pool size in MiB; 0: from --gpu-memory-utilization "
+                                                  "on GPU, 256 MiB on CPU")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="share of GPU memory this process may use")
+
+
+def kv_pool_blocks(settings: EngineSettings, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> int:
+    per_block = KVCache.bytes_per_block(config.text, settings.block_size, dtype)
+    if settings.kv_cache_mb:
+        budget = settings.kv_cache_mb << 20
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(free - total * (1 - settings.gpu_memory_utilization))
+    else:
+        budget = 256 << 20
+    return max(0, budget // per_block)
+
+
+def build_engine(settings: EngineSettings, role: str) -> tuple[Engine, ModelConfig]:
+    path = settings.model_path()
+    config = ModelConfig.from_checkpoint(path)
+    device, dtype = settings.torch_device(), settings.torch_dtype()
+    model = load_language_model(path, config, device, dtype, settings.load_format)
+    max_len = min(settings.max_model_len or config.text.max_position_embeddings, config.text.max_position_embeddings)
+    blocks = kv_pool_blocks(settings, config, device, dtype)
+    cache = KVCache(config.text, blocks, settings.block_size, dtype, device)
+    log.info("engine.kv_pool", role=role, blocks=blocks, block_size=settings.block_size,
+             mib=round(cache.nbytes / 2**20, 1), max_model_len=max_len)
+    runner = ModelRunner(model, cache, config.vision.merge_size)
+    engine = Engine(runner, config.eos_token_ids, max_len, role, settings.max_num_seqs, settings.max_batched_tokens)
+    return engine, config

@@ -1,0 +1,146 @@
+"""The engine: scheduler + model runner + KV pool, stepped by one thread.
+
+Roles share the code: ``prefill`` computes prompts and hands each sequence (its first token and its
+KV) out; ``decode`` takes sequences whose KV arrives from elsewhere and generates; ``both`` does the
+whole life of a request (the aggregated topology).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.engine.block_manager import BlockManager, blocks_for
+from shared.engine.runner import ModelRunner
+from shared.engine.scheduler import Scheduler
+from shared.engine.sequence import Sequence, Status
+
+ROLES = ("prefill", "decode", "both")
+
+
+@dataclass
+class StepOutput:
+    seq: Sequence
+    token: int
+    finish_reason: str | None  # None: more tokens follow (or, for role prefill, the sequence is handed off)
+    kv: torch.Tensor | None = None  # role prefill: the prompt's KV [layers, 2, tokens, kv_heads, head_dim]
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, eos_token_ids: tuple[int, ...], max_model_len: int, role: str = "both",
+                 max_num_seqs: int = 256, max_batched_tokens: int = 8192):
+        if role not in ROLES:
+            raise ValueError(f"engine role must be one of {ROLES}")
+        cache = runner.cache
+        self.blocks = BlockManager(cache.num_blocks, cache.block_size)
+        if blocks_for(max_model_len, cache.block_size) > cache.num_blocks:
+            raise ValueError(f"the KV pool ({cache.num_blocks} blocks of {cache.block_size}) cannot hold one "
+                             f"sequence of max_model_len={max_model_len} tokens; give it more memory")
+        self.runner = runner
+        self.role = role
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max(max_batched_tokens, max_model_len), self)
+        self.reserved: dict[str, Sequence] = {}
+        self._by_id: dict[str, Sequence] = {}
+
+    # -- admission -----------------------------------------------------------------------------------
+    def add_prompt(self, seq: Sequence) -> None:
+        """Queue a prompt for prefill (roles prefill and both)."""
+        if len(seq) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(seq)} tokens does not fit max_model_len={self.max_model_len}")
+        self._by_id[seq.request_id] = seq
+        self.scheduler.add_waiting(seq)
+
+    def can_reserve(self, num_tokens: int) -> bool:
+        running = len(self.scheduler.running) + len(self.reserved)
+        return (running < self.scheduler.max_num_seqs and
+                self.blocks.can_allocate(num_tokens + (running + 1) * self.blocks.block_size))
+
+    def reserve(self, seq: Sequence) -> torch.Tensor:
+        """Hold blocks for a sequence whose KV (``seq.num_computed`` tokens) arrives from elsewhere; its slots."""
+        self.blocks.allocate(seq, seq.num_computed)
+        self.reserved[seq.request_id] = seq
+        self._by_id[seq.request_id] = seq
+        return torch.tensor(self.runner.cache.slots(seq.block_table, 0, seq.num_computed))
+
+    def write_kv(self, request_id: str, kv: torch.Tensor, layers: slice = slice(None)) -> None:
+        seq = self.reserved[request_id]
+        slots = torch.tensor(self.runner.cache.slots(seq.block_table, 0, seq.num_computed))
+        self.runner.cache.scatter(slots, kv, layers)
+
+    def activate(self, request_id: str) -> None:
+        """The reserved sequence's KV is complete: it joins the running batch at the next step."""
+        self.scheduler.add_running(self.reserved.pop(request_id))
+
+    def abort(self, request_id: str) -> Sequence | None:
+        seq = self._by_id.pop(request_id, None)
+        if seq is None:
+            return None
+        self.reserved.pop(request_id, None)
+        self.scheduler.remove(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = seq.finish_reason or "abort"
+        return seq
+
+    # -- stepping ------------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return len(self.scheduler) > 0
+
+    def request_ids(self) -> list[str]:
+        return list(self._by_id)
+
+    @property
+    def num_active(self) -> int:
+        return len(self.scheduler) + len(self.reserved)
+
+    def step(self, on_layer_done=None) -> list[StepOutput]:
+        plan = self.scheduler.schedule()
+        if plan.kind == "idle":
+            return []
+        if plan.kind == "prefill":
+            tokens = self.runner.prefill(plan.seqs, on_layer_done)
+        else:
+            tokens = self.runner.decode(plan.seqs)
+        return [self._advance(seq, token, plan.kind) for seq, token in zip(plan.seqs, tokens)]
+
+    def _advance(self, seq: Sequence, token: int, kind: str) -> StepOutput:
+        seq.token_ids.append(token)
+        reason = self._stop_reason(seq, token)
+        kv = None
+        if reason is None and kind == "prefill" and self.role == "prefill":
+            slots = torch.tensor(self.runner.cache.slots(seq.block_table, 0, seq.num_computed))
+            kv = self.runner.cache.gather(slots)
+            self._release(seq)
+        elif reason is not None:
+            seq.finish_reason = reason
+            self._release(seq)
+        return StepOutput(seq, token, reason, kv)
+
+    def _release(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        self._by_id.pop(seq.request_id, None)
+        seq.status = Status.FINISHED
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.sampling
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return "stop"
+        if seq.num_output >= params.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None
+
+    # -- preemption (called by the scheduler) --------------------------------------------------------
+    def swap_out(self, seq: Sequence) -> None:
+        slots = torch.tensor(self.runner.cache.slots(seq.block_table, 0, seq.num_computed))
+        seq.swapped_kv = self.runner.cache.gather(slots).to("cpu")
+        self.blocks.deallocate(seq)
+        seq.status = Status.SWAPPED
+
+    def swap_in(self, seq: Sequence) -> None:
+        self.blocks.allocate(seq, seq.num_computed)
+        slots = torch.tensor(self.runner.cache.slots(seq.block_table, 0, seq.num_computed))
+        self.runner.cache.scatter(slots, seq.swapped_kv)
+        seq.swapped_kv = None
+        seq.status = Status.RUNNING

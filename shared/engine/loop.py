@@ -1,0 +1,88 @@
+"""Runs an engine in its own thread, fed by the service's asyncio loop.
+
+The asyncio side never touches the engine: it submits commands (``call``), which run between steps
+in the engine thread, and receives each step's outputs through ``on_outputs`` on the event loop.
+Device work and host syncs happen only in this thread, so the event loop stays free for NATS and the
+data plane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Callable
+
+from shared.engine.engine import Engine, StepOutput
+from shared.aio import settle
+from shared.logging import get_logger
+
+log = get_logger(__name__)
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, on_outputs: Callable[[list[StepOutput]], None],
+                 on_failure: Callable[[list[str], str], None], loop: asyncio.AbstractEventLoop,
+                 on_layer_done: Callable | None = None):
+        self.engine = engine
+        self.on_outputs = on_outputs
+        self.on_failure = on_failure
+        self.on_layer_done = on_layer_done
+        self.loop = loop
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.steps = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._commands.put(None)
+        self._thread.join(timeout=30)
+
+    def call(self, fn: Callable[[Engine], object]) -> asyncio.Future:
+        """Run ``fn(engine)`` in the engine thread between steps; the future gets its result."""
+        future = self.loop.create_future()
+        self._commands.put((fn, future))
+        return future
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._run_commands(block=not self.engine.has_work())
+            if self._stop or not self.engine.has_work():
+                continue
+            try:
+                outputs = self.engine.step(self.on_layer_done)
+                self.steps += 1
+            except Exception as err:  # a failed step fails its requests, never the worker
+                log.exception("engine.step_failed")
+                self._fail_everything(f"engine step failed: {type(err).__name__}")
+                continue
+            if outputs:
+                self.loop.call_soon_threadsafe(self.on_outputs, outputs)
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            item = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            fn, future = item
+            try:
+                result, error = fn(self.engine), None
+            except Exception as err:
+                result, error = None, err
+            self.loop.call_soon_threadsafe(settle, future, result, error)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _fail_everything(self, message: str) -> None:
+        ids = self.engine.request_ids()
+        for request_id in ids:
+            self.engine.abort(request_id)
+        self.loop.call_soon_threadsafe(self.on_failure, ids, message)
+

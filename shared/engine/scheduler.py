@@ -1,0 +1,104 @@
+"""Continuous batching: which sequences run in the next step, and who waits when blocks run out.
+
+Each step is either a prefill of waiting prompts (up to a token budget) or one decode step for every
+running sequence. Sequences join and leave between steps. When the pool cannot hold the next token of
+every running sequence, the most recently admitted one is preempted: its KV is parked in host memory
+(swapped out) and copied back when blocks free up, so it resumes exactly where it stopped — no
+recompute, which matters here because a disaggregated decode worker never holds the image embeddings.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from shared.engine.block_manager import BlockManager
+from shared.engine.sequence import Sequence, Status
+
+
+@dataclass
+class Plan:
+    kind: str  # "prefill" | "decode" | "idle"
+    seqs: list[Sequence]
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_batched_tokens: int, swapper):
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_batched_tokens = max_batched_tokens
+        self.swapper = swapper  # has swap_out(seq) and swap_in(seq)
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.swapped: deque[Sequence] = deque()
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def add_waiting(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        for queue in (self.waiting, self.running, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+        if seq.block_table:
+            self.blocks.deallocate(seq)
+        seq.swapped_kv = None
+
+    def schedule(self) -> Plan:
+        self._swap_in_what_fits()
+        prefill = self._take_prefill()
+        if prefill:
+            return Plan("prefill", prefill)
+        if self.running:
+            self._make_room_for_decode()
+            return Plan("decode", list(self.running))
+        return Plan("idle", [])
+
+    def _swap_in_what_fits(self) -> None:
+        while self.swapped and len(self.running) < self.max_num_seqs:
+            seq = self.swapped[0]
+            if not self.blocks.can_allocate(seq.num_computed + 1):
+                break
+            self.swapped.popleft()
+            self.swapper.swap_in(seq)
+            self.running.append(seq)
+
+    def _take_prefill(self) -> list[Sequence]:
+        if self.swapped:
+            return []  # preempted work resumes before new prompts start
+        batch, tokens = [], 0
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if batch and tokens + len(seq) > self.max_batched_tokens:
+                break
+            # leave one block per running sequence so admitting a prompt does not force a preemption
+            if not self.blocks.can_allocate(len(seq) + (len(self.running) + 1) * self.blocks.block_size):
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq, len(seq))
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.append(seq)
+            tokens += len(seq)
+        return batch
+
+    def _make_room_for_decode(self) -> None:
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING:
+                continue  # preempted while making room for an earlier sequence
+            while not self.blocks.can_append(seq):
+                victim = self.running[-1]
+                self.running.pop()
+                self.swapper.swap_out(victim)
+                self.swapped.appendleft(victim)
+                if victim is seq:
+                    break
+            else:
+                self.blocks.may_append(seq)

@@ -1,0 +1,33 @@
+"""structlog configuration: one call per process, key-value events, console or JSON lines."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+
+def configure_logging(level: str = "info", fmt: str = "console", service: str = "epd") -> None:
+    numeric = getattr(logging, level.upper(), logging.INFO)
+    renderer = (structlog.processors.JSONRenderer() if fmt == "json"
+                else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()))
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    structlog.contextvars.bind_contextvars(service=service)
+    # Libraries that log through the standard library (nats, uvicorn) go to the same stream.
+    logging.basicConfig(level=max(numeric, logging.WARNING), stream=sys.stderr, format="%(name)s %(levelname)s %(message)s")
+
+
+def get_logger(name: str | None = None):
+    return structlog.get_logger(name)

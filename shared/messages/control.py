@@ -1,0 +1,14 @@
+"""Broadcast control: every stage listens and drops the request's work."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from msgspec import Meta
+
+from shared.messages import Message
+
+
+class Cancel(Message, frozen=True, kw_only=True):
+    request_id: Annotated[str, Meta(max_length=128)]
+    reason: str = "client disconnected"

@@ -1,0 +1,32 @@
+"""Frontend → prefill: the tokenized prompt, where its images go, and where to stream tokens."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from msgspec import Meta
+
+from shared.dataplane.handle import TensorHandle
+from shared.engine.sampling import SamplingParams
+from shared.messages import Message
+
+MAX_PROMPT_TOKENS = 1 << 20
+MAX_IMAGES = 1024
+
+
+class ImageSlot(Message, frozen=True, kw_only=True):
+    offset: Annotated[int, Meta(ge=0)]  # first placeholder token of this image in token_ids
+    grid: tuple[int, int, int]
+    embedding: TensorHandle
+
+
+class PrefillJob(Message, frozen=True, kw_only=True):
+    request_id: Annotated[str, Meta(max_length=128)]
+    token_ids: Annotated[list[int], Meta(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+    images: Annotated[list[ImageSlot], Meta(max_length=MAX_IMAGES)] = []
+    sampling: SamplingParams
+    stream: Annotated[str, Meta(max_length=256)]  # subject the tokens go to
+
+
+class PrefillAccepted(Message, frozen=True, kw_only=True):
+    prefill_id: str

@@ -1,0 +1,23 @@
+"""Prefill/decode → frontend: the tokens of one request, in order, and how it ended."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+from shared.messages import Message
+
+
+class ErrorInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    status: int  # the HTTP status the client should see
+    message: str
+
+
+class TokenEvent(Message, frozen=True, kw_only=True):
+    request_id: str
+    index: Annotated[int, Meta(ge=0)]  # output position of token_ids[0]: the frontend orders by it
+    token_ids: list[int] = []
+    finish_reason: str | None = None  # "stop" | "length" | "abort"; set on the last event only
+    error: ErrorInfo | None = None  # the request failed; no more events follow

@@ -1,0 +1,169 @@
+"""Model configuration: the parts of an HF Qwen2-VL / Qwen2.5-VL config our model code needs.
+
+Both families (and both config layouts, flat and ``text_config``-nested) normalize into the two frozen
+dataclasses below, so the rest of the code never reads an HF config object.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    rms_norm_eps: float
+    rope_theta: float
+    mrope_section: tuple[int, ...]
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    family: str
+    width: int  # the ViT's hidden size
+    depth: int
+    num_heads: int
+    mlp_hidden: int
+    act: str
+    out_dim: int  # the language model's hidden size: the merger projects into it
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    in_channels: int
+    window_size: int  # pixels; 0: every block attends over the whole image (Qwen2-VL)
+    fullatt_blocks: tuple[int, ...]
+    rope_theta: float
+
+    @property
+    def head_dim(self) -> int:
+        return self.width // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str
+    text: TextConfig
+    vision: VisionConfig
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "ModelConfig":
+        family = raw.get("model_type", "")
+        if family not in FAMILIES:
+            raise ValueError(
+                f"unsupported model_type {family!r}: epd serves the Qwen2-VL and Qwen2.5-VL families ({', '.join(FAMILIES)})"
+            )
+        text_raw = {**raw, **raw.get("text_config", {})}
+        return cls(
+            family=family,
+            text=_text_config(text_raw, raw),
+            vision=_vision_config(family, raw["vision_config"], text_raw["hidden_size"]),
+            image_token_id=raw["image_token_id"],
+            video_token_id=raw["video_token_id"],
+            vision_start_token_id=raw["vision_start_token_id"],
+            vision_end_token_id=raw["vision_end_token_id"],
+            eos_token_ids=_as_tuple(text_raw.get("eos_token_id")),
+        )
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path) -> "ModelConfig":
+        config_file = Path(path) / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"no config.json in model directory {path}")
+        config = cls.from_dict(json.loads(config_file.read_text()))
+        generation = Path(path) / "generation_config.json"
+        if generation.is_file():
+            extra = _as_tuple(json.loads(generation.read_text()).get("eos_token_id"))
+            config = _with_eos(config, tuple(dict.fromkeys(config.eos_token_ids + extra)))
+        return config
+
+
+def _as_tuple(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
+def _with_eos(config: ModelConfig, eos: tuple[int, ...]) -> ModelConfig:
+    from dataclasses import replace
+
+    return replace(config, eos_token_ids=eos)
+
+
+def _text_config(raw: dict, top: dict) -> TextConfig:
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    num_heads = raw["num_attention_heads"]
+    head_dim = raw["hidden_size"] // num_heads
+    section = tuple(rope.get("mrope_section") or (head_dim // 2 - 2 * (head_dim // 6), head_dim // 6, head_dim // 6))
+    if sum(section) != head_dim // 2:
+        raise ValueError(f"mrope_section {list(section)} must sum to head_dim/2 = {head_dim // 2}")
+    return TextConfig(
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta") or raw.get("rope_theta") or 1_000_000.0),
+        mrope_section=section,
+        tie_word_embeddings=bool(top.get("tie_word_embeddings") or raw.get("tie_word_embeddings")),
+        max_position_embeddings=raw.get("max_position_embeddings", 32768),
+    )
+
+
+def _vision_config(family: str, raw: dict, lm_hidden: int) -> VisionConfig:
+    rope = raw.get("rope_parameters") or {}
+    common = dict(
+        family=family,
+        depth=raw["depth"],
+        num_heads=raw["num_heads"],
+        patch_size=raw.get("patch_size", 14),
+        temporal_patch_size=raw.get("temporal_patch_size", 2),
+        merge_size=raw.get("spatial_merge_size", 2),
+        in_channels=raw.get("in_channels", raw.get("in_chans", 3)),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+    )
+    if family == "qwen2_5_vl":
+        return VisionConfig(
+            width=raw["hidden_size"],
+            mlp_hidden=raw["intermediate_size"],
+            act=raw.get("hidden_act", "silu"),
+            out_dim=raw.get("out_hidden_size", lm_hidden),
+            window_size=raw.get("window_size", 112),
+            fullatt_blocks=tuple(raw.get("fullatt_block_indexes", ())),
+            **common,
+        )
+    width = raw["embed_dim"]
+    return VisionConfig(
+        width=width,
+        mlp_hidden=int(width * raw.get("mlp_ratio", 4)),
+        act=raw.get("hidden_act", "quick_gelu"),
+        out_dim=raw.get("hidden_size", lm_hidden),
+        window_size=0,
+        fullatt_blocks=tuple(range(raw["depth"])),
+        **common,
+    )

@@ -1,0 +1,151 @@
+"""Role-split loading from an HF checkpoint directory: each role reads only the tensors it runs.
+
+The encoder reads the vision tower's tensors and never the language model's; prefill and decode read
+the language model's and never the vision tower's. Both checkpoint layouts are understood: the
+published one (``model.layers.*``, ``visual.*``) and transformers 5's (``model.language_model.*``,
+``model.visual.*``). With ``load_format="dummy"`` no tensor is read and weights are random.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from shared.model.config import ModelConfig
+from shared.model.text import LanguageModel
+from shared.model.vision import VisionTower
+
+_LM_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
+_VISION_PREFIXES = ("model.visual.", "visual.")
+_FUSED = {  # our fused parameter → the checkpoint's pieces, in concatenation order
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {path}")
+    return files
+
+
+def _role_name(name: str, role: str) -> str | None:
+    """The checkpoint tensor ``name`` as our module's parameter name, or None if ``role`` does not need it."""
+    if role == "vision":
+        for prefix in _VISION_PREFIXES:
+            if name.startswith(prefix):
+                return name[len(prefix):]
+        return None
+    if name.startswith(("lm_head.", "language_model.lm_head.")):
+        return "lm_head." + name.rsplit("lm_head.", 1)[1]
+    if any(name.startswith(p) for p in _VISION_PREFIXES):
+        return None
+    for prefix in _LM_PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return None
+
+
+def read_role_tensors(path: Path, role: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                ours = _role_name(name, role)
+                if ours is not None:
+                    yield ours, f.get_tensor(name)
+
+
+def _fused_target(name: str) -> tuple[str, int] | None:
+    """``layers.0.self_attn.k_proj.weight`` → (``layers.0.self_attn.qkv_proj.weight``, piece 1)."""
+    parts = name.split(".")
+    for fused, pieces in _FUSED.items():
+        if len(parts) >= 2 and parts[-2] in pieces:
+            return ".".join(parts[:-2] + [fused, parts[-1]]), pieces.index(parts[-2])
+    return None
+
+
+def _piece_sizes(model: nn.Module, fused_name: str) -> list[int]:
+    module = model.get_submodule(fused_name.rsplit(".", 2)[0])
+    if hasattr(module, "q_size"):
+        return [module.q_size, module.kv_size, module.kv_size]
+    return [module.intermediate, module.intermediate]
+
+
+def _load_into(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    params = dict(model.named_parameters())
+    seen: set[str] = set()
+    for name, tensor in tensors:
+        fused = _fused_target(name) if name not in params else None
+        if fused:
+            target, piece = fused
+            sizes = _piece_sizes(model, target)
+            start = sum(sizes[:piece])
+            params[target].data[start:start + sizes[piece]].copy_(tensor)
+            seen.add(f"{target}#{piece}")
+            continue
+        if name == "patch_embed.proj.weight":
+            tensor = tensor.reshape(tensor.shape[0], -1)
+        if name not in params:
+            continue  # e.g. rotary tables some exporters save
+        if params[name].shape != tensor.shape:
+            raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
+                             f"model expects {tuple(params[name].shape)}")
+        params[name].data.copy_(tensor)
+        seen.add(name)
+    missing = [n for n in params if n not in seen and not any(k.startswith(n + "#") for k in seen)]
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _randomize(model: nn.Module, seed: int) -> None:
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith(("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight", "layernorm.weight")):
+            p.data.fill_(1.0)
+        elif name.endswith("bias"):
+            p.data.zero_()
+        else:
+            p.data.normal_(0.0, 0.02, generator=gen)
+
+
+def _materialize(build, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    with torch.device("meta"):
+        model = build()
+    model = model.to_empty(device=device).to(dtype)
+    for module in model.modules():
+        if hasattr(module, "init_buffers"):
+            module.init_buffers()
+    return model
+
+
+def _load(path: Path, role: str, build, device, dtype, load_format: str, seed: int) -> nn.Module:
+    model = _materialize(build, torch.device(device), dtype)
+    if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        model.lm_head.weight = model.embed_tokens.weight  # to_empty() breaks the tie
+    if load_format == "dummy":
+        _randomize(model, seed)
+    elif load_format in ("auto", "safetensors"):
+        _load_into(model, read_role_tensors(path, role))
+    else:
+        raise ValueError(f"unknown load format {load_format!r}: use 'auto' or 'dummy'")
+    return model.eval().requires_grad_(False)
+
+
+def load_language_model(path: Path, config: ModelConfig, device="cpu", dtype=torch.float32,
+                        load_format: str = "auto", seed: int = 0) -> LanguageModel:
+    return _load(Path(path), "text", lambda: LanguageModel(config.text), device, dtype, load_format, seed)
+
+
+def load_vision_tower(path: Path, config: ModelConfig, device="cpu", dtype=torch.float32,
+                      load_format: str = "auto", seed: int = 0) -> VisionTower:
+    return _load(Path(path), "vision", lambda: VisionTower(config.vision), device, dtype, load_format, seed)

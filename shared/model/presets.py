@@ -1,0 +1,85 @@
+"""Named real architectures for ``--load-format dummy``: the published configs with random weights.
+
+No weights can be downloaded where the benchmarks run, so a preset is materialized as a checkpoint
+directory holding the real architecture's ``config.json`` and the real image-processor settings, plus
+the tiny trained tokenizer (its special-token ids are written into the config). Timing does not depend
+on weight values when the output length is forced (``ignore_eos``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+_QWEN25_VISION = dict(
+    model_type="qwen2_5_vl", depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, hidden_act="silu",
+    patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+    fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2, in_chans=3,
+)
+_QWEN2_VISION = dict(
+    model_type="qwen2_vl", depth=32, embed_dim=1280, mlp_ratio=4, num_heads=16, hidden_act="quick_gelu",
+    patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_chans=3,
+)
+
+
+def _text(hidden, intermediate, layers, heads, kv_heads, vocab, tie):
+    return dict(
+        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, vocab_size=vocab, tie_word_embeddings=tie, rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0, max_position_embeddings=128000, hidden_act="silu",
+        rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
+    )
+
+
+PRESETS: dict[str, dict] = {
+    "qwen2.5-vl-7b": dict(model_type="qwen2_5_vl", **_text(3584, 18944, 28, 28, 4, 152064, False),
+                          vision_config={**_QWEN25_VISION, "out_hidden_size": 3584}),
+    "qwen2.5-vl-3b": dict(model_type="qwen2_5_vl", **_text(2048, 11008, 36, 16, 2, 151936, True),
+                          vision_config={**_QWEN25_VISION, "out_hidden_size": 2048}),
+    "qwen2-vl-2b": dict(model_type="qwen2_vl", **_text(1536, 8960, 28, 12, 2, 151936, True),
+                        vision_config={**_QWEN2_VISION, "hidden_size": 1536}),
+    "qwen2-vl-7b": dict(model_type="qwen2_vl", **_text(3584, 18944, 28, 28, 4, 152064, False),
+                        vision_config={**_QWEN2_VISION, "hidden_size": 3584}),
+}
+
+# The published image-processor limits of these checkpoints: a 1080p image becomes 2,691 tokens.
+REAL_MAX_PIXELS = 12845056
+REAL_MIN_PIXELS = 3136
+
+
+def materialize_preset(name: str, root: str | os.PathLike | None = None) -> Path:
+    """Write (once) a weightless checkpoint directory for preset ``name`` and return its path."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+    from shared.model.tiny import SPECIAL_TOKENS, _image_processor_config, _write_tokenizer
+
+    base = Path(root or os.environ.get("EPD_CACHE_DIR") or Path(tempfile.gettempdir()) / f"epd-{os.getuid()}")
+    path = base / f"preset-{name}-v1"
+    if (path / "config.json").exists():
+        return path
+    staging = Path(tempfile.mkdtemp(dir=base.mkdir(parents=True, exist_ok=True) or base))
+    _write_tokenizer(staging, vocab_size=600)
+    vocab = json.loads((staging / "tokenizer.json").read_text())
+    ids = {t["content"]: t["id"] for t in vocab["added_tokens"]}
+    if ids["<|endoftext|>"] != SPECIAL_TOKENS.index("<|endoftext|>"):
+        raise RuntimeError("tokenizer special tokens are not where expected")
+    config = dict(PRESETS[name])
+    config.update(
+        architectures=["Qwen2_5_VLForConditionalGeneration" if config["model_type"] == "qwen2_5_vl"
+                       else "Qwen2VLForConditionalGeneration"],
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        torch_dtype="bfloat16",
+    )
+    (staging / "config.json").write_text(json.dumps(config, indent=2))
+    processor = _image_processor_config(config["model_type"], REAL_MAX_PIXELS)
+    processor["min_pixels"] = REAL_MIN_PIXELS
+    (staging / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
+    try:
+        staging.rename(path)
+    except OSError:  # written concurrently by another process
+        pass
+    return path

@@ -1,0 +1,103 @@
+"""The Qwen2-VL / Qwen2.5-VL language model (both families share it), over a paged KV cache.
+
+Tokens of a batch travel packed, ``[T, hidden]``, with no padding: the attention backend reads the
+batch layout (prefill sequences or decode rows) from ``batch``. Projections are fused (q|k|v and
+gate|up) so a step makes fewer, larger matrix products; the loader fuses the checkpoint's tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.model.config import TextConfig
+from shared.model.rope import MRotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: TextConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=True)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, backend) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        out = backend.forward(self.layer, q, k, v, batch)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: TextConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, batch, backend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LanguageModel(nn.Module):
+    """Embedding → decoder layers → norm; ``logits`` applies the LM head to the rows that need it."""
+
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = MRotaryEmbedding(config.head_dim, config.rope_theta, config.mrope_section)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(token_ids)
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, batch, backend) -> torch.Tensor:
+        """``embeds`` ``[T, hidden]``, ``positions`` ``[3, T]`` → final hidden states ``[T, hidden]``."""
+        cos, sin = self.rotary(positions, embeds.dtype)
+        x = embeds
+        for layer in self.layers:
+            x = layer(x, cos, sin, batch, backend)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,211 @@
+"""A tiny random-weight Qwen2-VL / Qwen2.5-VL checkpoint, written as a real HF checkpoint directory.
+
+It is the embedded default (``epd up`` with no ``--model``) and the model every test runs against: config,
+safetensors, a byte-level BPE tokenizer trained on the spot, the family's chat template and an image
+processor config. Everything loads through the same path as a downloaded checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+
+# The chat template format of the Qwen2-VL family (system prompt by default, one placeholder triple per image).
+CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Describe the image in one sentence. What colour is the square?",
+    "A photo of a cat sitting on a red chair next to a window.",
+    "Hello! How are you today? I am fine, thank you.",
+    "Encoder, prefill and decode run as separate services on NATS.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 3.14159",
+    "Café, naïve, über, 東京, Пример, 😀 emoji and multi-byte text.",
+    "def main():\n    return 42\n",
+    "You are a helpful assistant. user assistant system",
+]
+
+
+def _train_tokenizer(vocab_size: int):
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    pattern = (
+        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+        r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    )
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    return tok
+
+
+def _write_tokenizer(path: Path, vocab_size: int) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=_train_tokenizer(vocab_size),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS[1:],
+        clean_up_tokenization_spaces=False,
+        model_max_length=32768,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    # Checkpoints of this family ship the template in its own file too; keep the real layout.
+    (path / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+
+
+def _image_processor_config(family: str, max_pixels: int) -> dict:
+    return {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen2_5_VLProcessor" if family == "qwen2_5_vl" else "Qwen2VLProcessor",
+        "do_resize": True,
+        "do_rescale": True,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "rescale_factor": 1 / 255,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "resample": 3,
+        "min_pixels": 28 * 28 * 4,
+        "max_pixels": max_pixels,
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+    }
+
+
+def _model_config(family: str, vocab_size: int, token_ids: dict[str, int]):
+    text = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+        bos_token_id=token_ids["<|endoftext|>"],
+        eos_token_id=token_ids["<|im_end|>"],
+        initializer_range=0.2,
+    )
+    ids = dict(
+        image_token_id=token_ids["<|image_pad|>"],
+        video_token_id=token_ids["<|video_pad|>"],
+        vision_start_token_id=token_ids["<|vision_start|>"],
+        vision_end_token_id=token_ids["<|vision_end|>"],
+    )
+    if family == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLConfig
+
+        vision = dict(
+            depth=3,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=56,
+            fullatt_block_indexes=[1],
+            tokens_per_second=2,
+            initializer_range=0.2,
+        )
+        return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
+    if family == "qwen2_vl":
+        from transformers import Qwen2VLConfig
+
+        vision = dict(
+            depth=2,
+            embed_dim=32,
+            hidden_size=64,
+            mlp_ratio=2,
+            num_heads=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            initializer_range=0.2,
+        )
+        return Qwen2VLConfig(text_config=text, vision_config=vision, **ids)
+    raise ValueError(f"unknown tiny model family {family!r}: use 'qwen2_5_vl' or 'qwen2_vl'")
+
+
+def write_tiny_checkpoint(path: str | os.PathLike, family: str = "qwen2_5_vl", seed: int = 0,
+                          max_pixels: int = 28 * 28 * 64) -> Path:
+    """Write a tiny random-weight checkpoint of ``family`` into ``path`` and return it.
+
+    ``max_pixels`` caps the resized image area, so an image costs at most ``max_pixels / 784`` tokens.
+    """
+    from transformers import AutoModelForImageTextToText
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    _write_tokenizer(path, vocab_size=600)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    token_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    config = _model_config(family, len(tokenizer), token_ids)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = token_ids["<|im_end|>"]
+    model.generation_config.pad_token_id = token_ids["<|endoftext|>"]
+    model.save_pretrained(path)
+    (path / "preprocessor_config.json").write_text(json.dumps(_image_processor_config(family, max_pixels), indent=2))
+    return path
+
+
+def default_tiny_checkpoint() -> Path:
+    """The built-in model: written once per user into a cache directory, reused afterwards."""
+    root = Path(os.environ.get("EPD_CACHE_DIR") or Path(tempfile.gettempdir()) / f"epd-{os.getuid()}")
+    path = root / "tiny-qwen2_5_vl-v1"
+    if not (path / "config.json").exists():
+        staging = Path(tempfile.mkdtemp(dir=root.mkdir(parents=True, exist_ok=True) or root))
+        write_tiny_checkpoint(staging)
+        try:
+            staging.rename(path)
+        except OSError:  # another process wrote it first
+            pass
+    return path

@@ -1,0 +1,190 @@
+"""The vision tower of Qwen2-VL and Qwen2.5-VL: patches of many images → one embedding per merged patch.
+
+Images of different sizes (and from different requests) run as one packed, variable-length batch:
+attention is confined to each image (full-attention blocks) or to each window of an image (Qwen2.5-VL's
+windowed blocks) through ``cu_seqlens``, so a batch gives the same result as one image at a time and
+nothing is padded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.model.config import VisionConfig
+from shared.model.rope import VisionRotaryEmbedding, rotate_half
+from shared.model.text import RMSNorm
+
+Grid = tuple[int, int, int]
+
+
+def _activation(name: str):
+    if name == "quick_gelu":
+        return lambda x: x * torch.sigmoid(1.702 * x)
+    if name == "gelu":
+        return F.gelu
+    return F.silu
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, config: VisionConfig):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.head_dim = config.head_dim
+        self.qkv = nn.Linear(config.width, 3 * config.width, bias=True)
+        self.proj = nn.Linear(config.width, config.width, bias=True)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int],
+                attend) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return self.proj(attend(q, k, v, cu_seqlens).reshape(n, -1))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Rotary in float32, as the reference does, whatever the tower's dtype.
+    xf = x.float()
+    return (xf * cos[:, None] + rotate_half(xf) * sin[:, None]).to(x.dtype)
+
+
+def attend_per_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+    """Bidirectional attention within each ``[cu[i], cu[i+1])`` segment; ``q,k,v`` ``[N, heads, D]``."""
+    out = torch.empty_like(q)
+    for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        seg = slice(start, end)
+        out[seg] = F.scaled_dot_product_attention(
+            q[seg].transpose(0, 1), k[seg].transpose(0, 1), v[seg].transpose(0, 1)
+        ).transpose(0, 1)
+    return out
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, config: VisionConfig):
+        super().__init__()
+        self.gated = config.family == "qwen2_5_vl"
+        self.act = _activation(config.act)
+        if self.gated:
+            self.gate_proj = nn.Linear(config.width, config.mlp_hidden, bias=True)
+            self.up_proj = nn.Linear(config.width, config.mlp_hidden, bias=True)
+            self.down_proj = nn.Linear(config.mlp_hidden, config.width, bias=True)
+        else:
+            self.fc1 = nn.Linear(config.width, config.mlp_hidden, bias=True)
+            self.fc2 = nn.Linear(config.mlp_hidden, config.width, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def _norm(config: VisionConfig, dim: int) -> nn.Module:
+    return RMSNorm(dim, 1e-6) if config.family == "qwen2_5_vl" else nn.LayerNorm(dim, eps=1e-6)
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, config: VisionConfig):
+        super().__init__()
+        self.norm1 = _norm(config, config.width)
+        self.norm2 = _norm(config, config.width)
+        self.attn = VisionAttention(config)
+        self.mlp = VisionMLP(config)
+
+    def forward(self, x, cos, sin, cu_seqlens, attend):
+        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens, attend)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """Concatenates each 2×2 block of patch features and projects it into the language model's width."""
+
+    def __init__(self, config: VisionConfig):
+        super().__init__()
+        self.merged = config.width * config.merge_size**2
+        self.ln_q = _norm(config, config.width)
+        self.mlp = nn.Sequential(nn.Linear(self.merged, self.merged), nn.GELU(), nn.Linear(self.merged, config.out_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.merged))
+
+
+class PatchEmbed(nn.Module):
+    """The checkpoint's Conv3d with stride = kernel is a linear map of each flattened patch."""
+
+    def __init__(self, config: VisionConfig):
+        super().__init__()
+        self.proj = nn.Linear(config.patch_dim, config.width, bias=False)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        return self.proj(patches.to(self.proj.weight.dtype))
+
+
+@dataclass
+class PackedLayout:
+    """Where each patch of a packed batch goes: window order, segment bounds, rotary coordinates."""
+
+    order: torch.Tensor  # merged-patch permutation into window order
+    restore: torch.Tensor  # its inverse
+    cu_images: list[int]  # full-attention segments, in patches
+    cu_windows: list[int]  # windowed-attention segments, in patches
+    rows_cols: torch.Tensor  # [N, 2] patch coordinates, merge-block-major
+
+
+def packed_layout(grids: Sequence[Grid], config: VisionConfig) -> PackedLayout:
+    m = config.merge_size
+    unit = m * m
+    window = config.window_size // m // config.patch_size if config.window_size else 0
+    order, cu_images, cu_windows, coords = [], [0], [0], []
+    base = 0
+    for t, h, w in grids:
+        gh, gw = h // m, w // m
+        index = torch.arange(t * gh * gw).view(t, gh, gw) + base
+        if window:
+            for frame in index:
+                for r in range(0, gh, window):
+                    for c in range(0, gw, window):
+                        cell = frame[r:r + window, c:c + window].reshape(-1)
+                        order.append(cell)
+                        cu_windows.append(cu_windows[-1] + cell.numel() * unit)
+        else:
+            order.append(index.reshape(-1))
+        base += t * gh * gw
+        cu_images.extend(cu_images[-1] + h * w * (i + 1) for i in range(t))
+        rr, cc = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        block = (gh, m, gw, m)
+        coords.append(torch.stack([rr.reshape(block).transpose(1, 2).flatten(),
+                                   cc.reshape(block).transpose(1, 2).flatten()], dim=-1).repeat(t, 1))
+    order_t = torch.cat(order)
+    return PackedLayout(order=order_t, restore=torch.argsort(order_t), cu_images=cu_images,
+                        cu_windows=cu_windows if window else cu_images, rows_cols=torch.cat(coords))
+
+
+class VisionTower(nn.Module):
+    def __init__(self, config: VisionConfig):
+        super().__init__()
+        self.config = config
+        self.patch_embed = PatchEmbed(config)
+        self.rotary = VisionRotaryEmbedding(config.head_dim, config.rope_theta)
+        self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
+        self.merger = PatchMerger(config)
+
+    def forward(self, patches: torch.Tensor, grids: Sequence[Grid], attend=attend_per_segment) -> torch.Tensor:
+        """``patches`` ``[N, patch_dim]`` of all images, concatenated → ``[N / merge², out_dim]``."""
+        layout = packed_layout(grids, self.config)
+        unit = self.config.merge_size ** 2
+        device = patches.device
+        x = self.patch_embed(patches)
+        x = self._to_window_order(x, layout.order.to(device), unit)
+        cos, sin = self.rotary(self._to_window_order(layout.rows_cols.to(device), layout.order.to(device), unit))
+        for i, block in enumerate(self.blocks):
+            cu = layout.cu_images if i in self.config.fullatt_blocks else layout.cu_windows
+            x = block(x, cos, sin, cu, attend)
+        return self.merger(x)[layout.restore.to(device)]
+
+    @staticmethod
+    def _to_window_order(x: torch.Tensor, order: torch.Tensor, unit: int) -> torch.Tensor:
+        return x.view(-1, unit, *x.shape[1:])[order].reshape(x.shape)

@@ -1,0 +1,107 @@
+"""The lifecycle every service shares: start → ready → drain → stop.
+
+A service connects to NATS, registers with the NATS service API (``nats.micro``: name, version,
+endpoints, stats; ``nats micro ls`` lists every instance), serves its queue group, and on SIGTERM or
+SIGINT leaves the queue group first (no new work), lets in-flight work finish, then exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import uuid
+
+import nats.micro
+from nats.aio.client import Client
+from nats.micro.service import Service
+
+from shared import __version__
+from shared.bus import Subjects, connect
+from shared.logging import configure_logging, get_logger
+
+log = get_logger(__name__)
+
+
+class ServiceBase:
+    """Subclasses set ``kind`` and ``description`` and implement ``setup``; ``drain``/``close``/``stats`` optional."""
+
+    kind = "service"
+    description = ""
+
+    def __init__(self, settings):
+        self.settings = settings
+        self.subjects = Subjects(settings.subject_prefix)
+        self.instance = uuid.uuid4().hex[:12]
+        self.nc: Client | None = None
+        self.service: Service | None = None
+        self.stopping = asyncio.Event()
+
+    async def setup(self, nc: Client) -> None:
+        """Load models, start workers and the data plane: everything needed before taking work."""
+        raise NotImplementedError
+
+    async def serve(self, service: Service) -> None:
+        """Add the endpoints (join the queue groups). Called once setup is done, so a listed service is ready."""
+
+    async def drain(self) -> None:
+        """Wait for in-flight work; called after the endpoints stopped taking new requests."""
+
+    async def close(self) -> None:
+        """Release resources (engine threads, data plane)."""
+
+    def stats(self) -> dict:
+        """Service-specific figures, served in the NATS service API's stats (``data`` of each endpoint)."""
+        return {}
+
+    def metadata(self) -> dict[str, str]:
+        return {"instance": self.instance}
+
+    async def start(self) -> None:
+        self.nc = await connect(self.settings, f"epd-{self.kind}-{self.instance}")
+        await self.setup(self.nc)
+        self.service = await nats.micro.add_service(
+            self.nc, name=f"epd-{self.kind}", version=__version__, description=self.description,
+            metadata=self.metadata(), stats_handler=lambda _endpoint: self.stats(),
+        )
+        await self.serve(self.service)
+        await self.nc.flush()
+        log.info("service.ready", kind=self.kind, instance=self.instance, service_id=self.service.id)
+
+    async def stop(self) -> None:
+        if self.service is not None:
+            await self.service.stop()  # unsubscribes: this instance leaves its queue groups
+        try:
+            await asyncio.wait_for(self.drain(), self.settings.drain_seconds)
+        except asyncio.TimeoutError:
+            log.warning("service.drain_timeout", seconds=self.settings.drain_seconds)
+        await self.close()
+        if self.nc is not None and not self.nc.is_closed:
+            try:
+                await self.nc.drain()
+            except Exception:  # connection already lost; nothing left to flush
+                await self.nc.close()
+        log.info("service.stopped", kind=self.kind, instance=self.instance)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        await self.start()
+        await self.stopping.wait()
+        log.info("service.draining", kind=self.kind, instance=self.instance)
+        await self.stop()
+
+
+def run_service(service_cls, settings) -> None:
+    configure_logging(settings.log_level, settings.log_format, f"epd-{service_cls.kind}")
+    asyncio.run(service_cls(settings).run())
+
+
+def service_main(service_cls, settings_cls, argv: list[str] | None = None) -> None:
+    """Entry point of ``python -m services.<kind>`` and ``epd <kind>``: flags → settings → run."""
+    import sys
+
+    from shared.settings import parse_settings
+
+    args = sys.argv[1:] if argv is None else argv
+    run_service(service_cls, parse_settings(settings_cls, args, f"epd {service_cls.kind}"))
