@@ -66,8 +66,10 @@ class Stack:
         self.processes.append((kind, process))
         return process
 
-    async def wait_ready(self, counts: dict[str, int], timeout: float, interrupted=lambda: False) -> None:
-        """Until the NATS service API lists ``counts[kind]`` instances of every kind (or a child dies)."""
+    async def wait_ready(self, counts: dict[str, int], timeout: float, prefix: str = "epd",
+                         interrupted=lambda: False) -> None:
+        """Until the NATS service API lists ``counts[kind]`` instances of every kind of this stack (or a
+        child dies). A service registers only once it can serve, so listed means ready."""
         import nats
 
         deadline = time.monotonic() + timeout
@@ -78,8 +80,8 @@ class Stack:
                 if interrupted():
                     raise RuntimeError("interrupted while starting")
                 stats = await service_stats(nc, wait=0.3)
-                seen = {kind: sum(1 for s in stats if s.get("name") == f"epd-{kind}")
-                        for kind in counts}
+                mine = [s for s in stats if (s.get("metadata") or {}).get("prefix") == prefix]
+                seen = {kind: sum(1 for s in mine if s.get("name") == f"epd-{kind}") for kind in counts}
                 if kind_counts_met(seen, counts):
                     return
                 if time.monotonic() > deadline:
@@ -139,7 +141,7 @@ def up(settings: UpSettings) -> int:
             for _ in range(counts[kind]):
                 stack.spawn(kind)
         stack.spawn("frontend", "--host", settings.host, "--port", str(settings.port))
-        asyncio.run(stack.wait_ready(counts, settings.ready_timeout, lambda: stopping))
+        asyncio.run(stack.wait_ready(counts, settings.ready_timeout, settings.subject_prefix, lambda: stopping))
         log.info("stack.ready", api=f"http://{settings.host}:{settings.port}/v1", nats=stack.nats_url,
                  encoders=settings.encoders, prefills=settings.prefills, decodes=settings.decodes)
         while not stopping:

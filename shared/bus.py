@@ -72,16 +72,22 @@ class ServiceCallError(Exception):
 
 
 async def connect(settings, name: str) -> Client:
+    client: list[Client] = []
+
+    def closing() -> bool:
+        return bool(client) and (client[0].is_draining or client[0].is_closed)
+
     async def on_error(err: Exception) -> None:
         log.warning("nats.error", error=str(err))
 
     async def on_disconnect() -> None:
-        log.warning("nats.disconnected")
+        if not closing():
+            log.warning("nats.disconnected")
 
     async def on_reconnect() -> None:
         log.info("nats.reconnected")
 
-    return await nats.connect(
+    nc = await nats.connect(
         name=name,
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,
@@ -91,6 +97,8 @@ async def connect(settings, name: str) -> Client:
         reconnected_cb=on_reconnect,
         **settings.nats_options(),
     )
+    client.append(nc)
+    return nc
 
 
 async def call(nc: Client, subject: str, payload: bytes, timeout: float, what: str) -> bytes:
@@ -136,8 +144,8 @@ class ConcurrentEndpoint:
         self.errors = 0
         self.last_error = ""
 
-    async def add_to(self, service: Service, subject: str, queue: str) -> None:
-        await service.add_endpoint(name=self.name, subject=subject, queue_group=queue, handler=self._admit)
+    async def add_to(self, service: Service, subject: str, queue: str, name: str | None = None) -> None:
+        await service.add_endpoint(name=name or self.name, subject=subject, queue_group=queue, handler=self._admit)
 
     async def _admit(self, request: Request) -> None:
         await self.slots.acquire()

@@ -54,7 +54,7 @@ class ServiceBase:
         return {}
 
     def metadata(self) -> dict[str, str]:
-        return {"instance": self.instance}
+        return {"instance": self.instance, "prefix": self.subjects.prefix}
 
     async def start(self) -> None:
         self.nc = await connect(self.settings, f"epd-{self.kind}-{self.instance}")

@@ -87,6 +87,7 @@ class DecodeService(ServiceBase):
                 raise HandlerError(502, f"could not fetch the KV cache: {err.message}") from None
             raise
         self.accepted += 1
+        log.debug("decode.accepted", request_id=rid, tokens=len(seq))
         return encode(DecodeAccepted(decode_id=self.instance))
 
     def on_outputs(self, outputs: list[StepOutput]) -> None:
@@ -95,7 +96,7 @@ class DecodeService(ServiceBase):
             if job is None:
                 continue
             self.tokens += 1
-            event = TokenEvent(request_id=job.request_id, index=out.seq.num_output - 1, token_ids=[out.token],
+            event = TokenEvent(request_id=job.request_id, index=out.index, token_ids=[out.token],
                                finish_reason=out.finish_reason)
             self.publisher.publish(job.stream, encode(event))
             if out.finish_reason is not None:

@@ -48,6 +48,9 @@ class EncoderService(ServiceBase):
 
     async def serve(self, service) -> None:
         await self.endpoint.add_to(service, self.subjects.encode, QUEUE["encoder"])
+        # this instance's own subject: the frontend routes images here for cache affinity and spread
+        await self.endpoint.add_to(service, self.subjects.encode_on(self.instance), QUEUE["encoder"],
+                                   name="encode-direct")
 
     async def handle_encode(self, data: bytes) -> bytes:
         job = decode(EncodeJob, data)

@@ -69,7 +69,7 @@ def decode_image(data: bytes, max_pixels: int) -> DecodedImage:
                 raise ApiError(400, f"image of {width}x{height} pixels exceeds the limit of {max_pixels} pixels")
             if getattr(img, "n_frames", 1) > 1:
                 raise ApiError(400, "animated or multi-frame images are not supported")
-            pixels = np.asarray(img.convert("RGB"), dtype=np.uint8)
+            pixels = np.array(img.convert("RGB"), dtype=np.uint8)  # writable: tensors view it
     except ApiError:
         raise
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError):

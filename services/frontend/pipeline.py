@@ -21,6 +21,7 @@ from services.frontend.errors import ApiError
 from services.frontend.media import DecodedImage, MediaLoader
 from services.frontend.prompt import Prompt, PromptBuilder, image_urls
 from services.frontend.protocol import ChatCompletionRequest
+from services.frontend.routing import EncoderDirectory, assign
 from shared.bus import ServiceCallError, Subjects, call
 from shared.dataplane.plane import DataPlane
 from shared.engine.sampling import SamplingParams
@@ -48,7 +49,7 @@ class Finished:
 
 class ChatPipeline:
     def __init__(self, nc, subjects: Subjects, plane: DataPlane, media: MediaLoader, builder: PromptBuilder,
-                 tokenizer, settings, max_model_len: int):
+                 tokenizer, settings, max_model_len: int, encoders: EncoderDirectory):
         self.nc = nc
         self.subjects = subjects
         self.plane = plane
@@ -57,6 +58,7 @@ class ChatPipeline:
         self.tokenizer = tokenizer
         self.settings = settings
         self.max_model_len = max_model_len
+        self.encoders = encoders
         self.encoded_images = 0
 
     async def start(self, request: ChatCompletionRequest) -> "Generation":
@@ -94,20 +96,24 @@ class ChatPipeline:
         try:
             jobs = [EncodeJob(request_id=request_id, image=h, content_hash=i.content_hash)
                     for h, i in zip(handles, images)]
-            return list(await asyncio.gather(*(self._encode_one(job) for job in jobs)))
+            targets = assign([i.content_hash for i in images], self.encoders.encoders, self.subjects)
+            return list(await asyncio.gather(*(self._encode_one(job, t) for job, t in zip(jobs, targets))))
         finally:
             for handle in handles:
                 self.plane.release(handle)
 
-    async def _encode_one(self, job: EncodeJob) -> EncodeResult:
+    async def _encode_one(self, job: EncodeJob, subject: str) -> EncodeResult:
+        """Try the routed encoder; on failure (or if it vanished) any encoder of the queue group."""
         attempts = self.settings.encode_attempts
         for attempt in range(1, attempts + 1):
             try:
-                reply = await call(self.nc, self.subjects.encode, encode(job), self.settings.encode_timeout, "encoder")
+                reply = await call(self.nc, subject, encode(job), self.settings.encode_timeout, "encoder")
                 self.encoded_images += 1
                 return decode(EncodeResult, reply)
             except ServiceCallError as err:
-                retry = err.status >= 500 and not err.no_responders and attempt < attempts
+                direct = subject != self.subjects.encode
+                subject = self.subjects.encode
+                retry = err.status >= 500 and (direct or not err.no_responders) and attempt < attempts
                 log.warning("encode.failed", request_id=job.request_id, status=err.status, retry=retry)
                 if not retry:
                     raise ApiError(err.status, "image encoding failed: " + err.message) from None
@@ -171,6 +177,8 @@ class Generation:
                 except asyncio.TimeoutError:
                     raise ApiError(504, "the model stopped producing tokens in time") from None
                 event = decode(TokenEvent, msg.data)
+                log.debug("stream.event", request_id=self.request_id, index=event.index, tokens=len(event.token_ids),
+                          finish=event.finish_reason, expected=expected)
                 if event.error is not None:
                     raise ApiError(event.error.status, event.error.message)
                 pending[event.index] = event

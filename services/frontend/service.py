@@ -15,6 +15,7 @@ from services.frontend.media import MediaLoader
 from services.frontend.metrics import Admission, FrontendMetrics
 from services.frontend.pipeline import ChatPipeline
 from services.frontend.prompt import PromptBuilder
+from services.frontend.routing import EncoderDirectory
 from services.frontend.settings import FrontendSettings
 from shared import __version__
 from shared.bus import gather_replies
@@ -50,7 +51,7 @@ class FrontendService(ServiceBase):
         self._server_task: asyncio.Task | None = None
 
     def metadata(self) -> dict[str, str]:
-        return {"instance": self.instance, "http": f"{self.settings.host}:{self.port}"}
+        return {**super().metadata(), "http": f"{self.settings.host}:{self.port}"}
 
     async def setup(self, nc) -> None:
         s = self.settings
@@ -63,8 +64,10 @@ class FrontendService(ServiceBase):
         await self.plane.start()
         self.media = MediaLoader(s, self.executor)
         builder = PromptBuilder(tokenizer, config, ImageGeometry.from_checkpoint(path))
+        self.encoders = EncoderDirectory(nc, self.subjects)
+        self.encoders.start()
         self.pipeline = ChatPipeline(nc, self.subjects, self.plane, self.media, builder, tokenizer, s,
-                                     self.max_model_len)
+                                     self.max_model_len, self.encoders)
         self.app = create_app(self)
         config_http = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off",
                                      timeout_graceful_shutdown=s.drain_seconds)
@@ -86,6 +89,7 @@ class FrontendService(ServiceBase):
             await asyncio.gather(self._server_task, return_exceptions=True)
 
     async def close(self) -> None:
+        await self.encoders.stop()
         await self.media.close()
         await self.plane.stop()
         self.executor.shutdown(wait=False, cancel_futures=True)

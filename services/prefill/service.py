@@ -105,7 +105,7 @@ class PrefillService(ServiceBase):
             job = self.jobs.pop(out.seq.request_id, None)
             if job is None:
                 continue  # cancelled while computing
-            event = TokenEvent(request_id=job.request_id, index=0, token_ids=[out.token],
+            event = TokenEvent(request_id=job.request_id, index=out.index, token_ids=[out.token],
                                finish_reason=out.finish_reason)
             self.publisher.publish(job.stream, encode(event))
             if out.kv is not None:

@@ -21,8 +21,12 @@ ROLES = ("prefill", "decode", "both")
 
 @dataclass
 class StepOutput:
+    """One new token of one sequence. Read ``index``, not ``seq``'s live state: by the time another
+    thread looks, the engine may have stepped again."""
+
     seq: Sequence
     token: int
+    index: int  # position of ``token`` among the sequence's output tokens
     finish_reason: str | None  # None: more tokens follow (or, for role prefill, the sequence is handed off)
     kv: torch.Tensor | None = None  # role prefill: the prompt's KV [layers, 2, tokens, kv_heads, head_dim]
 
@@ -116,7 +120,7 @@ class Engine:
         elif reason is not None:
             seq.finish_reason = reason
             self._release(seq)
-        return StepOutput(seq, token, reason, kv)
+        return StepOutput(seq, token, seq.num_output - 1, reason, kv)
 
     def _release(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)

@@ -1,0 +1,131 @@
+"""Helpers the tests share: images, the HF reference, a running stack, NATS service API queries."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import uuid
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from services.stack import Stack
+from shared.bus import service_stats
+
+
+def make_image(seed: int, height: int, width: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def data_url(image: Image.Image, fmt: str = "PNG") -> str:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def chat_messages(text: str, images: list[Image.Image]) -> list[dict]:
+    """One user turn: the images, then the text (OpenAI format)."""
+    parts = [{"type": "image_url", "image_url": {"url": data_url(img)}} for img in images]
+    return [{"role": "user", "content": parts + [{"type": "text", "text": text}]}]
+
+
+class Reference:
+    """HF transformers generate() on the same checkpoint: the ground truth for greedy output."""
+
+    def __init__(self, path: Path):
+        from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+        from shared.model.processor import load_image_processor
+
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.processor = load_image_processor(path)
+        self.model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+
+    def inputs(self, text: str, images: list[Image.Image]) -> dict:
+        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+        rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                      add_generation_prompt=True)
+        inputs: dict = {}
+        if images:
+            pixels = self.processor(images=[np.asarray(i) for i in images], return_tensors="pt")
+            pieces = rendered.split("<|image_pad|>")
+            counts = [int(g.prod()) // 4 for g in pixels["image_grid_thw"]]
+            rendered = pieces[0] + "".join("<|image_pad|>" * n + pieces[i + 1] for i, n in enumerate(counts))
+            inputs.update(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
+        ids = self.tokenizer(rendered, return_tensors="pt").input_ids
+        inputs.update(input_ids=ids, attention_mask=torch.ones_like(ids),
+                      mm_token_type_ids=(ids == self.model.config.image_token_id).int())
+        return inputs
+
+    def generate(self, text: str, images: list[Image.Image], max_new_tokens: int) -> list[int]:
+        inputs = self.inputs(text, images)
+        with torch.no_grad():
+            out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+    def text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+class RunningStack:
+    """A stack of real service processes on a subject prefix of its own (one NATS server per session)."""
+
+    def __init__(self, nats_url: str, model: Path, env: dict[str, str] | None = None):
+        self.prefix = "t" + uuid.uuid4().hex[:8]
+        base = {k: v for k, v in __import__("os").environ.items() if not k.startswith("EPD_")}
+        base.update({"EPD_MODEL": str(model), "EPD_SUBJECT_PREFIX": self.prefix, "EPD_LOG_LEVEL": __import__("os").environ.get("TEST_LOG_LEVEL", "warning"),
+                     "EPD_KV_CACHE_MB": "64", "EPD_DRAIN_SECONDS": "10", **(env or {})})
+        self.stack = Stack.start_nats(base, nats_url)
+        self.port = 0
+
+    def start(self, encoders=1, prefills=1, decodes=1, frontend_args: tuple[str, ...] = ()) -> "RunningStack":
+        for kind, n in (("encoder", encoders), ("prefill", prefills), ("decode", decodes)):
+            for _ in range(n):
+                self.stack.spawn(kind)
+        self.stack.spawn("frontend", "--port", "0", *frontend_args)
+        counts = {"encoder": encoders, "prefill": prefills, "decode": decodes, "frontend": 1}
+        asyncio.run(self._ready(counts))
+        return self
+
+    async def _ready(self, counts: dict[str, int]) -> None:
+        await self.stack.wait_ready(counts, timeout=180, prefix=self.prefix)
+        frontends = await self.stats("epd-frontend")
+        self.port = int(frontends[0]["metadata"]["http"].rsplit(":", 1)[1])
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def client(self, **kwargs):
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.base_url, api_key="test", max_retries=0, **kwargs)
+
+    async def stats(self, service: str) -> list[dict]:
+        import nats
+
+        nc = await nats.connect(self.stack.nats_url)
+        try:
+            found = await service_stats(nc, service, wait=0.3)
+        finally:
+            await nc.close()
+        return [s for s in found if (s.get("metadata") or {}).get("prefix") == self.prefix]
+
+    def stats_sync(self, service: str) -> list[dict]:
+        return asyncio.run(self.stats(service))
+
+    def stop(self) -> None:
+        self.stack.stop(grace=15)
+
+
+def endpoint_data(stats: dict) -> dict:
+    return next((e.get("data") or {} for e in stats.get("endpoints") or [] if e.get("data")), {})
+
+
+def dumps(obj) -> str:
+    return json.dumps(obj, sort_keys=True)
