@@ -35,7 +35,7 @@ class CommonSettings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto: bf16 on GPU, fp32 on CPU")
     transport: Literal["zmq", "ucx", "inproc"] = Field("zmq", description="data plane for tensors")
     data_host: str = Field("127.0.0.1", description="interface the data plane listens on")
-    data_advertise: str = Field("", description="address peers use to reach this data plane (default: data-host)")
+    data_advertise: str = Field("", description="address peers use to reach this data plane; default: data-host; auto: this host's outward IP")
     data_max_mb: int = Field(8192, ge=1, description="bytes this process may hold for peers to pull (MiB)")
     lease_seconds: float = Field(60.0, gt=0, description="a tensor not pulled within this time is freed")
     drain_seconds: float = Field(30.0, ge=0, description="on SIGTERM, time allowed for in-flight work")

@@ -57,11 +57,33 @@ def tensor_from_bytes(buffer, handle: TensorHandle) -> torch.Tensor:
     return flat.view(DTYPES[handle.dtype]).view(handle.shape)
 
 
+def resolve_advertise(advertise: str, host: str) -> str:
+    """The address peers dial. ``auto``: this host's outward interface (containers, one IP per replica).
+    A wildcard bind without an advertised address would hand peers 0.0.0.0: refuse that."""
+    if advertise == "auto":
+        import socket
+
+        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            probe.connect(("10.255.255.255", 1))  # no packet is sent; picks the default route's interface
+            return probe.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+        finally:
+            probe.close()
+    if advertise:
+        return advertise
+    if host in ("0.0.0.0", "::", "*"):
+        raise ValueError("the data plane listens on all interfaces: set --data-advertise (an address peers "
+                         "can reach, or 'auto')")
+    return host
+
+
 class ZmqServer:
     def __init__(self, store: TensorStore, host: str, advertise: str, context: zmq.asyncio.Context):
         self.store = store
         self.host = host
-        self.advertise = advertise or host
+        self.advertise = resolve_advertise(advertise, host)
         self.context = context
         self.address = ""
         self._socket: zmq.asyncio.Socket | None = None
