@@ -1,0 +1,166 @@
+"""The engine against HF generate(), token for token (fp32, CPU, tiny checkpoint), and its block accounting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.engine.engine import Engine
+from shared.engine.kv_cache import KVCache
+from shared.engine.runner import ModelRunner
+from shared.engine.sampling import SamplingParams
+from shared.engine.sequence import ImageInput, Sequence
+from shared.model.config import ModelConfig
+from shared.model.loader import load_language_model, load_vision_tower
+from tests.support import make_image
+
+PROMPTS = [
+    ("Hello! How are you today?", []),
+    ("Describe the image in one sentence.", [(1, 100, 150)]),
+    ("What colour is the square?", [(2, 60, 200), (3, 90, 90)]),
+    ("The quick brown fox jumps over the lazy dog.", []),
+    ("A photo of a cat sitting on a red chair next to a window.", [(4, 56, 56)]),
+    ("Numbers: 0 1 2 3", [(5, 140, 70), (6, 80, 80), (7, 30, 300)]),
+    ("Encoder, prefill and decode run as separate services.", []),
+    ("Café, naïve, über", [(8, 120, 90)]),
+]
+
+
+@pytest.fixture(scope="module")
+def model_parts(tiny_model):
+    config = ModelConfig.from_checkpoint(tiny_model)
+    return config, load_language_model(tiny_model, config), load_vision_tower(tiny_model, config)
+
+
+@pytest.fixture(scope="module")
+def requests_with_reference(reference, model_parts):
+    """Each prompt as an engine Sequence factory, plus HF's greedy continuation of it."""
+    config, _, tower = model_parts
+    built = []
+    for i, (text, specs) in enumerate(PROMPTS):
+        images = [make_image(*spec) for spec in specs]
+        max_tokens = 6 + 3 * i
+        expected = reference.generate(text, images, max_tokens)
+        inputs = reference.inputs(text, images)
+        ids = inputs["input_ids"][0].tolist()
+        image_inputs = []
+        if images:
+            grids = [tuple(int(x) for x in g) for g in inputs["image_grid_thw"]]
+            embeds = tower(inputs["pixel_values"], grids).split([t * h * w // 4 for t, h, w in grids])
+            starts = [j for j, t in enumerate(ids) if t == config.image_token_id and
+                      (j == 0 or ids[j - 1] != config.image_token_id)]
+            image_inputs = [ImageInput(o, g, e) for o, g, e in zip(starts, grids, embeds)]
+        built.append((ids, image_inputs, max_tokens, expected))
+    return built
+
+
+def make_engine(model_parts, num_blocks=256, block_size=16, max_num_seqs=256, role="both") -> Engine:
+    config, lm, _ = model_parts
+    cache = KVCache(config.text, num_blocks, block_size, torch.float32, "cpu")
+    runner = ModelRunner(lm, cache, config.vision.merge_size)
+    return Engine(runner, config.eos_token_ids, max_model_len=num_blocks * block_size, role=role,
+                  max_num_seqs=max_num_seqs)
+
+
+def sequence(i: int, request) -> Sequence:
+    ids, images, max_tokens, _ = request
+    return Sequence(f"r{i}", list(ids), len(ids), SamplingParams(temperature=0, max_tokens=max_tokens),
+                    images=images)
+
+
+def run_to_completion(engine: Engine, joiners: dict[int, list[Sequence]] | None = None) -> int:
+    steps = 0
+    while engine.has_work() or (joiners and any(k >= steps for k in joiners)):
+        for seq in (joiners or {}).pop(steps, []):
+            engine.add_prompt(seq)
+        engine.step()
+        steps += 1
+    return steps
+
+
+def test_single_request(model_parts, requests_with_reference):
+    engine = make_engine(model_parts)
+    seq = sequence(2, requests_with_reference[2])
+    engine.add_prompt(seq)
+    run_to_completion(engine)
+    assert seq.output_ids == requests_with_reference[2][3]
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_eight_concurrent_requests_in_one_batch(model_parts, requests_with_reference):
+    engine = make_engine(model_parts)
+    seqs = [sequence(i, r) for i, r in enumerate(requests_with_reference)]
+    for seq in seqs:
+        engine.add_prompt(seq)
+    assert len(engine.step()) == 8  # one batched prefill of all eight prompts, of different lengths
+    assert len(engine.step()) == 8  # then one decode step for all eight
+    run_to_completion(engine)
+    for seq, (_, _, _, expected) in zip(seqs, requests_with_reference):
+        assert seq.output_ids == expected, seq.request_id
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_requests_joining_mid_decode(model_parts, requests_with_reference):
+    engine = make_engine(model_parts)
+    seqs = [sequence(i, r) for i, r in enumerate(requests_with_reference)]
+    joiners = {0: seqs[:2], 3: seqs[2:5], 7: seqs[5:]}
+    run_to_completion(engine, joiners)
+    for seq, (_, _, _, expected) in zip(seqs, requests_with_reference):
+        assert seq.output_ids == expected, seq.request_id
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_preempted_request_resumes_exactly(model_parts, requests_with_reference):
+    # A pool just big enough for the longest sequence: running several at once forces swap-outs.
+    longest = max(len(r[0]) + r[2] for r in requests_with_reference)
+    engine = make_engine(model_parts, num_blocks=(longest + 3) // 4 + 2, block_size=4)
+    swaps = []
+    original = engine.swap_out
+    engine.swap_out = lambda seq: (swaps.append(seq.request_id), original(seq))
+    seqs = [sequence(i, r) for i, r in enumerate(requests_with_reference)]
+    for seq in seqs:
+        engine.add_prompt(seq)
+    run_to_completion(engine)
+    assert swaps, "the pool was large enough that nothing was preempted"
+    for seq, (_, _, _, expected) in zip(seqs, requests_with_reference):
+        assert seq.output_ids == expected, seq.request_id
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_blocks_all_free_after_finish_abort_and_failure(model_parts, requests_with_reference):
+    engine = make_engine(model_parts)
+    seqs = [sequence(i, r) for i, r in enumerate(requests_with_reference[:4])]
+    for seq in seqs:
+        engine.add_prompt(seq)
+    engine.step()  # prefill
+    engine.step()  # one decode step
+    engine.abort(seqs[0].request_id)  # cancelled while running
+    waiting = sequence(9, requests_with_reference[5])
+    engine.add_prompt(waiting)
+    engine.abort(waiting.request_id)  # cancelled while waiting
+    reserved = Sequence("kv", [1, 2, 3, 4, 5], 4, SamplingParams(temperature=0), num_computed=4)
+    engine.reserve(reserved)
+    engine.abort("kv")  # a KV transfer that failed half-way
+    run_to_completion(engine)
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+    assert not engine.reserved and not engine.has_work()
+
+
+def test_prefill_role_hands_off_kv_that_decode_continues(model_parts, requests_with_reference):
+    """Prefill on one engine, KV moved to another, decode there: the same tokens as HF."""
+    prefill = make_engine(model_parts, role="prefill")
+    decode = make_engine(model_parts, role="decode")
+    request = requests_with_reference[5]
+    seq = sequence(5, request)
+    prefill.add_prompt(seq)
+    (out,) = prefill.step()
+    assert out.kv is not None and prefill.blocks.num_free == prefill.blocks.num_blocks
+    moved = Sequence(seq.request_id, list(seq.token_ids), seq.prompt_len, seq.sampling,
+                     rope_delta=seq.rope_delta, num_computed=len(seq.token_ids) - 1)
+    assert decode.can_reserve(len(moved) + 1)
+    decode.reserve(moved)
+    decode.write_kv(moved.request_id, out.kv)
+    decode.activate(moved.request_id)
+    run_to_completion(decode)
+    assert moved.output_ids == request[3]
+    assert decode.blocks.num_free == decode.blocks.num_blocks
