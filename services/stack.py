@@ -67,9 +67,10 @@ class Stack:
         return process
 
     async def wait_ready(self, counts: dict[str, int], timeout: float, prefix: str = "epd",
-                         interrupted=lambda: False) -> None:
+                         interrupted=lambda: False) -> str:
         """Until the NATS service API lists ``counts[kind]`` instances of every kind of this stack (or a
-        child dies). A service registers only once it can serve, so listed means ready."""
+        child dies). A service registers only once it can serve, so listed means ready. Returns the
+        frontend's HTTP address (host:port), which it bound itself when asked for port 0."""
         import nats
 
         deadline = time.monotonic() + timeout
@@ -83,7 +84,8 @@ class Stack:
                 mine = [s for s in stats if (s.get("metadata") or {}).get("prefix") == prefix]
                 seen = {kind: sum(1 for s in mine if s.get("name") == f"epd-{kind}") for kind in counts}
                 if kind_counts_met(seen, counts):
-                    return
+                    front = [s for s in mine if s.get("name") == "epd-frontend"]
+                    return (front[0].get("metadata") or {}).get("http", "") if front else ""
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"services not ready in {timeout:g}s: expected {counts}, saw {seen}")
                 await asyncio.sleep(0.2)
@@ -141,8 +143,9 @@ def up(settings: UpSettings) -> int:
             for _ in range(counts[kind]):
                 stack.spawn(kind)
         stack.spawn("frontend", "--host", settings.host, "--port", str(settings.port))
-        asyncio.run(stack.wait_ready(counts, settings.ready_timeout, settings.subject_prefix, lambda: stopping))
-        log.info("stack.ready", api=f"http://{settings.host}:{settings.port}/v1", nats=stack.nats_url,
+        http = asyncio.run(stack.wait_ready(counts, settings.ready_timeout, settings.subject_prefix,
+                                            lambda: stopping))
+        log.info("stack.ready", api=f"http://{http}/v1", nats=stack.nats_url,
                  encoders=settings.encoders, prefills=settings.prefills, decodes=settings.decodes)
         while not stopping:
             stack.check_alive()
