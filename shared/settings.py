@@ -7,11 +7,13 @@ flags onto them (flags win over the environment), and an unknown flag or variabl
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
-import torch
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, SettingsConfigDict
+
+if TYPE_CHECKING:
+    import torch
 
 S = TypeVar("S", bound="CommonSettings")
 
@@ -47,12 +49,16 @@ class CommonSettings(BaseSettings):
             raise ValueError("subject prefix must be one NATS token (no spaces, dots or wildcards)")
         return value
 
-    def torch_device(self) -> torch.device:
+    def torch_device(self) -> "torch.device":
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    def torch_dtype(self) -> torch.dtype:
+    def torch_dtype(self) -> "torch.dtype":
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
         return getattr(torch, self.dtype)

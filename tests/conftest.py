@@ -2,7 +2,27 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # GPU kernels run in Triton's interpreter on CPU
+    try:
+        import triton.runtime.interpreter as _interp
+
+        _patch_tensor = _interp._patch_lang_tensor
+
+        def _scalar_index(tensor, scope):
+            # The interpreter keeps scalars as 1-element arrays; NumPy 2 no longer turns those into ints
+            # implicitly, which breaks `range(start, stop)` over loaded scalars.
+            _patch_tensor(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+        _interp._patch_lang_tensor = _scalar_index
+    except ImportError:
+        pass
 
 from shared.model.tiny import write_tiny_checkpoint
 from shared.natsserver import EmbeddedNats

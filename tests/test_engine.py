@@ -58,7 +58,7 @@ def make_engine(model_parts, num_blocks=256, block_size=16, max_num_seqs=256, ro
     config, lm, _ = model_parts
     cache = KVCache(config.text, num_blocks, block_size, torch.float32, "cpu")
     runner = ModelRunner(lm, cache, config.vision.merge_size)
-    return Engine(runner, config.eos_token_ids, max_model_len=num_blocks * block_size, role=role,
+    return Engine(runner, config.eos_token_ids, max_model_len=(num_blocks - 1) * block_size, role=role,
                   max_num_seqs=max_num_seqs)
 
 
@@ -113,7 +113,7 @@ def test_requests_joining_mid_decode(model_parts, requests_with_reference):
 def test_preempted_request_resumes_exactly(model_parts, requests_with_reference):
     # A pool just big enough for the longest sequence: running several at once forces swap-outs.
     longest = max(len(r[0]) + r[2] for r in requests_with_reference)
-    engine = make_engine(model_parts, num_blocks=(longest + 3) // 4 + 2, block_size=4)
+    engine = make_engine(model_parts, num_blocks=(longest + 3) // 4 + 3, block_size=4)
     swaps = []
     original = engine.swap_out
     engine.swap_out = lambda seq: (swaps.append(seq.request_id), original(seq))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from shared.engine.builder import EngineSettings
+from shared.engine.settings import EngineSettings
 
 
 class PrefillSettings(EngineSettings):

@@ -11,13 +11,16 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return (num_tokens + block_size - 1) // block_size
 
 
+SCRATCH_BLOCK = 0  # never handed out: padded rows of a captured decode step write their KV here
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int):
-        if num_blocks <= 0 or block_size <= 0:
-            raise ValueError("the KV pool needs at least one block of at least one token")
-        self.num_blocks = num_blocks
+        if num_blocks <= 1 or block_size <= 0:
+            raise ValueError("the KV pool needs at least two blocks of at least one token")
+        self.num_blocks = num_blocks - 1  # usable blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: deque[int] = deque(range(1, num_blocks))
 
     @property
     def num_free(self) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from pydantic import Field
 
 from shared.engine.engine import Engine
 from shared.engine.kv_cache import KVCache
@@ -11,19 +10,9 @@ from shared.engine.runner import ModelRunner
 from shared.logging import get_logger
 from shared.model.config import ModelConfig
 from shared.model.loader import load_language_model
-from shared.settings import CommonSettings
+from shared.engine.settings import EngineSettings
 
 log = get_logger(__name__)
-
-
-class EngineSettings(CommonSettings):
-    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
-    max_model_len: int = Field(0, ge=0, description="longest sequence (prompt + output); 0: the model's limit")
-    max_num_seqs: int = Field(256, ge=1, description="sequences in one batch at most")
-    max_batched_tokens: int = Field(16384, ge=16, description="prompt tokens in one prefill step at most")
-    kv_cache_mb: int = Field(0, ge=0, description="KV pool size in MiB; 0: from --gpu-memory-utilization "
-                                                  "on GPU, 256 MiB on CPU")
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="share of GPU memory this process may use")
 
 
 def kv_pool_blocks(settings: EngineSettings, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> int:
@@ -50,4 +39,6 @@ def build_engine(settings: EngineSettings, role: str) -> tuple[Engine, ModelConf
              mib=round(cache.nbytes / 2**20, 1), max_model_len=max_len)
     runner = ModelRunner(model, cache, config.vision.merge_size)
     engine = Engine(runner, config.eos_token_ids, max_len, role, settings.max_num_seqs, settings.max_batched_tokens)
+    if device.type == "cuda" and role != "prefill" and not settings.enforce_eager:
+        runner.capture_graphs(settings.max_num_seqs, max_len)
     return engine, config

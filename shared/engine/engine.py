@@ -38,8 +38,8 @@ class Engine:
             raise ValueError(f"engine role must be one of {ROLES}")
         cache = runner.cache
         self.blocks = BlockManager(cache.num_blocks, cache.block_size)
-        if blocks_for(max_model_len, cache.block_size) > cache.num_blocks:
-            raise ValueError(f"the KV pool ({cache.num_blocks} blocks of {cache.block_size}) cannot hold one "
+        if blocks_for(max_model_len, cache.block_size) > self.blocks.num_blocks:
+            raise ValueError(f"the KV pool ({self.blocks.num_blocks} blocks of {cache.block_size}) cannot hold one "
                              f"sequence of max_model_len={max_model_len} tokens; give it more memory")
         self.runner = runner
         self.role = role

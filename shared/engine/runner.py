@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.engine.attention import ForwardBatch, TorchAttention
+from shared.engine.attention import ForwardBatch, make_backend
 from shared.engine.kv_cache import KVCache
 from shared.engine.sampling import Sampler
 from shared.engine.sequence import Sequence
@@ -20,26 +20,35 @@ class ModelRunner:
         self.merge_size = merge_size
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.backend = backend or TorchAttention(cache)
+        self.backend = backend or make_backend(cache, model.config.head_dim)
         self.sampler = sampler or Sampler(self.device)
+        self.graphs = None  # DecodeGraphs, once captured
+
+    def capture_graphs(self, max_batch: int, max_model_len: int) -> None:
+        """Capture the decode step for every batch bucket (CUDA only)."""
+        from shared.engine.graphs import DecodeGraphs
+
+        width = (max_model_len + self.cache.block_size - 1) // self.cache.block_size
+        self.graphs = DecodeGraphs(self.model, self.backend, max_batch, width)
+        self.graphs.capture()
 
     # -- prefill -------------------------------------------------------------------------------------
     def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
-        embeds, positions, slots, cu = [], [], [], [0]
+        ids, positions, slots, cu = [], [], [], [0]
         for seq in seqs:
-            ids = torch.tensor(seq.token_ids, device=self.device)
-            emb = self.model.embed(ids)
-            for image in seq.images:
-                n = image.embeds.shape[0]
-                emb[image.offset:image.offset + n] = image.embeds.to(self.device, self.dtype)
+            ids.extend(seq.token_ids)
             pos, seq.rope_delta = mrope_positions(len(seq), [(i.offset, i.grid) for i in seq.images],
                                                   self.merge_size)
-            embeds.append(emb)
             positions.append(pos)
             slots.extend(self.cache.slots(seq.block_table, 0, len(seq)))
             cu.append(cu[-1] + len(seq))
+        embeds = self.model.embed(torch.tensor(ids, device=self.device))
+        for seq, start in zip(seqs, cu):
+            for image in seq.images:
+                row = start + image.offset
+                embeds[row:row + image.embeds.shape[0]] = image.embeds.to(self.device, self.dtype)
         batch = ForwardBatch(is_prefill=True, slot_mapping=torch.tensor(slots, device=self.device), cu_seqlens=cu)
-        return torch.cat(embeds), torch.cat(positions, dim=1).to(self.device), batch
+        return embeds, torch.cat(positions, dim=1).to(self.device), batch
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence], on_layer_done=None) -> list[int]:
@@ -53,22 +62,39 @@ class ModelRunner:
         return self.sampler.sample(logits, [s.sampling for s in seqs], [s.num_output for s in seqs])
 
     # -- decode --------------------------------------------------------------------------------------
-    def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
-        ids = torch.tensor([s.last_token for s in seqs], device=self.device)
-        pos = torch.tensor([len(s) - 1 + s.rope_delta for s in seqs], device=self.device)
-        slots = [self.cache.slots(s.block_table, len(s) - 1, len(s))[0] for s in seqs]
-        batch = ForwardBatch(
-            is_prefill=False,
-            slot_mapping=torch.tensor(slots, device=self.device),
-            context_lens=[len(s) for s in seqs],
-            block_tables=[s.block_table for s in seqs],
-        )
-        return self.model.embed(ids), pos.expand(3, -1), batch
+    def decode_inputs(self, seqs: list[Sequence]) -> tuple[torch.Tensor, ...]:
+        """(ids, positions, slots, block_tables, context_lens) for one decode step, on the device."""
+        bs = self.cache.block_size
+        width = max(len(s.block_table) for s in seqs)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+        host = [
+            torch.tensor([s.last_token for s in seqs]),
+            torch.tensor([len(s) - 1 + s.rope_delta for s in seqs]),
+            torch.tensor([s.block_table[(len(s) - 1) // bs] * bs + (len(s) - 1) % bs for s in seqs]),
+            torch.tensor(tables, dtype=torch.int32),
+            torch.tensor([len(s) for s in seqs], dtype=torch.int32),
+        ]
+        if self.device.type == "cuda":
+            return tuple(t.pin_memory().to(self.device, non_blocking=True) for t in host)
+        return tuple(host)
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> list[int]:
-        embeds, positions, batch = self.prepare_decode(seqs)
-        logits = self.model.logits(self.model(embeds, positions, batch, self.backend))
+        ids, positions, slots, tables, lens = self.decode_inputs(seqs)
+        if self.graphs is not None and self.graphs.bucket(len(seqs)) is not None:
+            logits = self.graphs.run(ids, positions, slots, tables, lens)
+        else:
+            batch = ForwardBatch(is_prefill=False, slot_mapping=slots, context_lens=lens, block_tables=tables,
+                                 num_splits=self._splits(len(seqs)))
+            logits = self.model.logits(self.model(self.model.embed(ids), positions.expand(3, -1), batch, self.backend))
         for seq in seqs:
             seq.num_computed = len(seq)
         return self.sampler.sample(logits, [s.sampling for s in seqs], [s.num_output for s in seqs])
+
+    def _splits(self, batch: int) -> int:
+        if self.device.type != "cuda":
+            return 1
+        from shared.engine.kernels.attention import default_splits
+
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        return default_splits(batch, self.model.config.num_kv_heads, sms)

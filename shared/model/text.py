@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared.engine.kernels import fused
 from shared.model.config import TextConfig
-from shared.model.rope import MRotaryEmbedding, apply_rotary
+from shared.model.rope import MRotaryEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -22,10 +23,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and fused.available:
+            return fused.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add fused into the norm on GPU."""
+        if x.is_cuda and fused.available:
+            return fused.add_rms_norm(x, residual, self.weight, self.eps), residual
+        residual = residual + x
+        return self(residual), residual
 
 
 class Attention(nn.Module):
@@ -42,10 +52,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, backend) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = backend.forward(self.layer, q, k, v, batch)
+        out = backend.forward(self.layer, q, k, v, cos, sin, batch)  # rotary, cache write, attention
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -57,7 +67,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_cuda and fused.available:
+            return self.down_proj(fused.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -69,9 +82,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, batch, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, batch, backend):
+        """``x`` is the previous layer's output not yet added to ``residual`` (None for the first layer)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, cos, sin, batch, backend)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class LanguageModel(nn.Module):
@@ -94,10 +113,10 @@ class LanguageModel(nn.Module):
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, batch, backend) -> torch.Tensor:
         """``embeds`` ``[T, hidden]``, ``positions`` ``[3, T]`` → final hidden states ``[T, hidden]``."""
         cos, sin = self.rotary(positions, embeds.dtype)
-        x = embeds
+        x, residual = embeds, None
         for layer in self.layers:
-            x = layer(x, cos, sin, batch, backend)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, batch, backend)
+        return self.norm.add_forward(x, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
