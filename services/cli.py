@@ -12,6 +12,7 @@ commands:
   prefill    a language-model prefill worker
   decode     a language-model decode worker
   frontend   the OpenAI-compatible HTTP gateway
+  submit     send a chat request (JSON file or -) over NATS: answer, --stream chunks, or a --durable job
 
 `epd <command> --help` lists a command's options; every option is also an EPD_* environment variable.
 """
@@ -29,6 +30,8 @@ def main(argv: list[str] | None = None) -> None:
         from services.stack import UpSettings, up
 
         sys.exit(up(parse_settings(UpSettings, rest, "epd up")))
+    if command == "submit":
+        sys.exit(submit(parse_settings(_submit_settings(), rest, "epd submit")))
     services = {
         "encoder": ("services.encoder.service", "EncoderService", "services.encoder.settings", "EncoderSettings"),
         "prefill": ("services.prefill.service", "PrefillService", "services.prefill.settings", "PrefillSettings"),
@@ -47,6 +50,62 @@ def main(argv: list[str] | None = None) -> None:
     service_cls = getattr(importlib.import_module(service_module), service_name)
     settings_cls = getattr(importlib.import_module(settings_module), settings_name)
     service_main(service_cls, settings_cls, rest)
+
+
+def _submit_settings():
+    """``epd submit``'s settings (built on first use: the other commands need not import them)."""
+    from pydantic import Field
+    from pydantic_settings import CliPositionalArg
+
+    from shared.settings import CommonSettings
+
+    class SubmitSettings(CommonSettings):
+        file: CliPositionalArg[str] = Field(description="the chat request (OpenAI JSON body); - reads stdin")
+        stream: bool = Field(False, description="print the chunks (JSON lines) as they come")
+        durable: bool = Field(False, description="queue a durable JetStream job and print its id")
+        wait: bool = Field(False, description="with --durable: wait for the job's result and print it")
+        job_id: str = Field("", description="with --durable: the job's id; default: a new one")
+        timeout: float = Field(300.0, gt=0, description="seconds to wait for the answer (per chunk with --stream)")
+
+    return SubmitSettings
+
+
+def submit(settings) -> int:
+    """Send one chat request over NATS; answers go to stdout, an error body to stderr (exit 1)."""
+    import asyncio
+    import json
+
+    from shared.client import ChatError, chat, chat_stream, submit_job, wait_result
+
+    if settings.stream and settings.durable or (settings.wait or settings.job_id) and not settings.durable:
+        print("epd submit: --stream is for direct requests; --wait and --job-id need --durable", file=sys.stderr)
+        return 2
+    text = sys.stdin.read() if settings.file == "-" else open(settings.file, encoding="utf-8").read()
+    request, prefix, timeout = json.loads(text), settings.subject_prefix, settings.timeout
+
+    async def run() -> None:
+        import nats
+
+        nc = await nats.connect(name="epd-submit", connect_timeout=5, allow_reconnect=False,
+                                **settings.nats_options())
+        try:
+            if settings.durable:
+                job_id = await submit_job(nc, request, prefix, settings.job_id or None)
+                print(json.dumps(await wait_result(nc, job_id, prefix, timeout)) if settings.wait else job_id)
+            elif settings.stream:
+                async for chunk in chat_stream(nc, request, prefix, timeout):
+                    print(json.dumps(chunk), flush=True)
+            else:
+                print(json.dumps(await chat(nc, request, prefix, timeout)))
+        finally:
+            await nc.close()
+
+    try:
+        asyncio.run(run())
+    except ChatError as err:
+        print(json.dumps(err.body), file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -92,6 +92,14 @@ class RunningStack:
         asyncio.run(self._ready(counts))
         return self
 
+    def spawn(self, kind: str, *args: str) -> None:
+        """One more service process on this stack's prefix, without waiting for it (see ``wait_for``)."""
+        self.stack.spawn(kind, *args)
+
+    def wait_for(self, counts: dict[str, int], timeout: float = 180) -> None:
+        """Until the NATS service API lists ``counts[kind]`` instances of each kind on this prefix."""
+        asyncio.run(self.stack.wait_ready(counts, timeout=timeout, prefix=self.prefix))
+
     async def _ready(self, counts: dict[str, int]) -> None:
         await self.stack.wait_ready(counts, timeout=180, prefix=self.prefix)
         frontends = await self.stats("epd-frontend")

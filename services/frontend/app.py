@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -13,20 +14,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.frontend.errors import ApiError
-from services.frontend.pipeline import Finished, Generation, TextDelta
-from services.frontend.protocol import (
-    AssistantMessage,
-    ChatCompletion,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    Choice,
-    ChunkChoice,
-    Delta,
-    ErrorResponse,
-    ModelCard,
-    ModelList,
-    Usage,
-)
+from services.frontend.pipeline import Generation
+from services.frontend.protocol import ChatCompletion, ChatCompletionRequest, ErrorResponse, ModelCard, ModelList
+from services.frontend.responses import admit, chunk_json, chunks, complete, include_usage, invalid_request
 from shared.logging import get_logger
 
 log = get_logger(__name__)
@@ -45,7 +35,7 @@ def create_app(frontend) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, err: RequestValidationError) -> JSONResponse:
-        return await _api_error(_request, ApiError(400, _describe(err), _param(err)))
+        return await _api_error(_request, invalid_request(err.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request: Request, err: StarletteHTTPException) -> JSONResponse:
@@ -81,19 +71,9 @@ def create_app(frontend) -> FastAPI:
 
     @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=_ERRORS)
     async def chat(body: ChatCompletionRequest, request: Request):
-        if body.model not in (None, "", frontend.model_name):
-            raise ApiError(404, f"model {body.model!r} is not served here; this server serves "
-                                f"{frontend.model_name!r}", "model")
-        if not frontend.admission.try_acquire():
-            raise ApiError(429, "the server is at capacity; retry shortly")
-        try:
-            generation = await frontend.pipeline.start(body)
-        except BaseException:
-            frontend.admission.release()
-            raise
+        generation = await admit(frontend, body)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = _sse(frontend, generation, include_usage)
+            stream = _sse(frontend, generation, include_usage(body))
             return StreamingResponse(stream, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
@@ -107,32 +87,16 @@ def create_app(frontend) -> FastAPI:
 async def _complete(frontend, generation: Generation, request: Request) -> ChatCompletion:
     """Collect the whole answer; a client that disconnects meanwhile cancels the request."""
     watcher = asyncio.create_task(_wait_disconnect(request))
-    collector = asyncio.create_task(_collect(generation))
+    collector = asyncio.create_task(complete(frontend, generation))
     try:
         done, _ = await asyncio.wait({watcher, collector}, return_when=asyncio.FIRST_COMPLETED)
         if collector not in done:
             collector.cancel()
             await asyncio.gather(collector, return_exceptions=True)
             raise ApiError(499, "client disconnected")
-        text, finish = collector.result()
+        return collector.result()
     finally:
         watcher.cancel()
-    frontend.metrics.observe(generation, finish.reason)
-    return ChatCompletion(
-        id=f"chatcmpl-{generation.request_id}", model=frontend.model_name, created=int(generation.created),
-        choices=[Choice(message=AssistantMessage(content=text), finish_reason=finish.reason)],
-        usage=_usage(finish),
-    )
-
-
-async def _collect(generation: Generation) -> tuple[str, Finished]:
-    parts: list[str] = []
-    async for event in generation.events():
-        if isinstance(event, TextDelta):
-            parts.append(event.text)
-        else:
-            return "".join(parts), event
-    raise ApiError(502, "the token stream ended without a finish")
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -140,54 +104,15 @@ async def _wait_disconnect(request: Request) -> None:
         await asyncio.sleep(0.25)
 
 
-async def _sse(frontend, generation: Generation, include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events: role chunk, content chunks, finish chunk, [usage chunk], [DONE].
-
-    An error after streaming began is sent as an ``error`` event (never as a normal finish).
-    """
-    created = int(generation.created)
-    cid = f"chatcmpl-{generation.request_id}"
-
-    def chunk(delta: Delta, finish: str | None = None, usage: Usage | None = None, choices: bool = True) -> str:
-        body = ChatCompletionChunk(id=cid, created=created, model=frontend.model_name, usage=usage,
-                                   choices=[ChunkChoice(delta=delta, finish_reason=finish)] if choices else [])
-        return f"data: {body.model_dump_json(exclude_none=usage is None)}\n\n"
-
+async def _sse(frontend, generation: Generation, usage: bool) -> AsyncIterator[str]:
+    """Server-sent events: the chunks, then [DONE]; an error after streaming began is an ``error`` event."""
     try:
-        yield chunk(Delta(role="assistant", content=""))
-        async for event in generation.events():
-            if isinstance(event, TextDelta):
-                yield chunk(Delta(content=event.text))
-                continue
-            yield chunk(Delta(), finish=event.reason)
-            if include_usage:
-                yield chunk(Delta(), usage=_usage(event), choices=False)
-            frontend.metrics.observe(generation, event.reason)
+        async with aclosing(chunks(frontend, generation, usage)) as stream:
+            async for chunk in stream:
+                yield f"data: {chunk_json(chunk)}\n\n"
         yield "data: [DONE]\n\n"
     except ApiError as err:
-        frontend.metrics.failed(err.status)
         yield f"data: {json.dumps(err.body())}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         frontend.admission.release()
-
-
-def _usage(finish: Finished) -> Usage:
-    return Usage(prompt_tokens=finish.prompt_tokens, completion_tokens=finish.completion_tokens,
-                 total_tokens=finish.prompt_tokens + finish.completion_tokens)
-
-
-def _describe(err: RequestValidationError) -> str:
-    problems = []
-    for e in err.errors()[:5]:
-        where = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
-        problems.append(f"{where}: {e.get('msg', 'invalid')}" if where else e.get("msg", "invalid"))
-    return "invalid request: " + "; ".join(problems)
-
-
-def _param(err: RequestValidationError) -> str | None:
-    errors = err.errors()
-    if not errors:
-        return None
-    loc = [str(p) for p in errors[0].get("loc", ()) if p != "body"]
-    return loc[0] if loc else None

@@ -11,8 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 import uvicorn
 
 from services.frontend.app import create_app
+from services.frontend.jobs import JobWorker
 from services.frontend.media import MediaLoader
 from services.frontend.metrics import Admission, FrontendMetrics
+from services.frontend.nats_api import ChatEndpoint
 from services.frontend.pipeline import ChatPipeline
 from services.frontend.prompt import PromptBuilder
 from services.frontend.routing import EncoderDirectory
@@ -49,6 +51,8 @@ class FrontendService(ServiceBase):
         self.started = int(time.time())
         self._server: _Server | None = None
         self._server_task: asyncio.Task | None = None
+        self.chat_endpoint = ChatEndpoint(self)
+        self.jobs = JobWorker(self, settings)
 
     def metadata(self) -> dict[str, str]:
         return {**super().metadata(), "http": f"{self.settings.host}:{self.port}"}
@@ -79,6 +83,12 @@ class FrontendService(ServiceBase):
             await asyncio.sleep(0.01)
         log.info("frontend.listening", url=f"http://{s.host}:{self.port}", model=self.model_name)
 
+    async def serve(self, service) -> None:
+        """The NATS doors, beside HTTP: ``<prefix>.chat`` requests and, with JetStream, durable jobs."""
+        await self.chat_endpoint.add_to(service)
+        if self.settings.jobs:
+            self.jobs.start(self.nc)
+
     async def refresh_metrics(self) -> None:
         if self.nc is not None and self.nc.is_connected:
             self.metrics.record_service_stats(await gather_replies(self.nc, "$SRV.STATS", wait=0.2))
@@ -86,9 +96,11 @@ class FrontendService(ServiceBase):
     async def drain(self) -> None:
         if self._server is not None:
             self._server.should_exit = True  # stop accepting; finish in-flight HTTP requests
-            await asyncio.gather(self._server_task, return_exceptions=True)
+        http = self._server_task if self._server_task is not None else asyncio.sleep(0)
+        await asyncio.gather(http, self.chat_endpoint.drain(), self.jobs.drain(), return_exceptions=True)
 
     async def close(self) -> None:
+        await self.jobs.stop()
         await self.encoders.stop()
         await self.media.close()
         await self.plane.stop()
@@ -96,4 +108,5 @@ class FrontendService(ServiceBase):
 
     def stats(self) -> dict:
         return {"instance": self.instance, "in_flight": self.admission.count,
-                "images_encoded": self.pipeline.encoded_images if hasattr(self, "pipeline") else 0}
+                "images_encoded": self.pipeline.encoded_images if hasattr(self, "pipeline") else 0,
+                "nats_chat_errors": self.chat_endpoint.errors, **self.jobs.stats()}

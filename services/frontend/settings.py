@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from shared.settings import CommonSettings
 
@@ -31,3 +31,22 @@ class FrontendSettings(CommonSettings):
     prefill_timeout: float = Field(30.0, gt=0, description="seconds for prefill to accept a request")
     first_token_timeout: float = Field(120.0, gt=0, description="seconds from admission to the first token")
     token_timeout: float = Field(60.0, gt=0, description="seconds between two tokens before the request fails")
+    jobs: bool = Field(True, description="answer durable jobs from JetStream (<prefix>.jobs.submit); "
+                                         "needs a NATS server with JetStream")
+    job_concurrency: int = Field(8, ge=1, description="jobs this frontend runs at once")
+    job_ack_wait: float = Field(60.0, ge=1, description="seconds without a progress signal before JetStream "
+                                                        "hands a job to another frontend")
+    job_retry_delay: float = Field(1.0, gt=0, description="seconds before a job that failed transiently (no "
+                                                          "workers yet, timeout, 429, 5xx) is retried; doubles "
+                                                          "each attempt")
+    job_retry_max_delay: float = Field(30.0, gt=0, description="longest delay between two attempts of a job")
+    job_max_attempts: int = Field(0, ge=0, description="attempts before a transiently failing job gets an error "
+                                                       "result; 0: retry until the stack can answer it")
+    result_max_age: float = Field(24 * 3600.0, gt=0, description="seconds job results are kept in JetStream")
+
+    @model_validator(mode="after")
+    def _retry_delays(self) -> "FrontendSettings":
+        if self.job_retry_max_delay < self.job_retry_delay:
+            raise ValueError(f"job-retry-max-delay ({self.job_retry_max_delay:g}) must be at least "
+                             f"job-retry-delay ({self.job_retry_delay:g})")
+        return self

@@ -1,0 +1,246 @@
+"""Durable batch jobs: chat requests queued in JetStream, answered by whichever frontend pulls them.
+
+Jobs wait in a work-queue stream (``<prefix>.jobs.submit``) until a frontend of the shared durable
+pull consumer takes one. The answer is stored in the results stream (``<prefix>.results.<job id>``)
+*before* the job is acked, so a frontend that dies mid-job loses nothing: the job is redelivered.
+A transient failure (no encoder/prefill/decode yet, a timeout, a full server: 5xx and 429) naks the
+job with a growing delay, so jobs submitted before any worker runs complete once workers appear; a
+request the stack can never answer (4xx) gets an error result at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from dataclasses import dataclass
+
+from nats.js.api import AckPolicy, ConsumerConfig
+from nats.js.errors import NotFoundError
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from services.frontend.errors import ApiError
+from services.frontend.nats_api import error_headers
+from services.frontend.protocol import ChatCompletionRequest
+from services.frontend.responses import answer, invalid_request
+from services.frontend.settings import FrontendSettings
+from shared.client import JOB_CONSUMER, JOB_ID_HEADER, MSG_ID_HEADER, JobStreams, valid_job_id
+from shared.logging import get_logger
+
+log = get_logger(__name__)
+
+_FETCH_WAIT = 2.0  # seconds one pull waits for a job; also how long stopping may take to notice
+
+
+class JobEnvelope(BaseModel):
+    """What a submitter publishes: the chat request and, optionally, the job's id."""
+
+    model_config = ConfigDict(extra="forbid")
+    request: dict
+    id: str | None = None
+
+
+@dataclass
+class Job:
+    id: str
+    request: ChatCompletionRequest | None = None
+    error: ApiError | None = None  # the job can never be answered: its result is this error
+
+
+def read_job(data: bytes, headers: dict | None, stream_seq: int) -> Job:
+    """Id: the body's ``id``, else ``Nats-Msg-Id``, else ``seq-<stream sequence>`` (stable across redeliveries)."""
+    fallback = f"seq-{stream_seq}"
+    header_id = (headers or {}).get(MSG_ID_HEADER)
+    header_id = header_id if header_id and valid_job_id(header_id) else None
+    try:
+        envelope = JobEnvelope.model_validate_json(data)
+    except ValidationError as err:
+        problem = invalid_request(err.errors())
+        return Job(header_id or fallback, error=ApiError(400, "invalid job: " + problem.message, problem.param))
+    job_id = envelope.id or header_id or fallback
+    if not valid_job_id(job_id):
+        return Job(fallback, error=ApiError(400, f"invalid job id {job_id!r}: 1-128 characters, no dots, "
+                                                 "spaces or wildcards", "id"))
+    try:
+        request = ChatCompletionRequest.model_validate(envelope.request)
+    except ValidationError as err:
+        return Job(job_id, error=invalid_request(err.errors()))
+    if request.stream:
+        return Job(job_id, error=ApiError(400, "a job cannot stream; leave out 'stream' (or use the "
+                                               "chat subject)", "stream"))
+    return Job(job_id, request)
+
+
+def transient(status: int) -> bool:
+    """Worth retrying later: the stack is missing a stage, slow, or full."""
+    return status >= 500 or status in (408, 429)
+
+
+class JobWorker:
+    """Pulls jobs while the frontend serves; at most ``job_concurrency`` run at once."""
+
+    def __init__(self, frontend, settings: FrontendSettings):
+        self.frontend = frontend
+        self.settings = settings
+        self.streams = JobStreams(frontend.subjects.prefix, settings.result_max_age)
+        self.slots = asyncio.Semaphore(settings.job_concurrency)
+        self.tasks: set[asyncio.Task] = set()
+        self.done = self.failed = self.retried = 0
+        self._loop_task: asyncio.Task | None = None
+        self._stopping = asyncio.Event()
+
+    def start(self, nc) -> None:
+        self.js = nc.jetstream()
+        self._loop_task = asyncio.create_task(self._pull_loop(), name="jobs")
+
+    async def _subscribe(self):
+        await self.streams.ensure(self.js, update=True)
+        config = ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=self.settings.job_ack_wait)
+        return await self.js.pull_subscribe(self.streams.subjects.jobs, durable=JOB_CONSUMER,
+                                            stream=self.streams.jobs, config=config)
+
+    async def _pull_loop(self) -> None:
+        """Subscribe (retrying while JetStream is unreachable), then take one job per free slot."""
+        sub, failures = None, 0
+        try:
+            while not self._stopping.is_set():
+                try:
+                    sub = sub or await self._subscribe()
+                    msgs = await self._fetch(sub)
+                    failures = 0
+                except asyncio.TimeoutError:  # nats' TimeoutError too: no job waiting
+                    continue
+                except Exception as err:  # JetStream off or unreachable, stream deleted: set up again later
+                    failures += 1
+                    if failures in (1, 10) or failures % 100 == 0:
+                        log.warning("jobs.unavailable", error=repr(err), attempts=failures,
+                                    hint="the NATS server needs JetStream; --no-jobs turns jobs off")
+                    await _unsubscribe(sub)
+                    sub = None
+                    with contextlib.suppress(asyncio.TimeoutError):  # a pause that stopping cuts short
+                        await asyncio.wait_for(self._stopping.wait(), self._backoff(failures))
+                    continue
+                for msg in msgs:
+                    self._spawn(msg)
+        finally:
+            # nats-py's drain would wait forever on a pull subscription's queue: leave it first.
+            await _unsubscribe(sub)
+
+    async def _fetch(self, sub) -> list:
+        await self.slots.acquire()  # a job is pulled only when this frontend has room to run it
+        try:
+            return await sub.fetch(1, timeout=_FETCH_WAIT)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def _spawn(self, msg) -> None:
+        task = asyncio.create_task(self._run(msg), name="job")
+        self.tasks.add(task)
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        self.slots.release()
+        if not task.cancelled() and task.exception() is not None:
+            log.error("jobs.crashed", error=repr(task.exception()))
+
+    async def _run(self, msg) -> None:
+        if self._stopping.is_set():
+            await msg.nak()  # fetched while stopping: let another frontend take it now
+            return
+        meta = msg.metadata
+        job = read_job(msg.data, msg.headers, meta.sequence.stream)
+        try:
+            async with self._keep_alive(msg):
+                if meta.num_delivered > 1 and await self._has_result(job.id):
+                    await msg.ack()  # answered before, the ack was lost
+                    return
+                await self._answer(job, msg, meta.num_delivered)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(msg.nak())  # stopped mid-job: another frontend takes it now
+            raise
+        except Exception as err:  # e.g. the result could not be stored (JetStream gone): try again later
+            log.warning("jobs.attempt_failed", job_id=job.id, error=repr(err))
+            with contextlib.suppress(Exception):  # if even the nak is lost, JetStream redelivers after ack_wait
+                await msg.nak(delay=self._backoff(meta.num_delivered))
+
+    async def _answer(self, job: Job, msg, attempt: int) -> None:
+        error = job.error
+        if error is None:
+            try:
+                completion = await answer(self.frontend, job.request)
+                await self._store(job.id, completion.model_dump_json().encode(), {})
+                self.done += 1
+                await msg.ack()
+                return
+            except ApiError as err:
+                error = err
+        last_try = 0 < self.settings.job_max_attempts <= attempt
+        if transient(error.status) and not last_try:
+            self.retried += 1
+            delay = self._backoff(attempt)
+            log.info("jobs.retry", job_id=job.id, status=error.status, attempt=attempt, delay=delay)
+            await msg.nak(delay=delay)
+            return
+        log.info("jobs.failed", job_id=job.id, status=error.status, error=error.message)
+        await self._store(job.id, json.dumps(error.body()).encode(), error_headers(error))
+        self.failed += 1
+        await msg.ack()
+
+    async def _store(self, job_id: str, payload: bytes, headers: dict[str, str]) -> None:
+        headers = {**headers, JOB_ID_HEADER: job_id, MSG_ID_HEADER: job_id}
+        await self.js.publish(self.streams.subjects.results(job_id), payload, headers=headers,
+                              stream=self.streams.results)
+
+    async def _has_result(self, job_id: str) -> bool:
+        try:
+            await self.js.get_last_msg(self.streams.results, self.streams.subjects.results(job_id))
+            return True
+        except NotFoundError:
+            return False
+
+    @contextlib.asynccontextmanager
+    async def _keep_alive(self, msg):
+        """Tell JetStream the job is still being worked on, so a long answer is not redelivered meanwhile."""
+        async def beat():
+            while True:
+                await asyncio.sleep(self.settings.job_ack_wait / 3)
+                await msg.in_progress()
+
+        task = asyncio.create_task(beat(), name="job-keepalive")
+        try:
+            yield
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    def _backoff(self, attempt: int) -> float:
+        s = self.settings
+        return min(s.job_retry_delay * 2 ** min(max(attempt - 1, 0), 30), s.job_retry_max_delay)
+
+    async def drain(self) -> None:
+        """Stop taking jobs and let the running ones finish (a cancelled one is nak'ed for another frontend)."""
+        self._stopping.set()
+        if self._loop_task is not None:
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        if self.tasks:
+            await asyncio.gather(*list(self.tasks), return_exceptions=True)
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        for task in [self._loop_task, *self.tasks]:
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*(t for t in [self._loop_task, *self.tasks] if t is not None), return_exceptions=True)
+
+    def stats(self) -> dict:
+        return {"jobs_running": len(self.tasks), "jobs_done": self.done, "jobs_failed": self.failed,
+                "jobs_retried": self.retried}
+
+
+async def _unsubscribe(sub) -> None:
+    if sub is not None:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
