@@ -164,3 +164,21 @@ def test_prefill_role_hands_off_kv_that_decode_continues(model_parts, requests_w
     run_to_completion(decode)
     assert moved.output_ids == request[3]
     assert decode.blocks.num_free == decode.blocks.num_blocks
+
+
+def test_batched_vision_equals_one_image_at_a_time(model_parts, tiny_model):
+    """Images of different sizes in one packed ViT forward give each image's own result (fp32, CPU), and
+    the grouped attention of the GPU path agrees with the per-segment one."""
+    import numpy as np
+
+    from shared.model.processor import ImagePreprocessor
+
+    _, _, tower = model_parts
+    pre = ImagePreprocessor(tiny_model)
+    images = [np.asarray(make_image(s, h, w)) for s, h, w in [(1, 100, 150), (2, 56, 56), (3, 140, 70), (4, 56, 56)]]
+    patches, grids = zip(*(pre(i) for i in images))
+    single = [tower(torch.from_numpy(p), [g]) for p, g in zip(patches, grids)]
+    batched = tower(torch.cat([torch.from_numpy(p) for p in patches]), list(grids))
+    torch.testing.assert_close(batched, torch.cat(single), rtol=1e-5, atol=1e-5)
+    grouped = tower(torch.cat([torch.from_numpy(p) for p in patches]), list(grids), grouped=True)
+    torch.testing.assert_close(grouped, batched, rtol=1e-5, atol=1e-5)

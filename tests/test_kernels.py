@@ -61,9 +61,10 @@ def test_norms_and_activation():
     close(silu_mul(gate_up), F.silu(gate_up[:, :40]) * gate_up[:, 40:])
 
 
-def test_rope_store_rotates_and_writes_the_cache():
+@pytest.mark.parametrize("dim", [16, 20])  # 20: a half width that is not a power of two (the ViT's 80)
+def test_rope_store_rotates_and_writes_the_cache(dim):
     torch.manual_seed(1)
-    tokens, heads, kv_heads, dim = 6, 4, 2, 16
+    tokens, heads, kv_heads = 6, 4, 2
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device=DEVICE)
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     q, k, v = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)

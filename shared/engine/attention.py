@@ -64,13 +64,14 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     group = q.shape[1] // k.shape[1]
     for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
         s = slice(start, end)
-        qs, ks, vs = q[s].transpose(0, 1), k[s].transpose(0, 1), v[s].transpose(0, 1)
+        # [1, heads, tokens, dim]: the fused (flash) kernels take 4-D inputs only
+        qs, ks, vs = (x[s].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
         if q.is_cuda and group > 1:
             # expanded heads keep the flash kernel eligible (its GQA support varies across torch builds)
-            ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
-            out[s] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1)
+            ks, vs = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)
+            out[s] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)[0].transpose(0, 1)
         else:
-            out[s] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True).transpose(0, 1)
+            out[s] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
     return out
 
 

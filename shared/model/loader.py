@@ -128,7 +128,7 @@ def _materialize(build, device: torch.device, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def _load(path: Path, role: str, build, device, dtype, load_format: str, seed: int) -> nn.Module:
+def _load(path: Path | None, role: str, build, device, dtype, load_format: str, seed: int) -> nn.Module:
     model = _materialize(build, torch.device(device), dtype)
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         model.lm_head.weight = model.embed_tokens.weight  # to_empty() breaks the tie
@@ -141,11 +141,12 @@ def _load(path: Path, role: str, build, device, dtype, load_format: str, seed: i
     return model.eval().requires_grad_(False)
 
 
-def load_language_model(path: Path, config: ModelConfig, device="cpu", dtype=torch.float32,
+def load_language_model(path: Path | None, config: ModelConfig, device="cpu", dtype=torch.float32,
                         load_format: str = "auto", seed: int = 0) -> LanguageModel:
-    return _load(Path(path), "text", lambda: LanguageModel(config.text), device, dtype, load_format, seed)
+    """``path`` may be None with ``load_format="dummy"`` (nothing is read)."""
+    return _load(path and Path(path), "text", lambda: LanguageModel(config.text), device, dtype, load_format, seed)
 
 
-def load_vision_tower(path: Path, config: ModelConfig, device="cpu", dtype=torch.float32,
+def load_vision_tower(path: Path | None, config: ModelConfig, device="cpu", dtype=torch.float32,
                       load_format: str = "auto", seed: int = 0) -> VisionTower:
-    return _load(Path(path), "vision", lambda: VisionTower(config.vision), device, dtype, load_format, seed)
+    return _load(path and Path(path), "vision", lambda: VisionTower(config.vision), device, dtype, load_format, seed)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared.engine.kernels import fused
 from shared.model.config import VisionConfig
 from shared.model.rope import VisionRotaryEmbedding, rotate_half
 from shared.model.text import RMSNorm
@@ -38,12 +39,14 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(config.width, 3 * config.width, bias=True)
         self.proj = nn.Linear(config.width, config.width, bias=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int],
-                attend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: "SegmentAttention") -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        return self.proj(attend(q, k, v, cu_seqlens).reshape(n, -1))
+        if x.is_cuda and fused.available:
+            fused.rope_store(q, k, v, cos, sin, None, None, None)  # in place, float32 inside
+        else:
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return self.proj(attend(q, k, v).reshape(n, -1))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -52,15 +55,36 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (xf * cos[:, None] + rotate_half(xf) * sin[:, None]).to(x.dtype)
 
 
-def attend_per_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
-    """Bidirectional attention within each ``[cu[i], cu[i+1])`` segment; ``q,k,v`` ``[N, heads, D]``."""
-    out = torch.empty_like(q)
-    for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-        seg = slice(start, end)
-        out[seg] = F.scaled_dot_product_attention(
-            q[seg].transpose(0, 1), k[seg].transpose(0, 1), v[seg].transpose(0, 1)
-        ).transpose(0, 1)
-    return out
+class SegmentAttention:
+    """Bidirectional attention confined to segments ``[cu[i], cu[i+1])`` of the packed patches.
+
+    The reference path attends segment by segment. The grouped path (GPU) batches segments of equal
+    length — most windows of an image, images of one size — into one call each, without padding or
+    masks, so the flash kernel applies; its gather indices are built once per forward, not per block.
+    """
+
+    def __init__(self, cu_seqlens: list[int], device: torch.device, grouped: bool):
+        self.cu_seqlens = cu_seqlens
+        self.groups: list[torch.Tensor] = []
+        if grouped:
+            starts = torch.tensor(cu_seqlens[:-1])
+            lengths = torch.tensor(cu_seqlens[1:]) - starts
+            for length in lengths.unique().tolist():
+                index = starts[lengths == length][:, None] + torch.arange(length)
+                self.groups.append(index.to(device, non_blocking=True))  # [segments, length]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(q)
+        if self.groups:
+            for index in self.groups:
+                out[index] = F.scaled_dot_product_attention(
+                    q[index].transpose(1, 2), k[index].transpose(1, 2), v[index].transpose(1, 2)).transpose(1, 2)
+            return out
+        for start, end in zip(self.cu_seqlens[:-1], self.cu_seqlens[1:]):
+            seg = slice(start, end)
+            out[seg] = F.scaled_dot_product_attention(
+                q[seg].transpose(0, 1), k[seg].transpose(0, 1), v[seg].transpose(0, 1)).transpose(0, 1)
+        return out
 
 
 class VisionMLP(nn.Module):
@@ -69,17 +93,21 @@ class VisionMLP(nn.Module):
         self.gated = config.family == "qwen2_5_vl"
         self.act = _activation(config.act)
         if self.gated:
-            self.gate_proj = nn.Linear(config.width, config.mlp_hidden, bias=True)
-            self.up_proj = nn.Linear(config.width, config.mlp_hidden, bias=True)
+            self.intermediate = config.mlp_hidden  # the loader fuses the checkpoint's gate and up
+            self.gate_up_proj = nn.Linear(config.width, 2 * config.mlp_hidden, bias=True)
             self.down_proj = nn.Linear(config.mlp_hidden, config.width, bias=True)
         else:
             self.fc1 = nn.Linear(config.width, config.mlp_hidden, bias=True)
             self.fc2 = nn.Linear(config.mlp_hidden, config.width, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gated:
-            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-        return self.fc2(self.act(self.fc1(x)))
+        if not self.gated:
+            return self.fc2(self.act(self.fc1(x)))
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_cuda and fused.available and self.act is F.silu:
+            return self.down_proj(fused.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        return self.down_proj(self.act(gate) * up)
 
 
 def _norm(config: VisionConfig, dim: int) -> nn.Module:
@@ -94,8 +122,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(config)
         self.mlp = VisionMLP(config)
 
-    def forward(self, x, cos, sin, cu_seqlens, attend):
-        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens, attend)
+    def forward(self, x, cos, sin, attend: SegmentAttention):
+        x = x + self.attn(self.norm1(x), cos, sin, attend)
         return x + self.mlp(self.norm2(x))
 
 
@@ -172,17 +200,19 @@ class VisionTower(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
         self.merger = PatchMerger(config)
 
-    def forward(self, patches: torch.Tensor, grids: Sequence[Grid], attend=attend_per_segment) -> torch.Tensor:
+    def forward(self, patches: torch.Tensor, grids: Sequence[Grid], grouped: bool | None = None) -> torch.Tensor:
         """``patches`` ``[N, patch_dim]`` of all images, concatenated → ``[N / merge², out_dim]``."""
+        grouped = patches.is_cuda if grouped is None else grouped
         layout = packed_layout(grids, self.config)
         unit = self.config.merge_size ** 2
         device = patches.device
         x = self.patch_embed(patches)
         x = self._to_window_order(x, layout.order.to(device), unit)
         cos, sin = self.rotary(self._to_window_order(layout.rows_cols.to(device), layout.order.to(device), unit))
+        full = SegmentAttention(layout.cu_images, device, grouped)
+        windowed = SegmentAttention(layout.cu_windows, device, grouped) if layout.cu_windows != layout.cu_images else full
         for i, block in enumerate(self.blocks):
-            cu = layout.cu_images if i in self.config.fullatt_blocks else layout.cu_windows
-            x = block(x, cos, sin, cu, attend)
+            x = block(x, cos, sin, full if i in self.config.fullatt_blocks else windowed)
         return self.merger(x)[layout.restore.to(device)]
 
     @staticmethod

@@ -79,16 +79,17 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache, v_cache, 
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
                        stride_cs, stride_ch,
                        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-                       HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr, STORE: tl.constexpr):
+                       HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr, STORE: tl.constexpr):
     t = tl.program_id(0)
-    d = tl.arange(0, HALF)
-    cos_lo = tl.load(cos_ptr + t * stride_ct + d).to(tl.float32)
-    cos_hi = tl.load(cos_ptr + t * stride_ct + HALF + d).to(tl.float32)
-    sin_lo = tl.load(sin_ptr + t * stride_ct + d).to(tl.float32)
-    sin_hi = tl.load(sin_ptr + t * stride_ct + HALF + d).to(tl.float32)
+    d = tl.arange(0, HALF_PAD)
+    dm = d < HALF
+    cos_lo = tl.load(cos_ptr + t * stride_ct + d, mask=dm, other=0.0).to(tl.float32)
+    cos_hi = tl.load(cos_ptr + t * stride_ct + HALF + d, mask=dm, other=0.0).to(tl.float32)
+    sin_lo = tl.load(sin_ptr + t * stride_ct + d, mask=dm, other=0.0).to(tl.float32)
+    sin_hi = tl.load(sin_ptr + t * stride_ct + HALF + d, mask=dm, other=0.0).to(tl.float32)
 
     h = tl.arange(0, HEADS_PAD)
-    hm = (h < NUM_HEADS)[:, None]
+    hm = (h < NUM_HEADS)[:, None] & dm[None, :]
     q_lo_ptr = q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :]
     q_lo = tl.load(q_lo_ptr, mask=hm, other=0.0).to(tl.float32)
     q_hi = tl.load(q_lo_ptr + HALF, mask=hm, other=0.0).to(tl.float32)
@@ -96,7 +97,7 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache, v_cache, 
     tl.store(q_lo_ptr + HALF, (q_hi * cos_hi[None, :] + q_lo * sin_hi[None, :]).to(q_ptr.dtype.element_ty), mask=hm)
 
     kh = tl.arange(0, KV_PAD)
-    km = (kh < NUM_KV_HEADS)[:, None]
+    km = (kh < NUM_KV_HEADS)[:, None] & dm[None, :]
     k_lo_ptr = k_ptr + t * stride_kt + kh[:, None] * stride_kh + d[None, :]
     k_lo = tl.load(k_lo_ptr, mask=km, other=0.0).to(tl.float32)
     k_hi = tl.load(k_lo_ptr + HALF, mask=km, other=0.0).to(tl.float32)
@@ -118,7 +119,8 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
                k_cache: torch.Tensor | None, v_cache: torch.Tensor | None, slots: torch.Tensor | None) -> None:
     """Rotate ``q`` ``[T, H, D]`` and ``k`` ``[T, KVH, D]`` in place; write k, v to cache ``slots`` if given.
 
-    Caches are ``[slots, kv_heads, D]`` views of one layer's pool."""
+    Caches are ``[slots, kv_heads, D]`` views of one layer's pool. ``cos``/``sin`` ``[T, D]`` may be
+    float32 (the ViT's rotary) or the model's dtype."""
     tokens, heads, dim = q.shape
     kv_heads = k.shape[1]
     store = k_cache is not None
@@ -126,6 +128,7 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
         q, k, v, cos, sin, k_cache if store else k, v_cache if store else v, slots if store else cos,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         k_cache.stride(0) if store else 0, k_cache.stride(1) if store else 0,
-        NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HALF=dim // 2, HEADS_PAD=triton.next_power_of_2(heads),
+        NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HALF=dim // 2, HALF_PAD=triton.next_power_of_2(dim // 2),
+        HEADS_PAD=triton.next_power_of_2(heads),
         KV_PAD=triton.next_power_of_2(kv_heads), STORE=store,
     )
