@@ -215,6 +215,7 @@ def profile(ctx):
     engine.add_prompt(seq)
     engine.step()
     graphs, runner.graphs = runner.graphs, None
+    engine.blocks.may_append(seq)
     table("decode_b1_eager", lambda: runner.decode([seq]))
     runner.graphs = graphs
     engine.abort("prof")
@@ -238,10 +239,10 @@ def decode1(ctx):
     for _ in range(3):
         engine.step()
     engine.blocks.may_append(seq)  # room for the token a replay computes
-    ids, pos, slots, tables, lens = runner.decode_inputs([seq])
+    rows = runner.stage_decode([seq])
     replay = None
     if runner.graphs is not None:
-        replay = timer.ms(lambda: runner.graphs.run(ids, pos, slots, tables, lens), repeat=200, warmup=10)
+        replay = timer.ms(lambda: runner.graphs.replay(rows), repeat=200, warmup=10)
     walls = []
     for _ in range(100):
         t = time.perf_counter()
@@ -274,9 +275,9 @@ def decode64(ctx):
     engine.step()
     for seq in seqs:
         engine.blocks.may_append(seq)
-    ids, pos, slots, tables, lens = runner.decode_inputs(seqs)
+    rows = runner.stage_decode(seqs)
     if runner.graphs is not None:
-        replay = timer.ms(lambda: runner.graphs.run(ids, pos, slots, tables, lens), repeat=50, warmup=5)
+        replay = timer.ms(lambda: runner.graphs.replay(rows), repeat=50, warmup=5)
     else:
         replay = timer.ms(lambda: runner.decode(seqs), repeat=3, warmup=1)
     walls = []

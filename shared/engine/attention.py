@@ -24,7 +24,7 @@ class ForwardBatch:
     """The layout of one forward pass over packed tokens."""
 
     is_prefill: bool
-    slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V is written
+    slot_mapping: torch.Tensor  # [T] int32/int64: where each new token's K/V is written
     cu_seqlens: list[int] = field(default_factory=list)  # prefill: sequence bounds in the packed tokens
     context_lens: torch.Tensor | None = None  # decode: [B] int32, tokens each row attends over (incl. new)
     block_tables: torch.Tensor | None = None  # decode: [B, width] int32, each row's blocks (padded)
@@ -39,8 +39,9 @@ class TorchAttention:
     def forward(self, layer: int, q, k, v, cos, sin, batch: ForwardBatch) -> torch.Tensor:
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_cache, v_cache = self.cache.layer(layer)
-        k_cache.index_copy_(0, batch.slot_mapping, k)
-        v_cache.index_copy_(0, batch.slot_mapping, v)
+        slots = batch.slot_mapping.long()
+        k_cache.index_copy_(0, slots, k)
+        v_cache.index_copy_(0, slots, v)
         out = prefill_attention(q, k, v, batch.cu_seqlens) if batch.is_prefill else \
             self._decode(q, k_cache, v_cache, batch)
         if batch.on_layer_done is not None:

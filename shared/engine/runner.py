@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from shared.engine.attention import ForwardBatch, make_backend
+from shared.engine.inputs import DecodeInputs, table_width
 from shared.engine.kv_cache import KVCache
 from shared.engine.sampling import Sampler
 from shared.engine.sequence import Sequence
@@ -23,13 +24,15 @@ class ModelRunner:
         self.backend = backend or make_backend(cache, model.config.head_dim)
         self.sampler = sampler or Sampler(self.device)
         self.graphs = None  # DecodeGraphs, once captured
+        self.inputs: DecodeInputs | None = None  # decode staging buffers, grown on demand
 
     def capture_graphs(self, max_batch: int, max_model_len: int) -> None:
         """Capture the decode step for every batch bucket (CUDA only)."""
         from shared.engine.graphs import DecodeGraphs
 
-        width = (max_model_len + self.cache.block_size - 1) // self.cache.block_size
-        self.graphs = DecodeGraphs(self.model, self.backend, max_batch, width)
+        self.inputs = DecodeInputs(max_batch, table_width(max_model_len, self.cache.block_size),
+                                   self.cache.block_size, self.device)
+        self.graphs = DecodeGraphs(self.model, self.backend, self.inputs)
         self.graphs.capture()
 
     # -- prefill -------------------------------------------------------------------------------------
@@ -62,30 +65,25 @@ class ModelRunner:
         return self.sampler.sample(logits, [s.sampling for s in seqs], [s.num_output for s in seqs])
 
     # -- decode --------------------------------------------------------------------------------------
-    def decode_inputs(self, seqs: list[Sequence]) -> tuple[torch.Tensor, ...]:
-        """(ids, positions, slots, block_tables, context_lens) for one decode step, on the device."""
-        bs = self.cache.block_size
+    def stage_decode(self, seqs: list[Sequence]) -> int:
+        """Stage the step's inputs on the device; returns the rows staged (the graph bucket, or len(seqs))."""
+        rows = len(seqs)
+        bucket = self.graphs.bucket(rows) if self.graphs is not None else None
         width = max(len(s.block_table) for s in seqs)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
-        host = [
-            torch.tensor([s.last_token for s in seqs]),
-            torch.tensor([len(s) - 1 + s.rope_delta for s in seqs]),
-            torch.tensor([s.block_table[(len(s) - 1) // bs] * bs + (len(s) - 1) % bs for s in seqs]),
-            torch.tensor(tables, dtype=torch.int32),
-            torch.tensor([len(s) for s in seqs], dtype=torch.int32),
-        ]
-        if self.device.type == "cuda":
-            return tuple(t.pin_memory().to(self.device, non_blocking=True) for t in host)
-        return tuple(host)
+        if self.inputs is None or self.inputs.max_batch < rows or self.inputs.width < width:
+            self.inputs = DecodeInputs(max(rows, 8), max(width, 64), self.cache.block_size, self.device)
+        self.inputs.stage(seqs, bucket or rows)
+        return bucket or rows
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> list[int]:
-        ids, positions, slots, tables, lens = self.decode_inputs(seqs)
-        if self.graphs is not None and self.graphs.bucket(len(seqs)) is not None:
-            logits = self.graphs.run(ids, positions, slots, tables, lens)
+        rows = self.stage_decode(seqs)
+        if self.graphs is not None and rows in self.graphs.graphs:
+            logits = self.graphs.replay(rows)[:len(seqs)]
         else:
+            ids, positions, slots, lens, tables = self.inputs.views(rows)
             batch = ForwardBatch(is_prefill=False, slot_mapping=slots, context_lens=lens, block_tables=tables,
-                                 num_splits=self._splits(len(seqs)))
+                                 num_splits=self._splits(rows))
             logits = self.model.logits(self.model(self.model.embed(ids), positions.expand(3, -1), batch, self.backend))
         for seq in seqs:
             seq.num_computed = len(seq)

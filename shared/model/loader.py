@@ -74,33 +74,44 @@ def _fused_target(name: str) -> tuple[str, int] | None:
     return None
 
 
-def _piece_sizes(model: nn.Module, fused_name: str) -> list[int]:
-    module = model.get_submodule(fused_name.rsplit(".", 2)[0])
-    if hasattr(module, "q_size"):
-        return [module.q_size, module.kv_size, module.kv_size]
-    return [module.intermediate, module.intermediate]
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, local = name.rpartition(".")
+    path, _, layer = path.rpartition(".")
+    return model.get_submodule(path) if path else model, f"{layer}.{local}"
 
 
 def _load_into(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy checkpoint tensors into ``model``: fused projections take their pieces at the owner's
+    ``fused_offsets``; parameters the owner lists in ``padded_params`` may be larger than the tensor
+    (the tensor fills the leading block, the rest stays zero)."""
     params = dict(model.named_parameters())
+    for p in params.values():
+        p.data.zero_()
     seen: set[str] = set()
     for name, tensor in tensors:
         fused = _fused_target(name) if name not in params else None
         if fused:
             target, piece = fused
-            sizes = _piece_sizes(model, target)
-            start = sum(sizes[:piece])
-            params[target].data[start:start + sizes[piece]].copy_(tensor)
+            owner, _ = _owner(model, target)
+            start = owner.fused_offsets[piece]
+            params[target].data[start:start + tensor.shape[0]].copy_(tensor)
             seen.add(f"{target}#{piece}")
             continue
         if name == "patch_embed.proj.weight":
             tensor = tensor.reshape(tensor.shape[0], -1)
         if name not in params:
             continue  # e.g. rotary tables some exporters save
-        if params[name].shape != tensor.shape:
-            raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
-                             f"model expects {tuple(params[name].shape)}")
-        params[name].data.copy_(tensor)
+        param = params[name]
+        owner, local = _owner(model, name)
+        if param.shape != tensor.shape:
+            padded = local in getattr(owner, "padded_params", ()) and tensor.dim() == param.dim() and all(
+                t <= p for t, p in zip(tensor.shape, param.shape))
+            if not padded:
+                raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
+                                 f"model expects {tuple(param.shape)}")
+            param.data[tuple(slice(0, t) for t in tensor.shape)].copy_(tensor)
+        else:
+            param.data.copy_(tensor)
         seen.add(name)
     missing = [n for n in params if n not in seen and not any(k.startswith(n + "#") for k in seen)]
     if missing:

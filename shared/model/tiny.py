@@ -142,7 +142,7 @@ def _model_config(family: str, vocab_size: int, token_ids: dict[str, int]):
         vision = dict(
             depth=3,
             hidden_size=32,
-            intermediate_size=64,
+            intermediate_size=60,  # not a multiple of 64, like the real 3,420: exercises the padded MLP
             num_heads=2,
             out_hidden_size=64,
             patch_size=14,
@@ -200,7 +200,7 @@ def write_tiny_checkpoint(path: str | os.PathLike, family: str = "qwen2_5_vl", s
 def default_tiny_checkpoint() -> Path:
     """The built-in model: written once per user into a cache directory, reused afterwards."""
     root = Path(os.environ.get("EPD_CACHE_DIR") or Path(tempfile.gettempdir()) / f"epd-{os.getuid()}")
-    path = root / "tiny-qwen2_5_vl-v1"
+    path = root / "tiny-qwen2_5_vl-v2"
     if not (path / "config.json").exists():
         staging = Path(tempfile.mkdtemp(dir=root.mkdir(parents=True, exist_ok=True) or root))
         write_tiny_checkpoint(staging)

@@ -93,9 +93,14 @@ class VisionMLP(nn.Module):
         self.gated = config.family == "qwen2_5_vl"
         self.act = _activation(config.act)
         if self.gated:
-            self.intermediate = config.mlp_hidden  # the loader fuses the checkpoint's gate and up
-            self.gate_up_proj = nn.Linear(config.width, 2 * config.mlp_hidden, bias=True)
-            self.down_proj = nn.Linear(config.mlp_hidden, config.width, bias=True)
+            # Qwen2.5-VL's 3,420 hidden units make row strides that are not 16-byte aligned, which sends
+            # cuBLAS to slow fallback kernels. Dead units (zero weights in and out) pad it to a multiple
+            # of 64: the function is unchanged.
+            self.intermediate = -(-config.mlp_hidden // 64) * 64
+            self.gate_up_proj = nn.Linear(config.width, 2 * self.intermediate, bias=True)
+            self.down_proj = nn.Linear(self.intermediate, config.width, bias=True)
+            self.fused_offsets = [0, self.intermediate]  # the loader puts the checkpoint's gate, up here
+            self.padded_params = {"down_proj.weight"}
         else:
             self.fc1 = nn.Linear(config.width, config.mlp_hidden, bias=True)
             self.fc2 = nn.Linear(config.mlp_hidden, config.width, bias=True)
@@ -122,9 +127,22 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(config)
         self.mlp = VisionMLP(config)
 
-    def forward(self, x, cos, sin, attend: SegmentAttention):
-        x = x + self.attn(self.norm1(x), cos, sin, attend)
-        return x + self.mlp(self.norm2(x))
+    def forward(self, x, residual, cos, sin, attend: SegmentAttention):
+        """Like the language model's layers: ``x`` is the previous block's output not yet added to
+        ``residual`` (None for the first block), so the add fuses into the norm on GPU."""
+        h, residual = _add_norm(self.norm1, x, residual)
+        h = self.attn(h, cos, sin, attend)
+        h, residual = _add_norm(self.norm2, h, residual)
+        return self.mlp(h), residual
+
+
+def _add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None):
+    if residual is None:
+        return norm(x), x
+    if isinstance(norm, RMSNorm):
+        return norm.add_forward(x, residual)
+    residual = residual + x
+    return norm(residual), residual
 
 
 class PatchMerger(nn.Module):
@@ -211,9 +229,10 @@ class VisionTower(nn.Module):
         cos, sin = self.rotary(self._to_window_order(layout.rows_cols.to(device), layout.order.to(device), unit))
         full = SegmentAttention(layout.cu_images, device, grouped)
         windowed = SegmentAttention(layout.cu_windows, device, grouped) if layout.cu_windows != layout.cu_images else full
+        residual = None
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, full if i in self.config.fullatt_blocks else windowed)
-        return self.merger(x)[layout.restore.to(device)]
+            x, residual = block(x, residual, cos, sin, full if i in self.config.fullatt_blocks else windowed)
+        return self.merger(x + residual)[layout.restore.to(device)]
 
     @staticmethod
     def _to_window_order(x: torch.Tensor, order: torch.Tensor, unit: int) -> torch.Tensor:

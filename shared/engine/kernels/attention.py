@@ -44,7 +44,7 @@ def _split_kernel(
     for start in range(first, last, BLOCKS_PER_ITER):
         block_index = start + t // BLOCK_SIZE
         in_range = block_index < last
-        block = tl.load(block_tables + b * stride_bt + block_index, mask=in_range, other=0)
+        block = tl.load(block_tables + b * stride_bt + block_index, mask=in_range, other=0).to(tl.int64)
         position = block_index * BLOCK_SIZE + t % BLOCK_SIZE
         valid = in_range & (position < ctx)
         offsets = block[:, None] * stride_kb + (t % BLOCK_SIZE)[:, None] * stride_ks + kv_head * stride_kh + d[None, :]

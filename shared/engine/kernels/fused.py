@@ -106,7 +106,7 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache, v_cache, 
     tl.store(k_lo_ptr, new_lo, mask=km)
     tl.store(k_lo_ptr + HALF, new_hi, mask=km)
     if STORE:
-        slot = tl.load(slots + t)
+        slot = tl.load(slots + t).to(tl.int64)
         cache = slot * stride_cs + kh[:, None] * stride_ch + d[None, :]
         tl.store(k_cache + cache, new_lo, mask=km)
         tl.store(k_cache + cache + HALF, new_hi, mask=km)
