@@ -115,3 +115,17 @@ def test_triton_backend_generates_hf_tokens(tiny_model, reference):
     while engine.has_work():
         engine.step()
     assert [s.output_ids for s in seqs] == expected
+
+
+def test_segment_attention_matches_per_segment_sdpa():
+    from shared.engine.kernels.attention import segment_attention
+
+    torch.manual_seed(3)
+    cu = [0, 64, 100, 164, 180, 181]
+    qkv = torch.randn(cu[-1], 3, 2, 20, device=DEVICE)  # head dim 20: padded inside the kernel
+    q, k, v = qkv.unbind(1)
+    out = segment_attention(q, k, v, torch.tensor(cu, dtype=torch.int32, device=DEVICE), 64)
+    for start, end in zip(cu[:-1], cu[1:]):
+        s = slice(start, end)
+        ref = F.scaled_dot_product_attention(q[s].transpose(0, 1), k[s].transpose(0, 1), v[s].transpose(0, 1))
+        close(out[s], ref.transpose(0, 1))

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.engine.kernels import fused
+from shared.engine.kernels import attention as paged, fused
 from shared.model.config import VisionConfig
 from shared.model.rope import VisionRotaryEmbedding, rotate_half
 from shared.model.text import RMSNorm
@@ -63,22 +63,40 @@ class SegmentAttention:
     masks, so the flash kernel applies; its gather indices are built once per forward, not per block.
     """
 
+    SHORT = 128  # segments up to this long (windows) go to the one-tile Triton kernel on GPU
+
     def __init__(self, cu_seqlens: list[int], device: torch.device, grouped: bool):
         self.cu_seqlens = cu_seqlens
-        self.groups: list[torch.Tensor] = []
-        if grouped:
-            starts = torch.tensor(cu_seqlens[:-1])
-            lengths = torch.tensor(cu_seqlens[1:]) - starts
-            for length in lengths.unique().tolist():
-                index = starts[lengths == length][:, None] + torch.arange(length)
-                self.groups.append(index.to(device, non_blocking=True))  # [segments, length]
+        self.groups: list[tuple[torch.Tensor | slice, int]] = []
+        self.short: torch.Tensor | None = None
+        if not grouped:
+            return
+        starts = torch.tensor(cu_seqlens[:-1])
+        lengths = torch.tensor(cu_seqlens[1:]) - starts
+        self.max_len = int(lengths.max())
+        if device.type == "cuda" and fused.available and self.max_len <= self.SHORT:
+            self.short = torch.tensor(cu_seqlens, dtype=torch.int32).to(device, non_blocking=True)
+            return
+        for length in lengths.unique().tolist():
+            first = starts[lengths == length]
+            if torch.equal(first, first[0] + length * torch.arange(len(first))):  # back to back: a view
+                self.groups.append((slice(int(first[0]), int(first[0]) + length * len(first)), length))
+            else:
+                index = first[:, None] + torch.arange(length)
+                self.groups.append((index.to(device, non_blocking=True), length))  # [segments, length]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.short is not None:
+            return paged.segment_attention(q, k, v, self.short, self.max_len)
         out = torch.empty_like(q)
         if self.groups:
-            for index in self.groups:
-                out[index] = F.scaled_dot_product_attention(
-                    q[index].transpose(1, 2), k[index].transpose(1, 2), v[index].transpose(1, 2)).transpose(1, 2)
+            for group, length in self.groups:
+                qs, ks, vs = (x[group] for x in (q, k, v))
+                if isinstance(group, slice):  # [segments * length, H, D] → [segments, length, H, D]
+                    qs, ks, vs = (x.unflatten(0, (-1, length)) for x in (qs, ks, vs))
+                attended = F.scaled_dot_product_attention(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2))
+                attended = attended.transpose(1, 2)
+                out[group] = attended.flatten(0, 1) if isinstance(group, slice) else attended
             return out
         for start, end in zip(self.cu_seqlens[:-1], self.cu_seqlens[1:]):
             seg = slice(start, end)

@@ -113,3 +113,41 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim,
     )
     return out
+
+
+@triton.jit
+def _segment_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, scale, stride_t, stride_h, stride_ot, stride_oh,
+                    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, MAX_LEN: tl.constexpr):
+    segment = tl.program_id(0)
+    head = tl.program_id(1)
+    start = tl.load(cu_ptr + segment).to(tl.int64)
+    length = tl.load(cu_ptr + segment + 1).to(tl.int64) - start
+    t = tl.arange(0, MAX_LEN)
+    d = tl.arange(0, DIM_PAD)
+    rows = t < length
+    mask = rows[:, None] & (d < HEAD_DIM)[None, :]
+    offsets = (start + t)[:, None] * stride_t + head * stride_h + d[None, :]
+    q = tl.load(q_ptr + offsets, mask=mask, other=0.0)
+    k = tl.load(k_ptr + offsets, mask=mask, other=0.0)
+    v = tl.load(v_ptr + offsets, mask=mask, other=0.0)
+    scores = tl.dot(q, tl.trans(k)) * scale
+    scores = tl.where(rows[None, :], scores, float("-inf"))
+    p = tl.exp(scores - tl.max(scores, 1)[:, None])
+    p = p / tl.sum(p, 1)[:, None]
+    out = tl.dot(p.to(v.dtype), v)
+    tl.store(out_ptr + (start + t)[:, None] * stride_ot + head * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                      max_len: int) -> torch.Tensor:
+    """Bidirectional attention within short segments of packed tokens (the ViT's windows, ≤ 128 tokens):
+    one program per (segment, head) holds its whole segment, reading q, k, v in place (any token and
+    head strides shared by the three). ``cu_seqlens`` int32 on the device."""
+    tokens, heads, dim = q.shape
+    out = torch.empty(tokens, heads, dim, dtype=q.dtype, device=q.device)
+    _segment_kernel[(cu_seqlens.numel() - 1, heads)](
+        q, k, v, out, cu_seqlens, dim ** -0.5, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=dim, DIM_PAD=max(16, triton.next_power_of_2(dim)), MAX_LEN=max(16, triton.next_power_of_2(max_len)),
+    )
+    return out
