@@ -349,7 +349,11 @@ def memory(ctx):
 
     wave(0, 100)  # warm the allocator
     if dev.type == "cuda":
+        import gc
+
+        gc.collect()  # earlier sections' leftovers must not count as "before"
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
     peak_before = torch.cuda.max_memory_reserved(dev) if dev.type == "cuda" else 0
     t = time.perf_counter()
