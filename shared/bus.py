@@ -37,7 +37,14 @@ class Subjects:
 
     @property
     def decode(self) -> str:
+        """Where prefill asks any decode worker for a KV reservation (queue group)."""
         return f"{self.prefix}.decode"
+
+    def decode_kv(self, instance: str) -> str:
+        return f"{self.prefix}.decode.{instance}.kv"
+
+    def decode_start(self, instance: str) -> str:
+        return f"{self.prefix}.decode.{instance}.start"
 
     @property
     def cancel(self) -> str:
@@ -181,6 +188,14 @@ class ConcurrentEndpoint:
     async def drain(self) -> None:
         if self.tasks:
             await asyncio.gather(*list(self.tasks), return_exceptions=True)
+
+
+async def stop_endpoint(service: Service, name: str) -> None:
+    """Unsubscribe one endpoint of a running nats.micro service (the library only stops them all)."""
+    for endpoint in list(service._endpoints):
+        if endpoint._name == name:
+            await endpoint._stop()
+            service._endpoints.remove(endpoint)
 
 
 class Publisher:

@@ -43,8 +43,13 @@ class ServiceBase:
     async def serve(self, service: Service) -> None:
         """Add the endpoints (join the queue groups). Called once setup is done, so a listed service is ready."""
 
+    async def stop_intake(self) -> None:
+        """Stop taking new work: by default leave every queue group. A service whose in-flight work
+        still needs some endpoints (decode: KV chunks and starts) leaves only its intake."""
+        await self.service.stop()
+
     async def drain(self) -> None:
-        """Wait for in-flight work; called after the endpoints stopped taking new requests."""
+        """Wait for in-flight work; called after ``stop_intake``."""
 
     async def close(self) -> None:
         """Release resources (engine threads, data plane)."""
@@ -69,11 +74,13 @@ class ServiceBase:
 
     async def stop(self) -> None:
         if self.service is not None:
-            await self.service.stop()  # unsubscribes: this instance leaves its queue groups
+            await self.stop_intake()  # no new work reaches this instance
         try:
             await asyncio.wait_for(self.drain(), self.settings.drain_seconds)
         except asyncio.TimeoutError:
             log.warning("service.drain_timeout", seconds=self.settings.drain_seconds)
+        if self.service is not None:
+            await self.service.stop()
         await self.close()
         if self.nc is not None and not self.nc.is_closed:
             try:

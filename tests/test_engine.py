@@ -146,20 +146,27 @@ def test_blocks_all_free_after_finish_abort_and_failure(model_parts, requests_wi
     assert not engine.reserved and not engine.has_work()
 
 
-def test_prefill_role_hands_off_kv_that_decode_continues(model_parts, requests_with_reference):
-    """Prefill on one engine, KV moved to another, decode there: the same tokens as HF."""
+def test_prefill_role_streams_kv_that_decode_continues(model_parts, requests_with_reference):
+    """Prefill on one engine streaming KV per layer group (the layer hook), landed in a reservation on
+    another engine as it arrives, decode there: the same tokens as HF."""
     prefill = make_engine(model_parts, role="prefill")
     decode = make_engine(model_parts, role="decode")
     request = requests_with_reference[5]
     seq = sequence(5, request)
+    moved = Sequence(seq.request_id, [0] * len(seq), len(seq), seq.sampling, num_computed=len(seq))
+    decode.reserve(moved)  # room first, before any KV exists
+    landed = []
+
+    def on_layer_done(layer, seqs):
+        assert seqs == [seq]
+        decode.write_kv(moved.request_id, prefill.read_kv(seq, slice(layer, layer + 1)), slice(layer, layer + 1))
+        landed.append(layer)
+
     prefill.add_prompt(seq)
-    (out,) = prefill.step()
-    assert out.kv is not None and prefill.blocks.num_free == prefill.blocks.num_blocks
-    moved = Sequence(seq.request_id, list(seq.token_ids), seq.prompt_len, seq.sampling,
-                     rope_delta=seq.rope_delta, num_computed=len(seq.token_ids) - 1)
-    assert decode.can_reserve(len(moved) + 1)
-    decode.reserve(moved)
-    decode.write_kv(moved.request_id, out.kv)
+    (out,) = prefill.step(on_layer_done)
+    assert landed == list(range(model_parts[0].text.num_layers))
+    assert out.finish_reason is None and prefill.blocks.num_free == prefill.blocks.num_blocks
+    moved.token_ids, moved.rope_delta = list(seq.token_ids), seq.rope_delta
     decode.activate(moved.request_id)
     run_to_completion(decode)
     assert moved.output_ids == request[3]

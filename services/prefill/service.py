@@ -1,10 +1,11 @@
-"""Prefill: language model only. Pulls image embeddings by handle, computes the prompt (batched across
-requests), sends the first token straight to the request's stream, and hands the sequence and its KV to
-a decode worker."""
+"""Prefill: language model only. Pulls image embeddings by handle, reserves room on a decode worker,
+computes the prompt (batched across requests) while streaming its KV to that worker layer group by
+layer group, sends the first token straight to the request's stream, and starts the decode."""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,7 +20,7 @@ from shared.engine.sequence import ImageInput, Sequence
 from shared.logging import get_logger
 from shared.messages import decode, encode
 from shared.messages.control import Cancel
-from shared.messages.decode import DecodeAccepted, DecodeJob
+from shared.messages.decode import DecodeAccepted, DecodeStart, KVChunk, KVReservation, KVReserve
 from shared.messages.prefill import PrefillAccepted, PrefillJob
 from shared.messages.stream import ErrorInfo, TokenEvent
 from shared.model.config import ModelConfig
@@ -53,6 +54,15 @@ def validate_prompt(job: PrefillJob, config: ModelConfig) -> None:
         raise HandlerError(400, "image placeholder tokens without an image")
 
 
+@dataclass
+class Handoff:
+    """A request between admission and its decode start: where its KV goes, and the chunks in flight."""
+
+    job: PrefillJob
+    decode_id: str
+    chunks: list[asyncio.Task] = field(default_factory=list)
+
+
 class PrefillService(ServiceBase):
     kind = "prefill"
     description = "Language-model prefill: prompt + image embeddings in, first token and KV out"
@@ -61,16 +71,18 @@ class PrefillService(ServiceBase):
         super().__init__(settings)
         self.plane = DataPlane.from_settings(settings)
         self.endpoint = ConcurrentEndpoint("prefill", self.handle_prefill, settings.max_concurrent_jobs)
-        self.jobs: dict[str, PrefillJob] = {}
-        self.handoffs: set[asyncio.Task] = set()
+        self.handoffs: dict[str, Handoff] = {}
+        self.tasks: set[asyncio.Task] = set()
         self.cancelled = CancelRegistry()
         self.engine = None
         self.prompts = 0
         self.prompt_tokens = 0
+        self.chunks_sent = 0
 
     async def setup(self, nc) -> None:
         self.engine, self.config = await asyncio.to_thread(build_engine, self.settings, "prefill")
-        self.loop = EngineLoop(self.engine, self.on_outputs, self.on_failure, asyncio.get_running_loop())
+        self.loop = EngineLoop(self.engine, self.on_outputs, self.on_failure, asyncio.get_running_loop(),
+                               on_layer_done=self.on_layer_done)
         self.loop.start()
         self.publisher = Publisher(nc)
         await self.plane.start()
@@ -79,64 +91,130 @@ class PrefillService(ServiceBase):
     async def serve(self, service) -> None:
         await self.endpoint.add_to(service, self.subjects.prefill, QUEUE["prefill"])
 
+    # -- admission --------------------------------------------------------------------------------
     async def handle_prefill(self, data: bytes) -> bytes:
         job = decode(PrefillJob, data)
         validate_prompt(job, self.config)
+        if len(job.token_ids) >= self.engine.max_model_len:
+            raise HandlerError(400, f"prompt of {len(job.token_ids)} tokens does not fit the context "
+                                    f"({self.engine.max_model_len})")
         try:
             embeds = await asyncio.gather(*(self.plane.pull(slot.embedding) for slot in job.images))
         except DataPlaneError as err:
             raise HandlerError(502, f"could not fetch image embeddings: {err.message}")
+        decode_id = await self._reserve(job)
         if job.request_id in self.cancelled:
+            await self._release_reservation(job.request_id)
             raise HandlerError(499, "request was cancelled")
         seq = Sequence(job.request_id, list(job.token_ids), len(job.token_ids), job.sampling,
                        images=[ImageInput(s.offset, tuple(s.grid), e) for s, e in zip(job.images, embeds)])
-        self.jobs[job.request_id] = job
+        self.handoffs[job.request_id] = Handoff(job, decode_id)
         try:
             await self.loop.call(lambda engine: engine.add_prompt(seq))
         except ValueError as err:
-            self.jobs.pop(job.request_id, None)
+            self.handoffs.pop(job.request_id, None)
+            await self._release_reservation(job.request_id)
             raise HandlerError(400, str(err))
         self.prompts += 1
         self.prompt_tokens += len(seq)
         return encode(PrefillAccepted(prefill_id=self.instance))
 
+    async def _reserve(self, job: PrefillJob) -> str:
+        """Room on a decode worker before any compute: no decode, no prefill (a fast 503)."""
+        request = KVReserve(request_id=job.request_id, num_tokens=len(job.token_ids),
+                            max_tokens=job.sampling.max_tokens, stream=job.stream)
+        try:
+            reply = await call(self.nc, self.subjects.decode, encode(request), self.settings.handoff_timeout,
+                               "decode worker")
+        except ServiceCallError as err:
+            raise HandlerError(err.status, err.message) from None
+        return decode(KVReservation, reply).decode_id
+
+    async def _release_reservation(self, request_id: str) -> None:
+        await self.nc.publish(self.subjects.cancel, encode(Cancel(request_id=request_id, reason="prefill gave up")))
+
+    # -- KV streaming (engine thread → event loop) ------------------------------------------------
+    def on_layer_done(self, layer: int, seqs: list[Sequence]) -> None:
+        """Engine thread, during a prefill: at the end of each layer group, copy the group's KV out."""
+        group = self.settings.kv_chunk_layers
+        layers = self.config.text.num_layers
+        if (layer + 1) % group and layer + 1 != layers:
+            return
+        first = layer // group * group
+        for seq in seqs:
+            kv = self.engine.read_kv(seq, slice(first, layer + 1))
+            self.loop.loop.call_soon_threadsafe(self._send_chunk, seq.request_id, first, layer + 1, kv)
+
+    def _send_chunk(self, request_id: str, first: int, last: int, kv: torch.Tensor) -> None:
+        handoff = self.handoffs.get(request_id)
+        if handoff is None:
+            return  # cancelled meanwhile
+        handle = self.plane.publish(kv, consumers=1)
+        chunk = KVChunk(request_id=request_id, first_layer=first, last_layer=last, kv=handle)
+        task = self._spawn(call(self.nc, self.subjects.decode_kv(handoff.decode_id), encode(chunk),
+                                self.settings.handoff_timeout, "decode worker"))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or self.plane.release(handle))
+        handoff.chunks.append(task)
+        self.chunks_sent += 1
+
+    # -- first token, decode start ----------------------------------------------------------------
     def on_outputs(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
-            job = self.jobs.pop(out.seq.request_id, None)
-            if job is None:
+            handoff = self.handoffs.get(out.seq.request_id)
+            if handoff is None:
                 continue  # cancelled while computing
+            job = handoff.job
             event = TokenEvent(request_id=job.request_id, index=out.index, token_ids=[out.token],
                                finish_reason=out.finish_reason)
             self.publisher.publish(job.stream, encode(event))
-            if out.kv is not None:
-                task = asyncio.create_task(self.hand_off(job, out.seq, out.kv), name="handoff")
-                self.handoffs.add(task)
-                task.add_done_callback(self.handoffs.discard)
+            if out.finish_reason is not None:
+                self.handoffs.pop(job.request_id, None)
+                self._spawn(self._release_reservation(job.request_id))  # nothing left to decode
+            else:
+                start = DecodeStart(request_id=job.request_id, token_ids=out.seq.token_ids[:out.seq.prompt_len + 1],
+                                    prompt_len=out.seq.prompt_len, rope_delta=out.seq.rope_delta,
+                                    sampling=job.sampling, stream=job.stream)
+                self._spawn(self._start_decode(handoff, start))
 
-    async def hand_off(self, job: PrefillJob, seq: Sequence, kv: torch.Tensor) -> None:
-        handle = self.plane.publish(kv, consumers=1)
-        decode_job = DecodeJob(request_id=job.request_id, token_ids=seq.token_ids, prompt_len=seq.prompt_len,
-                               rope_delta=seq.rope_delta, sampling=job.sampling, stream=job.stream, kv=handle)
+    async def _start_decode(self, handoff: Handoff, start: DecodeStart) -> None:
+        rid = start.request_id
         try:
-            decode(DecodeAccepted, await call(self.nc, self.subjects.decode, encode(decode_job),
-                                              self.settings.handoff_timeout, "decode worker"))
+            for chunk in handoff.chunks:
+                await chunk
+            reply = await call(self.nc, self.subjects.decode_start(handoff.decode_id), encode(start),
+                               self.settings.handoff_timeout, "decode worker")
+            decode(DecodeAccepted, reply)
         except ServiceCallError as err:
-            self.plane.release(handle)
-            self._fail(job.stream, job.request_id, 1, err.status, err.message)
+            self._fail(start.stream, rid, err.status, f"handing the request to decode failed: {err.message}")
+            await self._release_reservation(rid)
         except Exception:
-            self.plane.release(handle)
-            log.exception("prefill.handoff_failed", request_id=job.request_id)
-            self._fail(job.stream, job.request_id, 1, 500, "handing the request to decode failed")
+            log.exception("prefill.handoff_failed", request_id=rid)
+            self._fail(start.stream, rid, 500, "handing the request to decode failed")
+            await self._release_reservation(rid)
+        finally:
+            self.handoffs.pop(rid, None)
 
     def on_failure(self, request_ids: list[str], message: str) -> None:
         for request_id in request_ids:
-            job = self.jobs.pop(request_id, None)
-            if job is not None:
-                self._fail(job.stream, request_id, 0, 500, "prefill failed")
+            handoff = self.handoffs.pop(request_id, None)
+            if handoff is not None:
+                self._fail(handoff.job.stream, request_id, 500, "prefill failed")
+                self._spawn(self._release_reservation(request_id))
 
-    def _fail(self, stream: str, request_id: str, index: int, status: int, message: str) -> None:
-        event = TokenEvent(request_id=request_id, index=index, error=ErrorInfo(status=status, message=message))
+    def _fail(self, stream: str, request_id: str, status: int, message: str) -> None:
+        event = TokenEvent(request_id=request_id, index=0, error=ErrorInfo(status=status, message=message))
         self.publisher.publish(stream, encode(event))
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self._reap)
+        return task
+
+    def _reap(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and not isinstance(task.exception(), ServiceCallError):
+            log.error("prefill.task_failed", error=repr(task.exception()))
 
     async def on_cancel(self, msg) -> None:
         try:
@@ -144,12 +222,13 @@ class PrefillService(ServiceBase):
         except ValueError:
             return
         self.cancelled.add(request_id)
-        if self.jobs.pop(request_id, None) is not None:
+        if self.handoffs.pop(request_id, None) is not None:
             await self.loop.call(lambda engine: engine.abort(request_id))
 
+    # -- lifecycle --------------------------------------------------------------------------------
     async def drain(self) -> None:
         await self.endpoint.drain()
-        while self.jobs or self.handoffs:
+        while self.handoffs or self.tasks:
             await asyncio.sleep(0.05)
 
     async def close(self) -> None:
@@ -163,7 +242,8 @@ class PrefillService(ServiceBase):
             "instance": self.instance,
             "prompts": self.prompts,
             "prompt_tokens": self.prompt_tokens,
-            "active": len(self.jobs),
+            "active": len(self.handoffs),
+            "kv_chunks_sent": self.chunks_sent,
             "kv_blocks_free": blocks.num_free if blocks else 0,
             "kv_blocks_used": blocks.num_used if blocks else 0,
             "errors": self.endpoint.errors,

@@ -9,4 +9,6 @@ from shared.engine.settings import EngineSettings
 
 class PrefillSettings(EngineSettings):
     max_concurrent_jobs: int = Field(256, ge=1, description="prefill jobs admitted at once; more wait in NATS")
-    handoff_timeout: float = Field(30.0, gt=0, description="seconds a decode worker has to take a sequence")
+    handoff_timeout: float = Field(30.0, gt=0, description="seconds a decode worker has to answer (reserve, "
+                                                          "take a KV chunk, start)")
+    kv_chunk_layers: int = Field(4, ge=1, description="layers per KV chunk streamed to decode during prefill")

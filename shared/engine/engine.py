@@ -1,8 +1,9 @@
 """The engine: scheduler + model runner + KV pool, stepped by one thread.
 
-Roles share the code: ``prefill`` computes prompts and hands each sequence (its first token and its
-KV) out; ``decode`` takes sequences whose KV arrives from elsewhere and generates; ``both`` does the
-whole life of a request (the aggregated topology).
+Roles share the code: ``prefill`` computes prompts and hands each sequence out after its first token
+(its KV leaves layer group by layer group through the ``on_layer_done`` hook, while the prompt is still
+being computed); ``decode`` takes sequences whose KV arrives from elsewhere and generates; ``both`` does
+the whole life of a request (the aggregated topology).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ class StepOutput:
     token: int
     index: int  # position of ``token`` among the sequence's output tokens
     finish_reason: str | None  # None: more tokens follow (or, for role prefill, the sequence is handed off)
-    kv: torch.Tensor | None = None  # role prefill: the prompt's KV [layers, 2, tokens, kv_heads, head_dim]
 
 
 class Engine:
@@ -62,17 +62,23 @@ class Engine:
         return (running < self.scheduler.max_num_seqs and
                 self.blocks.can_allocate(num_tokens + (running + 1) * self.blocks.block_size))
 
-    def reserve(self, seq: Sequence) -> torch.Tensor:
-        """Hold blocks for a sequence whose KV (``seq.num_computed`` tokens) arrives from elsewhere; its slots."""
+    def reserve(self, seq: Sequence) -> None:
+        """Hold blocks for a sequence whose KV (``seq.num_computed`` tokens) arrives from elsewhere."""
         self.blocks.allocate(seq, seq.num_computed)
         self.reserved[seq.request_id] = seq
         self._by_id[seq.request_id] = seq
-        return torch.tensor(self.runner.cache.slots(seq.block_table, 0, seq.num_computed))
 
     def write_kv(self, request_id: str, kv: torch.Tensor, layers: slice = slice(None)) -> None:
+        """Land transferred KV (``[layers, 2, num_computed, kv_heads, head_dim]``) in a reservation."""
         seq = self.reserved[request_id]
-        slots = torch.tensor(self.runner.cache.slots(seq.block_table, 0, seq.num_computed))
-        self.runner.cache.scatter(slots, kv, layers)
+        self.runner.cache.scatter(self._slots(seq), kv, layers)
+
+    def read_kv(self, seq: Sequence, layers: slice = slice(None)) -> torch.Tensor:
+        """A copy of ``seq``'s computed KV for ``layers`` (what prefill streams out)."""
+        return self.runner.cache.gather(self._slots(seq), layers)
+
+    def _slots(self, seq: Sequence) -> torch.Tensor:
+        return torch.tensor(self.runner.cache.slots(seq.block_table, 0, seq.num_computed or len(seq)))
 
     def activate(self, request_id: str) -> None:
         """The reserved sequence's KV is complete: it joins the running batch at the next step."""
@@ -100,6 +106,8 @@ class Engine:
         return len(self.scheduler) + len(self.reserved)
 
     def step(self, on_layer_done=None) -> list[StepOutput]:
+        """One prefill or decode step. ``on_layer_done(layer, seqs)`` is called during a prefill after
+        each layer's KV is in the cache (role prefill streams it out from there)."""
         plan = self.scheduler.schedule()
         if plan.kind == "idle":
             return []
@@ -112,15 +120,11 @@ class Engine:
     def _advance(self, seq: Sequence, token: int, kind: str) -> StepOutput:
         seq.token_ids.append(token)
         reason = self._stop_reason(seq, token)
-        kv = None
-        if reason is None and kind == "prefill" and self.role == "prefill":
-            slots = torch.tensor(self.runner.cache.slots(seq.block_table, 0, seq.num_computed))
-            kv = self.runner.cache.gather(slots)
-            self._release(seq)
-        elif reason is not None:
+        if reason is not None:
             seq.finish_reason = reason
-            self._release(seq)
-        return StepOutput(seq, token, seq.num_output - 1, reason, kv)
+        if reason is not None or (kind == "prefill" and self.role == "prefill"):
+            self._release(seq)  # finished, or handed off: its KV already left through the layer hook
+        return StepOutput(seq, token, seq.num_output - 1, reason)
 
     def _release(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
@@ -137,14 +141,12 @@ class Engine:
 
     # -- preemption (called by the scheduler) --------------------------------------------------------
     def swap_out(self, seq: Sequence) -> None:
-        slots = torch.tensor(self.runner.cache.slots(seq.block_table, 0, seq.num_computed))
-        seq.swapped_kv = self.runner.cache.gather(slots).to("cpu")
+        seq.swapped_kv = self.read_kv(seq).to("cpu")
         self.blocks.deallocate(seq)
         seq.status = Status.SWAPPED
 
     def swap_in(self, seq: Sequence) -> None:
         self.blocks.allocate(seq, seq.num_computed)
-        slots = torch.tensor(self.runner.cache.slots(seq.block_table, 0, seq.num_computed))
-        self.runner.cache.scatter(slots, seq.swapped_kv)
+        self.runner.cache.scatter(self._slots(seq), seq.swapped_kv)
         seq.swapped_kv = None
         seq.status = Status.RUNNING

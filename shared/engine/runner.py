@@ -56,7 +56,8 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence], on_layer_done=None) -> list[int]:
         embeds, positions, batch = self.prepare_prefill(seqs)
-        batch.on_layer_done = on_layer_done
+        if on_layer_done is not None:
+            batch.on_layer_done = lambda layer: on_layer_done(layer, seqs)
         hidden = self.model(embeds, positions, batch, self.backend)
         last = torch.tensor(batch.cu_seqlens[1:], device=self.device) - 1
         logits = self.model.logits(hidden[last])

@@ -1,4 +1,12 @@
-"""Prefill → decode: a sequence whose prompt KV is computed, handed over to generate the rest."""
+"""Prefill ⇄ decode: reserve KV room, stream the prompt's KV layer group by layer group, start decoding.
+
+1. ``KVReserve`` (queue group): a decode worker with room reserves blocks for the prompt's KV and
+   answers ``KVReservation`` with its instance id; from then on prefill talks to that instance only.
+2. ``KVChunk`` (one per group of layers, sent while later layers are still being computed): a handle
+   to those layers' KV; the worker pulls it into the reserved blocks.
+3. ``DecodeStart``: the prompt, its first token and sampling; the worker admits the sequence into its
+   running batch once every layer has landed. A reservation that is not started in time is freed.
+"""
 
 from __future__ import annotations
 
@@ -11,15 +19,35 @@ from shared.engine.sampling import SamplingParams
 from shared.messages import Message
 from shared.messages.prefill import MAX_PROMPT_TOKENS
 
+RequestId = Annotated[str, Meta(max_length=128)]
+Subject = Annotated[str, Meta(max_length=256)]
 
-class DecodeJob(Message, frozen=True, kw_only=True):
-    request_id: Annotated[str, Meta(max_length=128)]
-    token_ids: Annotated[list[int], Meta(min_length=2, max_length=MAX_PROMPT_TOKENS)]  # prompt + generated
+
+class KVReserve(Message, frozen=True, kw_only=True):
+    request_id: RequestId
+    num_tokens: Annotated[int, Meta(ge=1, le=MAX_PROMPT_TOKENS)]  # prompt tokens whose KV will arrive
+    max_tokens: Annotated[int, Meta(ge=1)]  # the sequence may grow by this much
+    stream: Subject  # where to report a reservation that expires or fails
+
+
+class KVReservation(Message, frozen=True, kw_only=True):
+    decode_id: str  # the instance that holds the blocks: chunks and the start go to it
+
+
+class KVChunk(Message, frozen=True, kw_only=True):
+    request_id: RequestId
+    first_layer: Annotated[int, Meta(ge=0)]
+    last_layer: Annotated[int, Meta(ge=1)]  # exclusive
+    kv: TensorHandle  # [last_layer - first_layer, 2, num_tokens, kv_heads, head_dim]
+
+
+class DecodeStart(Message, frozen=True, kw_only=True):
+    request_id: RequestId
+    token_ids: Annotated[list[int], Meta(min_length=2, max_length=MAX_PROMPT_TOKENS)]  # prompt + first token
     prompt_len: Annotated[int, Meta(ge=1)]
     rope_delta: int
     sampling: SamplingParams
-    stream: Annotated[str, Meta(max_length=256)]
-    kv: TensorHandle  # [layers, 2, len(token_ids) - 1, kv_heads, head_dim]
+    stream: Subject
 
 
 class DecodeAccepted(Message, frozen=True, kw_only=True):

@@ -1,0 +1,93 @@
+"""KV hand-off failures against a real decode worker (the test plays a prefill that dies half-way):
+reserved blocks come back, and the request's stream gets an error — never a normal finish."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nats
+import pytest
+import torch
+
+from services.stack import Stack
+from shared.bus import Subjects, call, service_stats
+from shared.dataplane.plane import DataPlane
+from shared.engine.sampling import SamplingParams
+from shared.messages import decode, encode
+from shared.messages.control import Cancel
+from shared.messages.decode import DecodeStart, KVChunk, KVReservation, KVReserve
+from shared.messages.stream import TokenEvent
+from shared.model.config import ModelConfig
+
+
+@pytest.fixture(scope="module")
+def decode_worker(nats_url, tiny_model):
+    prefix = "kv" + str(int(time.time() * 1000) % 10**8)
+    env = {"EPD_MODEL": str(tiny_model), "EPD_SUBJECT_PREFIX": prefix, "EPD_KV_CACHE_MB": "16",
+           "EPD_RESERVATION_TIMEOUT": "2", "EPD_LOG_LEVEL": "warning"}
+    stack = Stack.start_nats({**__import__("os").environ, **env}, nats_url)
+    stack.spawn("decode")
+    asyncio.run(stack.wait_ready({"decode": 1}, timeout=120, prefix=prefix))
+    yield Subjects(prefix), ModelConfig.from_checkpoint(tiny_model)
+    stack.stop(grace=10)
+
+
+async def _decode_stats(nc, subjects) -> dict:
+    for stats in await service_stats(nc, "epd-decode", wait=0.3):
+        if stats["metadata"]["prefix"] == subjects.prefix:
+            return next(e["data"] for e in stats["endpoints"] if e.get("data"))
+    raise AssertionError("decode worker not found")
+
+
+def _kv(config: ModelConfig, layers: int, tokens: int) -> torch.Tensor:
+    t = config.text
+    return torch.randn(layers, 2, tokens, t.num_kv_heads, t.head_dim)
+
+
+async def test_prefill_dying_mid_transfer_frees_blocks_and_reports_an_error(decode_worker, nats_url):
+    subjects, config = decode_worker
+    nc = await nats.connect(nats_url)
+    plane = DataPlane()
+    await plane.start()
+    try:
+        stream = subjects.stream("half-way")
+        events = await nc.subscribe(stream)
+        reply = await call(nc, subjects.decode, encode(KVReserve(request_id="half-way", num_tokens=20, max_tokens=8,
+                                                                   stream=stream)), 10, "decode")
+        decode_id = decode(KVReservation, reply).decode_id
+        held = await _decode_stats(nc, subjects)
+        assert held["reservations"] == 1 and held["kv_blocks_used"] > 0
+        chunk = KVChunk(request_id="half-way", first_layer=0, last_layer=1, kv=plane.publish(_kv(config, 1, 20)))
+        await call(nc, subjects.decode_kv(decode_id), encode(chunk), 10, "decode")
+        # ... and the prefill dies: no second chunk, no start. The reservation expires (2 s here).
+        event = decode(TokenEvent, (await events.next_msg(timeout=10)).data)
+        assert event.error is not None and event.error.status == 504 and event.finish_reason is None
+        after = await _decode_stats(nc, subjects)
+        assert after["reservations"] == 0 and after["kv_blocks_used"] == 0
+        assert after["reservations_expired"] >= 1
+
+        # a start arriving after the expiry is refused, not run on missing KV
+        start = DecodeStart(request_id="half-way", token_ids=[5] * 21, prompt_len=20, rope_delta=0,
+                            sampling=SamplingParams(temperature=0), stream=stream)
+        with pytest.raises(Exception, match="no reservation"):
+            await call(nc, subjects.decode_start(decode_id), encode(start), 10, "decode")
+    finally:
+        await plane.stop()
+        await nc.close()
+
+
+async def test_cancel_frees_a_reservation_at_once(decode_worker, nats_url):
+    subjects, _ = decode_worker
+    nc = await nats.connect(nats_url)
+    try:
+        await call(nc, subjects.decode, encode(KVReserve(request_id="cancelled", num_tokens=30, max_tokens=4,
+                                                         stream=subjects.stream("cancelled"))), 10, "decode")
+        assert (await _decode_stats(nc, subjects))["kv_blocks_used"] > 0
+        await nc.publish(subjects.cancel, encode(Cancel(request_id="cancelled")))
+        deadline = time.monotonic() + 1.0
+        while (stats := await _decode_stats(nc, subjects))["kv_blocks_used"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert stats["kv_blocks_used"] == 0 and stats["reservations"] == 0
+    finally:
+        await nc.close()
