@@ -1,0 +1,77 @@
+"""The embedded NATS server with generated credentials: who may connect, publish and subscribe where."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+import pytest
+from nats.errors import NoServersError
+
+from shared.nats_auth import StackCredentials
+from shared.natsserver import EmbeddedNats
+
+PREFIX = "sec"
+
+
+@pytest.fixture(scope="module")
+def secured():
+    creds = StackCredentials.generate(PREFIX)
+    with EmbeddedNats(config_text=creds.server_config()) as server:
+        yield server.url, creds
+
+
+async def connect(url, creds=None, role=None, password=None, **kwargs):
+    auth = {}
+    if role:
+        auth = {"user": role, "password": password or creds.passwords[role]}
+    return await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2, **auth,
+                              **kwargs)
+
+
+async def test_unauthenticated_and_wrong_password_are_refused(secured):
+    url, creds = secured
+    for kwargs in ({}, {"role": "decode", "password": "not-the-password"}):
+        with pytest.raises((NoServersError, nats.errors.Error, OSError)):
+            await connect(url, creds, **kwargs)
+
+
+async def test_roles_publish_only_on_their_subjects(secured):
+    url, creds = secured
+    admin = await connect(url, creds, "admin")
+    decode = await connect(url, creds, "decode")
+    try:
+        to_prefill = await admin.subscribe(f"{PREFIX}.prefill")
+        to_stream = await admin.subscribe(f"{PREFIX}.stream.r1")
+        await admin.flush()
+        await decode.publish(f"{PREFIX}.prefill", b"not allowed")
+        await decode.publish(f"{PREFIX}.stream.r1", b"allowed")
+        await decode.flush()
+        assert (await to_stream.next_msg(timeout=2)).data == b"allowed"
+        with pytest.raises(asyncio.TimeoutError):
+            await to_prefill.next_msg(timeout=0.5)
+    finally:
+        await decode.close()
+        await admin.close()
+
+
+async def test_roles_subscribe_only_on_their_subjects(secured):
+    url, creds = secured
+    errors: list[Exception] = []
+
+    async def on_error(err):
+        errors.append(err)
+
+    frontend = await connect(url, creds, "frontend", error_cb=on_error)
+    admin = await connect(url, creds, "admin")
+    try:
+        spy = await frontend.subscribe(f"{PREFIX}.decode.some-worker.kv")  # KV chunks are not its business
+        await frontend.flush()
+        await admin.publish(f"{PREFIX}.decode.some-worker.kv", b"secret")
+        await admin.flush()
+        with pytest.raises(asyncio.TimeoutError):
+            await spy.next_msg(timeout=0.5)
+        assert any("permissions violation" in str(e).lower() for e in errors)
+    finally:
+        await frontend.close()
+        await admin.close()
