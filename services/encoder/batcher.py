@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.encoder.metrics import BatchSizes, RateMeter
 from shared.aio import settle
 from shared.logging import get_logger
 from shared.model.vision import VisionTower
@@ -37,7 +38,13 @@ class VisionBatcher:
         self.batches = 0
         self.images = 0
         self.patches = 0
-        self.queued = 0
+        self.batch_sizes = BatchSizes(max_images)
+        self.images_rate = RateMeter()
+
+    @property
+    def queued(self) -> int:
+        """Images waiting for a ViT forward (read from the loop while the vision thread takes them)."""
+        return self._queue.qsize() + (self._carry is not None)
 
     def start(self) -> None:
         self._thread.start()
@@ -49,7 +56,6 @@ class VisionBatcher:
     def encode(self, patches: torch.Tensor, grid: tuple[int, int, int]) -> asyncio.Future:
         """Queue one image's patches; the future resolves to its embeddings ``[tokens, out_dim]``."""
         future = self.loop.create_future()
-        self.queued += 1
         self._queue.put(_Item(patches, grid, future))
         return future
 
@@ -58,7 +64,6 @@ class VisionBatcher:
             batch = self._collect()
             if batch is None:
                 return
-            self.queued -= len(batch)
             try:
                 outputs = self._forward(batch)
             except Exception as err:
@@ -100,5 +105,7 @@ class VisionBatcher:
         self.batches += 1
         self.images += len(batch)
         self.patches += patches.shape[0]
+        self.batch_sizes.observe(len(batch))
+        self.images_rate.add(len(batch))
         return list(embeds.split(sizes))
 

@@ -13,3 +13,13 @@ class EncoderSettings(CommonSettings):
     max_concurrent_jobs: int = Field(256, ge=1, description="encode jobs admitted at once; more wait in NATS")
     preprocess_threads: int = Field(2, ge=1, description="threads resizing and patchifying images")
     max_image_pixels: int = Field(64_000_000, ge=1, description="largest decoded image accepted (pixels)")
+    encoder_cache_mb: int = Field(4096, ge=0, description="embedding cache of this encoder, least recently used "
+                                                          "out (MiB); 0: no cache, no index")
+    cache_index: bool = Field(True, description="share which encoder holds which image through a JetStream KV "
+                                                "bucket, so encoders borrow instead of re-encoding (needs JetStream; "
+                                                "without it each encoder caches on its own)")
+    cache_index_ttl: float = Field(900.0, gt=0, description="seconds an index entry lives unless its holder "
+                                                             "serves the image again (set by the first encoder "
+                                                             "that creates the bucket)")
+    peer_fetch_timeout: float = Field(5.0, gt=0, description="seconds to ask another encoder for an image it "
+                                                             "holds (and again to pull it) before encoding it here")

@@ -96,7 +96,9 @@ class ChatPipeline:
         try:
             jobs = [EncodeJob(request_id=request_id, image=h, content_hash=i.content_hash)
                     for h, i in zip(handles, images)]
-            targets = assign([i.content_hash for i in images], self.encoders.encoders, self.subjects)
+            hashes = [i.content_hash for i in images]
+            targets = assign(hashes, self.encoders.encoders, self.subjects, await self.encoders.holders(hashes),
+                             self.settings.encoder_load_margin)
             return list(await asyncio.gather(*(self._encode_one(job, t) for job, t in zip(jobs, targets))))
         finally:
             for handle in handles:

@@ -27,6 +27,8 @@ class FrontendSettings(CommonSettings):
     allow_private_media: bool = Field(False, description="fetch from private/loopback addresses (tests, labs)")
     local_media_dir: str = Field("", description="directory file:// image URLs may read from; empty: file:// off")
     encode_timeout: float = Field(60.0, gt=0, description="seconds one encode attempt may take")
+    encoder_load_margin: int = Field(0, ge=0, description="images an image's cache-favourite encoder may have in "
+                                                          "flight beyond the least-loaded one and still get it")
     encode_attempts: int = Field(3, ge=1, description="tries per image when an encoder fails or vanishes")
     prefill_timeout: float = Field(30.0, gt=0, description="seconds for prefill to accept a request")
     first_token_timeout: float = Field(120.0, gt=0, description="seconds from admission to the first token")

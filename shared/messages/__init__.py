@@ -6,6 +6,7 @@ speaks another version gets a clear error instead of a misread field. Nothing is
 
 from __future__ import annotations
 
+import importlib
 from typing import TypeVar
 
 import msgspec
@@ -42,3 +43,13 @@ def decode(kind: type[M], data: bytes) -> M:
     if message.v != PROTOCOL_VERSION:
         raise ProtocolError(f"{kind.__name__} speaks protocol v{message.v}; this build speaks v{PROTOCOL_VERSION}")
     return message
+
+
+# The channel modules ``encode`` and ``decode`` share their names with the functions above, and Python binds a
+# submodule onto its package when first imported: whichever module happened to load ``shared.messages.encode``
+# first would turn every later ``from shared.messages import encode`` into the module. Load both channels now
+# and put the functions back, so these names are the functions whatever the import order.
+_FUNCTIONS = {"encode": encode, "decode": decode}
+for _channel in _FUNCTIONS:
+    importlib.import_module(f"{__name__}.{_channel}")
+globals().update(_FUNCTIONS)

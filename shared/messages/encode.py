@@ -23,3 +23,22 @@ class EncodeResult(Message, frozen=True, kw_only=True):
     grid: Grid  # patch grid (t, h, w): all prefill needs for rotary positions
     encoder_id: str
     cached: bool = False
+
+
+# Encoder ⇄ encoder: borrowing embeddings another encoder already holds (``<prefix>.encode.<instance>.fetch``).
+
+
+class EmbeddingFetch(Message, frozen=True, kw_only=True):
+    key: Annotated[str, Meta(max_length=128)]  # cache key: content hash + encoder fingerprint
+
+
+class EmbeddingLoan(Message, frozen=True, kw_only=True):
+    embedding: TensorHandle  # a fresh handle to the holder's cached embeddings, one pull
+    grid: Grid
+
+
+# The embedding index (JetStream KV, one bucket per subject prefix): cache key → the encoder holding it.
+
+
+class EmbeddingHolder(Message, frozen=True, kw_only=True):
+    instance: Annotated[str, Meta(max_length=64)]

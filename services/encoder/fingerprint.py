@@ -1,0 +1,44 @@
+"""What makes two encoders' embeddings interchangeable: the same preprocessing, weights and dtype.
+
+The fingerprint goes into every cache key, so an encoder never serves (or borrows) embeddings that
+another configuration produced: a changed resize rule, normalization, checkpoint or dtype gives new keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from shared.model.loader import checkpoint_files
+from shared.model.processor import load_image_processor
+
+_SAMPLE_BYTES = 1 << 20  # read this much at each end of every weights file
+
+
+def encoder_fingerprint(path: Path, load_format: str, dtype: str) -> str:
+    """Hex digest over the image processor's resolved settings, the model config, and the weights' identity."""
+    digest = hashlib.blake2b(digest_size=8)
+    processor = load_image_processor(path).to_dict()
+    digest.update(json.dumps(processor, sort_keys=True, default=str).encode())
+    digest.update((path / "config.json").read_bytes())
+    digest.update(f"{load_format}/{dtype}".encode())
+    if load_format != "dummy":  # dummy weights come from a fixed seed: the config names them
+        for file in checkpoint_files(path):
+            _weights_identity(digest, file)
+    return digest.hexdigest()
+
+
+def _weights_identity(digest, file: Path) -> None:
+    """Name, size, the head (the safetensors header: names, shapes, offsets) and the tail (weights).
+
+    Hashing whole checkpoints (GBs) would delay start-up; a retrained or re-initialized checkpoint
+    differs in these samples.
+    """
+    size = file.stat().st_size
+    digest.update(f"{file.name}:{size}".encode())
+    with file.open("rb") as f:
+        digest.update(f.read(_SAMPLE_BYTES))
+        if size > _SAMPLE_BYTES:
+            f.seek(max(_SAMPLE_BYTES, size - _SAMPLE_BYTES))
+            digest.update(f.read(_SAMPLE_BYTES))
