@@ -59,7 +59,11 @@ class ServiceBase:
         return {}
 
     def metadata(self) -> dict[str, str]:
-        return {"instance": self.instance, "prefix": self.subjects.prefix}
+        meta = {"instance": self.instance, "prefix": self.subjects.prefix}
+        plane = getattr(self, "plane", None)
+        if plane is not None and plane.address:
+            meta["data"] = plane.address  # where this instance's data plane listens (operators, tests)
+        return meta
 
     async def start(self) -> None:
         self.nc = await connect(self.settings, f"epd-{self.kind}-{self.instance}")

@@ -53,6 +53,7 @@ def nats_url(nats_server):
 @pytest.fixture(scope="session")
 def stack(nats_url, tiny_model):
     """Two encoders, one prefill, one decode, one frontend: the stack most end-to-end tests share."""
-    running = RunningStack(nats_url, tiny_model).start(encoders=2)
+    running = RunningStack(nats_url, tiny_model).start(encoders=2, frontend_args=(
+        "--max-output-tokens", "64", "--max-body-bytes", "4000000"))
     yield running
     running.stop()

@@ -68,6 +68,29 @@ def _huge_png_header(width: int, height: int) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode()
 
 
+def _encoded(image, fmt: str) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def _b64_url(data: bytes, mime: str) -> str:
+    import base64
+
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def _animated_gif() -> bytes:
+    import io
+
+    frames = [make_image(i, 16, 16) for i in range(3)]
+    buf = io.BytesIO()
+    frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:])
+    return buf.getvalue()
+
+
 def _image_message(url: str) -> list[dict]:
     return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                          {"type": "text", "text": "hi"}]}]
@@ -87,7 +110,22 @@ BAD_REQUESTS = {
     "too many images": {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}] * 17}]},
     "max_tokens too large": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**7},
+    "max_tokens zero": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
+    "temperature out of range": {"messages": [{"role": "user", "content": "hi"}], "temperature": 5},
+    "top_p zero": {"messages": [{"role": "user", "content": "hi"}], "top_p": 0},
+    "negative seed": {"messages": [{"role": "user", "content": "hi"}], "seed": -1},
+    "too many stop strings": {"messages": [{"role": "user", "content": "hi"}], "stop": ["a"] * 17},
+    "content of the wrong type": {"messages": [{"role": "user", "content": 42}]},
+    "image part without url": {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
     "n > 1": {"messages": [{"role": "user", "content": "hi"}], "n": 2},
+    "logprobs": {"messages": [{"role": "user", "content": "hi"}], "logprobs": True},
+    "truncated png": {"messages": _image_message(_b64_url(_encoded(make_image(1, 64, 64), "PNG")[:300], "image/png"))},
+    "corrupt jpeg": {"messages": _image_message(_b64_url(b"\xff\xd8\xff\xe0" + b"\x00" * 200, "image/jpeg"))},
+    "animated gif": {"messages": _image_message(_b64_url(_animated_gif(), "image/gif"))},
+    "not an image mime": {"messages": _image_message("data:text/plain;base64,aGVsbG8=")},
+    "1,000 image parts": {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}] * 1000}]},
+    "prompt longer than the context": {"messages": [{"role": "user", "content": "word " * 6000}]},
 }
 
 
@@ -97,7 +135,13 @@ def test_bad_requests_get_400_with_a_message(stack, case):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["message"]
-    assert "Traceback" not in error["message"] and "/" not in error["message"].replace("/v1", "")
+    leaks = ("Traceback", 'File "', "/tmp", "/work", "/home", "site-packages", "tcp://", "127.0.0.1")
+    assert not any(leak in error["message"] for leak in leaks), error["message"]
+
+
+def test_oversize_body_gets_413(stack):
+    response = _post(stack, None, content=b"x" * 4_100_000, headers={"content-type": "application/json"})
+    assert response.status_code == 413 and response.json()["error"]["message"]
 
 
 def test_malformed_json_and_wrong_model(stack):
