@@ -1,4 +1,5 @@
-"""The ``epd`` command: ``epd up`` runs the whole stack; ``epd <service>`` runs one service."""
+"""The ``epd`` command: ``epd up`` runs the whole stack; ``epd <service>`` runs one service; ``epd bench`` and
+``epd plan`` measure."""
 
 from __future__ import annotations
 
@@ -7,12 +8,16 @@ import sys
 USAGE = """usage: epd <command> [options]
 
 commands:
-  up         the whole stack on this machine (embedded NATS unless --nats-url)
+  up         the whole stack on this machine (embedded NATS unless --nats-url; --topology
+             aggregated|colocated|disaggregated, GPU placement per service)
   encoder    a vision encoder
   prefill    a language-model prefill worker
   decode     a language-model decode worker
+  aggregated encoder + prefill + decode in one process and one engine (the baseline)
   frontend   the OpenAI-compatible HTTP gateway
   submit     send a chat request (JSON file or -) over NATS: answer, --stream chunks, or a --durable job
+  bench      load generator for any OpenAI-compatible endpoint (`epd bench plot FILES` draws the results)
+  plan       measure this model's encode/prefill/decode costs here and recommend a topology for a workload
 
 `epd <command> --help` lists a command's options; every option is also an EPD_* environment variable.
 """
@@ -32,10 +37,26 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(up(parse_settings(UpSettings, rest, "epd up")))
     if command == "submit":
         sys.exit(submit(parse_settings(_submit_settings(), rest, "epd submit")))
+    if command == "bench" and rest[:1] == ["plot"]:
+        from services.bench.plot import main as plot_main
+        from services.bench.settings import PlotSettings
+
+        sys.exit(plot_main(parse_settings(PlotSettings, rest[1:], "epd bench plot")))
+    if command == "bench":
+        from services.bench.runner import main as bench_main
+        from services.bench.settings import BenchSettings
+
+        sys.exit(bench_main(parse_settings(BenchSettings, rest, "epd bench")))
+    if command == "plan":
+        from services.bench.plan import PlanSettings, main as plan_main
+
+        sys.exit(plan_main(parse_settings(PlanSettings, rest, "epd plan")))
     services = {
         "encoder": ("services.encoder.service", "EncoderService", "services.encoder.settings", "EncoderSettings"),
         "prefill": ("services.prefill.service", "PrefillService", "services.prefill.settings", "PrefillSettings"),
         "decode": ("services.decode.service", "DecodeService", "services.decode.settings", "DecodeSettings"),
+        "aggregated": ("services.aggregated.service", "AggregatedService", "services.aggregated.settings",
+                       "AggregatedSettings"),
         "frontend": ("services.frontend.service", "FrontendService", "services.frontend.settings",
                      "FrontendSettings"),
     }

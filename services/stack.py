@@ -1,5 +1,12 @@
 """``epd up``: the whole stack on one machine — an embedded nats-server and the services as processes.
 
+Three topologies from one flag, with the same engine and model code:
+- ``disaggregated`` (default): encoder, prefill and decode processes, each kind on its own GPUs
+  (``--encoder-gpus 1,2 --prefill-gpus 0 --decode-gpus 0``);
+- ``colocated``: the same processes, all on the same GPUs (``--gpus``);
+- ``aggregated``: ``--aggregated N`` processes that each encode, prefill and decode with one engine.
+Each process gets ``CUDA_VISIBLE_DEVICES`` from its kind's list, round-robin over its replicas.
+
 Children inherit the ``EPD_*`` environment with the NATS URL and model filled in, die with the launcher
 (``PR_SET_PDEATHSIG``), and are stopped in order on Ctrl-C / SIGTERM: SIGTERM (they drain), then SIGKILL
 for any that outlive the grace period, then the embedded server.
@@ -14,8 +21,9 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from shared.bus import service_stats
 from shared.logging import configure_logging, get_logger
@@ -24,7 +32,8 @@ from shared.settings import CommonSettings
 
 log = get_logger(__name__)
 
-KINDS = ("encoder", "prefill", "decode", "frontend")
+KINDS = ("encoder", "prefill", "decode", "aggregated", "frontend")
+TOPOLOGIES = ("aggregated", "colocated", "disaggregated")
 
 
 class UpSettings(CommonSettings):
@@ -35,6 +44,66 @@ class UpSettings(CommonSettings):
     prefills: int = Field(1, ge=0, description="prefill processes")
     decodes: int = Field(1, ge=0, description="decode processes")
     ready_timeout: float = Field(300.0, gt=0, description="seconds to wait for every service to come up")
+    topology: Literal["aggregated", "colocated", "disaggregated"] = Field(
+        "disaggregated", description="disaggregated: E, P, D processes on their own GPUs; colocated: the same "
+                                     "processes on the same GPUs (--gpus); aggregated: processes doing E+P+D each "
+                                     "with one engine (the baseline)")
+    aggregated: int = Field(1, ge=1, description="with --topology aggregated: how many E+P+D processes")
+    gpus: str = Field("", description="GPU ids (CUDA_VISIBLE_DEVICES, comma separated) the services share, "
+                                      "round-robin over replicas; empty: inherit CUDA_VISIBLE_DEVICES")
+    encoder_gpus: str = Field("", description="disaggregated: the encoders' GPUs (default: --gpus)")
+    prefill_gpus: str = Field("", description="disaggregated: the prefill workers' GPUs (default: --gpus)")
+    decode_gpus: str = Field("", description="disaggregated: the decode workers' GPUs (default: --gpus)")
+
+    @model_validator(mode="after")
+    def _placement(self) -> "UpSettings":
+        for name in ("gpus", "encoder_gpus", "prefill_gpus", "decode_gpus"):
+            if any(not g or not g.replace("-", "").isalnum() for g in _split(getattr(self, name))):
+                raise ValueError(f"--{name.replace('_', '-')} must be GPU ids separated by commas, e.g. 0,1")
+        per_kind = [n for n in ("encoder_gpus", "prefill_gpus", "decode_gpus") if getattr(self, n)]
+        if per_kind and self.topology != "disaggregated":
+            raise ValueError(f"--{per_kind[0].replace('_', '-')} places one kind of service: it is for "
+                             f"--topology disaggregated; {self.topology} puts every service on --gpus")
+        counts = [n for n in ("encoders", "prefills", "decodes") if n in self.model_fields_set]
+        if self.topology == "aggregated" and counts:
+            raise ValueError(f"--{counts[0]} does not apply to --topology aggregated; use --aggregated N")
+        if self.topology != "aggregated" and "aggregated" in self.model_fields_set:
+            raise ValueError("--aggregated N is for --topology aggregated")
+        return self
+
+    def gpu_list(self, kind: str) -> list[str]:
+        """The GPUs ``kind``'s replicas take turns on (empty: leave CUDA_VISIBLE_DEVICES as inherited)."""
+        own = getattr(self, f"{kind}_gpus", "") if self.topology == "disaggregated" else ""
+        return _split(own or self.gpus)
+
+    def placements(self) -> list["Placement"]:
+        """Every worker process of this topology (the frontend aside), with its GPUs."""
+        out = []
+        for kind, n in self.service_counts().items():
+            if kind == "frontend":
+                continue
+            gpus = self.gpu_list(kind)
+            out.extend(Placement(kind, gpus[i % len(gpus)] if gpus else None) for i in range(n))
+        return out
+
+    def service_counts(self) -> dict[str, int]:
+        """What ``wait_ready`` waits for: every worker kind's count (zeros too), and the frontend."""
+        if self.topology == "aggregated":
+            return {"aggregated": self.aggregated, "frontend": 1}
+        return {"encoder": self.encoders, "prefill": self.prefills, "decode": self.decodes, "frontend": 1}
+
+
+@dataclass(frozen=True)
+class Placement:
+    kind: str
+    gpu: str | None  # CUDA_VISIBLE_DEVICES of the process; None: inherited
+
+    def env(self) -> dict[str, str]:
+        return {} if self.gpu is None else {"CUDA_VISIBLE_DEVICES": self.gpu}
+
+
+def _split(ids: str) -> list[str]:
+    return [g.strip() for g in ids.split(",")] if ids.strip() else []
 
 
 @dataclass
@@ -129,7 +198,7 @@ def up(settings: UpSettings) -> int:
     env = {**os.environ, "EPD_MODEL": str(path) if not settings.model or settings.load_format != "dummy"
            else settings.model, "EPD_LOAD_FORMAT": settings.load_format, "EPD_SUBJECT_PREFIX": settings.subject_prefix}
     stack = Stack.start_nats(env, settings.nats_url)
-    counts = {"encoder": settings.encoders, "prefill": settings.prefills, "decode": settings.decodes, "frontend": 1}
+    counts = settings.service_counts()
     stopping = False
 
     def request_stop(*_):
@@ -139,14 +208,13 @@ def up(settings: UpSettings) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     try:
-        for kind in ("encoder", "prefill", "decode"):
-            for _ in range(counts[kind]):
-                stack.spawn(kind)
+        for placement in settings.placements():
+            stack.spawn(placement.kind, env=placement.env())
         stack.spawn("frontend", "--host", settings.host, "--port", str(settings.port))
         http = asyncio.run(stack.wait_ready(counts, settings.ready_timeout, settings.subject_prefix,
                                             lambda: stopping))
-        log.info("stack.ready", api=f"http://{http}/v1", nats=stack.nats_url,
-                 encoders=settings.encoders, prefills=settings.prefills, decodes=settings.decodes)
+        log.info("stack.ready", api=f"http://{http}/v1", nats=stack.nats_url, topology=settings.topology,
+                 **{kind: n for kind, n in counts.items() if kind != "frontend"})
         while not stopping:
             stack.check_alive()
             time.sleep(0.2)

@@ -1,0 +1,201 @@
+"""What this model costs on this hardware, measured in-process through our own tower and engine.
+
+- ViT: one batch of 1..N images of the workload's resolution (ms per batch); the image processor's
+  CPU time per image;
+- prefill: one prompt of the workload's text plus 0..N images (ms, by prompt tokens);
+- decode: one engine step at batch 1 and batch B, at a short and a long context (ms per step). The
+  sequences are reserved with their KV in place (as a decode worker holds them), so no prefill is paid
+  to set them up; the step's cost does not depend on the KV's values.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from shared.engine.sampling import SamplingParams
+from shared.engine.sequence import ImageInput, Sequence
+
+TEMPLATE_TOKENS = 24  # the chat template around one user turn (system prompt, role markers)
+PER_IMAGE_TOKENS = 2  # <|vision_start|> and <|vision_end|> around each image's placeholders
+
+
+@dataclass
+class Costs:
+    model: str
+    device: str
+    dtype: str
+    resolution: str
+    image_tokens: int  # language-model tokens per image at this resolution
+    preprocess_ms: float  # CPU, one image
+    preprocess_threads: int
+    vit_ms: dict[int, float]  # images in one forward → ms for the forward
+    prefill_ms: dict[int, float]  # prompt tokens → ms
+    decode_ms: list[tuple[int, int, float]]  # (batch, context tokens, ms per step)
+
+    def vit_per_image(self, batch: float) -> float:
+        """ms per image when ``batch`` images share a forward (interpolated between measured batches)."""
+        sizes = sorted(self.vit_ms)
+        return float(np.interp(batch, sizes, [self.vit_ms[b] / b for b in sizes]))
+
+    def prefill(self, tokens: float) -> float:
+        """ms for a prompt of ``tokens`` (linear between measured lengths, extended by the last slope)."""
+        sizes = sorted(self.prefill_ms)
+        times = [self.prefill_ms[t] for t in sizes]
+        if len(sizes) > 1 and tokens > sizes[-1]:
+            slope = (times[-1] - times[-2]) / (sizes[-1] - sizes[-2])
+            return times[-1] + slope * (tokens - sizes[-1])
+        return float(np.interp(tokens, sizes, times))
+
+    def decode_fit(self) -> tuple[float, float, float]:
+        """(a, b, c) of step_ms = a + b·batch + c·batch·context, fitted to the measured steps."""
+        rows = np.array([[1.0, b, b * ctx] for b, ctx, _ in self.decode_ms])
+        ms = np.array([m for _, _, m in self.decode_ms])
+        coef, *_ = np.linalg.lstsq(rows, ms, rcond=None)
+        return tuple(max(0.0, float(c)) for c in coef)
+
+    def decode_step(self, batch: float, context: float) -> float:
+        a, b, c = self.decode_fit()
+        return a + b * batch + c * batch * context
+
+    def prompt_tokens(self, input_len: int, images: int) -> int:
+        return input_len + TEMPLATE_TOKENS + images * (self.image_tokens + PER_IMAGE_TOKENS)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Costs":
+        data = dict(data)
+        data["vit_ms"] = {int(k): v for k, v in data["vit_ms"].items()}
+        data["prefill_ms"] = {int(k): v for k, v in data["prefill_ms"].items()}
+        data["decode_ms"] = [tuple(row) for row in data["decode_ms"]]
+        return cls(**data)
+
+
+class Timer:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def ms(self, fn, repeat: int = 3, warmup: int = 1) -> float:
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(repeat):
+            self._sync()
+            start = time.perf_counter()
+            fn()
+            self._sync()
+            times.append((time.perf_counter() - start) * 1e3)
+        return min(times)  # other work on the machine only ever adds time
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def measure_vision(settings, config, path, batches: list[int]) -> tuple[int, float, dict[int, float]]:
+    """(tokens per image, preprocess ms, {batch: ViT ms})."""
+    from services.bench.dataset import make_image
+    from shared.model.loader import load_vision_tower
+    from shared.model.processor import ImagePreprocessor
+
+    device, dtype = settings.torch_device(), settings.torch_dtype()
+    timer = Timer(device)
+    width, height = settings.image_size
+    pixels = np.asarray(make_image(0, width, height))
+    preprocess = ImagePreprocessor(path)
+    preprocess_ms = timer.ms(lambda: preprocess(pixels))
+    patches, grid = preprocess(pixels)
+    tower = load_vision_tower(path, config, device, dtype, settings.load_format)
+    one = torch.from_numpy(patches).to(device, dtype)
+    vit_ms = {}
+    with torch.inference_mode():
+        for batch in batches:
+            stacked = one.repeat(batch, 1)
+            vit_ms[batch] = timer.ms(lambda: tower(stacked, [grid] * batch))
+    del tower
+    tokens = grid[0] * grid[1] * grid[2] // config.vision.merge_size ** 2
+    return tokens, preprocess_ms, vit_ms
+
+
+def measure_prefill(engine, config, timer: Timer, input_len: int, images: int, image_tokens: int,
+                    grid: tuple[int, int, int], tag: str) -> float:
+    device, dtype = engine.runner.device, engine.runner.dtype
+    rng = np.random.default_rng(images)
+    ids = rng.integers(16, config.text.vocab_size, input_len + TEMPLATE_TOKENS).tolist()
+    slots = []
+    for i in range(images):
+        slots.append(ImageInput(len(ids) + 1, grid, torch.randn(image_tokens, config.text.hidden_size,
+                                                                device=device, dtype=dtype)))
+        ids += [config.vision_start_token_id] + [config.image_token_id] * image_tokens + [config.vision_end_token_id]
+    count = [0]
+
+    def once() -> None:
+        count[0] += 1
+        seq = Sequence(f"plan-{tag}-{count[0]}", list(ids), len(ids), SamplingParams(max_tokens=1, temperature=0),
+                       images=slots)
+        engine.add_prompt(seq)
+        while engine.has_work():
+            engine.step()
+
+    return timer.ms(once, repeat=2)
+
+
+def measure_decode(engine, config, timer: Timer, batch: int, context: int) -> float:
+    """ms per decode step of ``batch`` sequences holding ``context`` tokens of KV each."""
+    sampling = SamplingParams(max_tokens=1 << 20, ignore_eos=True, temperature=0)
+    ids = [config.image_token_id + 1] * (context + 1)
+    names = [f"plan-decode-{batch}-{context}-{i}" for i in range(batch)]
+    for name in names:
+        engine.reserve(Sequence(name, list(ids), context, sampling, num_computed=context))
+        engine.activate(name)
+    try:
+        return timer.ms(engine.step, repeat=5, warmup=2)
+    finally:
+        for name in names:
+            engine.abort(name)
+
+
+def measure_costs(settings) -> Costs:
+    """Every cost ``epd plan`` needs for ``settings``' workload (see the module's docstring)."""
+    from shared.engine.builder import build_engine
+    from shared.model.config import ModelConfig
+
+    path = settings.model_path()
+    config = ModelConfig.from_checkpoint(path)
+    counts = [n for n in settings.image_counts() if n > 0]
+    batches = sorted({1, min(4, max(counts, default=1)), max(counts, default=1)})
+    image_tokens, preprocess_ms, vit_ms = measure_vision(settings, config, path, batches)
+    grid = _grid(settings, path)
+    engine, _ = build_engine(settings, "both")
+    timer = Timer(settings.torch_device())
+    prefill_ms = {}
+    for n in sorted({0, *_spread(counts)}):
+        tokens = settings.input_len + TEMPLATE_TOKENS + n * (image_tokens + PER_IMAGE_TOKENS)
+        prefill_ms[tokens] = measure_prefill(engine, config, timer, settings.input_len, n, image_tokens, grid, str(n))
+    short, long = 256, max(257, min(4096, engine.max_model_len - 8))
+    decode_ms = [(b, ctx, measure_decode(engine, config, timer, b, ctx))
+                 for b, ctx in ((1, short), (settings.decode_batch, short), (settings.decode_batch, long))]
+    return Costs(model=path.name, device=str(settings.torch_device()), dtype=str(settings.torch_dtype()),
+                 resolution=settings.image_resolution, image_tokens=image_tokens, preprocess_ms=preprocess_ms,
+                 preprocess_threads=settings.preprocess_threads, vit_ms=vit_ms, prefill_ms=prefill_ms,
+                 decode_ms=decode_ms)
+
+
+def _grid(settings, path) -> tuple[int, int, int]:
+    from shared.model.processor import ImageGeometry
+
+    width, height = settings.image_size
+    return ImageGeometry.from_checkpoint(path).grid(height, width)
+
+
+def _spread(counts: list[int]) -> list[int]:
+    """At most four image counts spanning ``counts`` (prefill is interpolated between them)."""
+    if len(counts) <= 4:
+        return counts
+    picks = np.linspace(0, len(counts) - 1, 4).round().astype(int)
+    return [counts[i] for i in picks]

@@ -1,0 +1,90 @@
+"""Settings of ``epd bench``, ``epd bench plot`` (``EPD_BENCH_`` variables or ``--flags``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator
+from pydantic_settings import BaseSettings, CliPositionalArg, SettingsConfigDict
+
+RESOLUTIONS = {"360p": (640, 360), "720p": (1280, 720), "1080p": (1920, 1080), "4k": (3840, 2160)}
+
+
+def parse_resolution(value: str) -> tuple[int, int]:
+    """``360p``/``720p``/``1080p``/``4k`` or ``WxH`` → (width, height)."""
+    text = value.strip().lower()
+    if text in RESOLUTIONS:
+        return RESOLUTIONS[text]
+    width, sep, height = text.partition("x")
+    if not sep or not width.isdigit() or not height.isdigit() or int(width) < 1 or int(height) < 1:
+        raise ValueError(f"image resolution {value!r}: use 360p, 720p, 1080p, 4k or WIDTHxHEIGHT (e.g. 448x448)")
+    return int(width), int(height)
+
+
+class Workload(BaseModel):
+    """What the requests look like (fields shared by ``epd bench`` and ``epd plan``)."""
+
+    input_len: int = Field(128, ge=1, description="text tokens per prompt (exact with --tokenizer; else one "
+                                                  "word per token)")
+    output_len: int = Field(128, ge=1, description="tokens generated per request (max_tokens + ignore_eos)")
+    image_count: int = Field(1, ge=0, description="images per image request (0: text only)")
+    random_image_count: bool = Field(False, description="draw each image request's count from 1..--image-count")
+    image_resolution: str = Field("1080p", description="360p, 720p, 1080p, 4k or WIDTHxHEIGHT")
+    text_ratio: float = Field(0.0, ge=0, le=1, description="share of requests that are text only (mixed traffic)")
+
+    @field_validator("image_resolution")
+    @classmethod
+    def _resolution(cls, value: str) -> str:
+        parse_resolution(value)
+        return value
+
+    @property
+    def image_size(self) -> tuple[int, int]:
+        return parse_resolution(self.image_resolution)
+
+    def mean_images(self) -> float:
+        """Images per image request, on average."""
+        return (1 + self.image_count) / 2 if self.random_image_count else float(self.image_count)
+
+    def image_counts(self) -> list[int]:
+        """Every image count an image request may carry (equally likely)."""
+        if self.image_count == 0:
+            return [0]
+        return list(range(1, self.image_count + 1)) if self.random_image_count else [self.image_count]
+
+
+class BenchSettings(BaseSettings, Workload):
+    model_config = SettingsConfigDict(env_prefix="EPD_BENCH_", cli_kebab_case=True, cli_implicit_flags=True,
+                                      extra="forbid", validate_default=True)
+
+    base_url: str = Field("http://127.0.0.1:8000/v1", description="the OpenAI-compatible API (ours or another)")
+    model: str = Field("", description="model name to ask for; empty: the first one /v1/models lists")
+    api_key: str = Field("", description="bearer token, for servers that want one")
+    label: str = Field("", description="topology or system name recorded in the results (plots group by it)")
+    num_prompts: int = Field(100, ge=1, description="requests measured")
+    warmup: int = Field(2, ge=0, description="requests sent (and waited for) before measuring")
+    request_rate: float = Field(math.inf, gt=0, description="Poisson arrivals per second (seeded); inf: all "
+                                                            "at once, bounded by --max-concurrency")
+    max_concurrency: int = Field(0, ge=0, description="requests in flight at most; 0: unbounded")
+    seed: int = Field(0, description="seed of arrivals, prompts and images")
+    tokenizer: str = Field("", description="HF tokenizer directory: size text prompts exactly to --input-len")
+    image_format: Literal["png", "jpeg"] = Field("jpeg", description="how images are sent (data URLs)")
+    repeat_ratio: float = Field(0.0, ge=0, le=1, description="share of images that repeat an earlier one "
+                                                             "(exercises embedding caches)")
+    ignore_eos: bool = Field(True, description="force --output-len tokens (vLLM's ignore_eos extension)")
+    slo_ttft: float = Field(0.0, ge=0, description="goodput SLO on time to first token, ms (0: none)")
+    slo_tpot: float = Field(0.0, ge=0, description="goodput SLO on time per output token, ms (0: none)")
+    timeout: float = Field(600.0, gt=0, description="seconds one request may take")
+    out: str = Field("", description="write the results (summary, per class, per request) to this JSON file")
+    progress: bool = Field(True, description="show a progress bar (stderr)")
+
+
+class PlotSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="EPD_BENCH_", cli_kebab_case=True, cli_implicit_flags=True,
+                                      extra="forbid")
+
+    files: CliPositionalArg[list[str]] = Field(description="results JSON files of `epd bench --out` (or of "
+                                                           "bench/epd_vs_aggregated.py)")
+    out: str = Field("latency_vs_rate.png", description="the PNG to write")
+    title: str = Field("", description="title of the figure")
