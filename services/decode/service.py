@@ -139,6 +139,7 @@ class DecodeService(ServiceBase):
         seq.prompt_len = start.prompt_len
         seq.sampling = start.sampling
         seq.rope_delta = start.rope_delta
+        seq.output_offset = start.output_offset
         self.streams[rid] = start.stream
         await self.loop.call(lambda engine: engine.activate(rid))
         self.accepted += 1
@@ -152,7 +153,7 @@ class DecodeService(ServiceBase):
                 continue
             self.tokens += 1
             event = TokenEvent(request_id=out.seq.request_id, index=out.index, token_ids=[out.token],
-                               finish_reason=out.finish_reason)
+                               finish_reason=out.finish_reason, worker=self.instance)
             self.publisher.publish(stream, encode(event))
             if out.finish_reason is not None:
                 self.streams.pop(out.seq.request_id, None)
@@ -166,7 +167,8 @@ class DecodeService(ServiceBase):
                 self._fail(stream, request_id, 500, "decode failed")
 
     def _fail(self, stream: str, request_id: str, status: int, message: str) -> None:
-        event = TokenEvent(request_id=request_id, index=0, error=ErrorInfo(status=status, message=message))
+        event = TokenEvent(request_id=request_id, index=0, error=ErrorInfo(status=status, message=message),
+                           worker=self.instance)
         self.publisher.publish(stream, encode(event))
 
     # -- ending early ------------------------------------------------------------------------------

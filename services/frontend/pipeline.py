@@ -14,10 +14,12 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from services.frontend.detokenizer import IncrementalDetokenizer
 from services.frontend.errors import ApiError
+from services.frontend.liveness import LiveWorkers
 from services.frontend.media import DecodedImage, MediaLoader
 from services.frontend.prompt import Prompt, PromptBuilder, image_urls
 from services.frontend.protocol import ChatCompletionRequest
@@ -49,7 +51,7 @@ class Finished:
 
 class ChatPipeline:
     def __init__(self, nc, subjects: Subjects, plane: DataPlane, media: MediaLoader, builder: PromptBuilder,
-                 tokenizer, settings, max_model_len: int, encoders: EncoderDirectory):
+                 tokenizer, settings, max_model_len: int, encoders: EncoderDirectory, workers: LiveWorkers):
         self.nc = nc
         self.subjects = subjects
         self.plane = plane
@@ -59,6 +61,7 @@ class ChatPipeline:
         self.settings = settings
         self.max_model_len = max_model_len
         self.encoders = encoders
+        self.workers = workers
         self.encoded_images = 0
 
     async def start(self, request: ChatCompletionRequest) -> "Generation":
@@ -71,7 +74,7 @@ class ChatPipeline:
         sampling = self.sampling(request, len(prompt.token_ids))
         request_id = uuid.uuid4().hex
         results = await self.encode_images(request_id, images) if images else []
-        generation = Generation(self, request_id, prompt, request.stop_list())
+        generation = Generation(self, request_id, prompt, request.stop_list(), images, sampling)
         await generation.submit(self.prefill_job(request_id, prompt, results, sampling, generation.subject))
         return generation
 
@@ -139,67 +142,117 @@ class ChatPipeline:
 
 
 class Generation:
-    """A request admitted by prefill; iterate ``events`` for its text."""
+    """A request admitted by prefill; iterate ``events`` for its text.
 
-    def __init__(self, pipeline: ChatPipeline, request_id: str, prompt: Prompt, stop: list[str]):
+    Tokens arrive as indexed events on the request's own subject and are put back in order (duplicates
+    ignored). If the worker producing them vanishes, or a hand-off fails with a server error, the
+    request is resumed on other workers from its prompt plus the tokens already received
+    (``output_offset``), at most ``resume_attempts`` times; the client sees one uninterrupted stream.
+    """
+
+    def __init__(self, pipeline: ChatPipeline, request_id: str, prompt: Prompt, stop: list[str],
+                 images: list[DecodedImage], sampling: SamplingParams):
         self.pipeline = pipeline
         self.request_id = request_id
+        self.attempt_id = request_id  # the id the current attempt runs under on the workers
+        self.prompt = prompt
+        self.images = images
+        self.sampling = sampling
         self.prompt_tokens = len(prompt.token_ids)
         self.subject = pipeline.subjects.stream(request_id)
         self.detok = IncrementalDetokenizer(pipeline.tokenizer, stop)
-        self.completion_tokens = 0
+        self.generated: list[int] = []
         self.created = time.time()
         self.first_token_at: float | None = None
+        self.resumes = 0
+        self._worker = ""
+        self._worker_since = 0.0
         self._sub = None
         self._done = False  # the stream ended normally
         self._cut_short = False  # a stop string ended it while the model was still generating
 
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.generated)
+
     async def submit(self, job: PrefillJob) -> None:
         nc = self.pipeline.nc
-        self._sub = await nc.subscribe(self.subject)  # before the job: no token can be missed
+        if self._sub is None:
+            self._sub = await nc.subscribe(self.subject)  # before the job: no token can be missed
         try:
             reply = await call(nc, self.pipeline.subjects.prefill, encode(job), self.pipeline.settings.prefill_timeout,
                                "prefill worker")
-            decode(PrefillAccepted, reply)
+            self._watch(decode(PrefillAccepted, reply).prefill_id)
         except ServiceCallError as err:
-            await self._close()
             if err.status == 504:
-                await self.pipeline.cancel(self.request_id, "prefill timeout")
+                await self.pipeline.cancel(job.request_id, "prefill timeout")
+            if self.resumes == 0:
+                await self._close()
             raise ApiError(err.status, err.message) from None
+
+    def _watch(self, worker: str) -> None:
+        if worker and worker != self._worker:
+            self._worker, self._worker_since = worker, time.monotonic()
 
     async def events(self) -> AsyncIterator[TextDelta | Finished]:
         settings = self.pipeline.settings
         pending: dict[int, TokenEvent] = {}
-        expected = 0
+        last_progress = time.monotonic()
         try:
             while True:
-                timeout = settings.first_token_timeout if self.first_token_at is None else settings.token_timeout
+                limit = settings.first_token_timeout if self.first_token_at is None else settings.token_timeout
                 try:
-                    msg = await self._sub.next_msg(timeout=timeout)
+                    msg = await self._sub.next_msg(timeout=0.5)
                 except asyncio.TimeoutError:
-                    raise ApiError(504, "the model stopped producing tokens in time") from None
+                    if time.monotonic() - last_progress > limit:
+                        raise ApiError(504, "the model stopped producing tokens in time") from None
+                    if self._worker and self.pipeline.workers.gone(self._worker, self._worker_since):
+                        await self._resume(f"worker {self._worker} vanished")
+                        last_progress = time.monotonic()
+                    continue
                 event = decode(TokenEvent, msg.data)
-                log.debug("stream.event", request_id=self.request_id, index=event.index, tokens=len(event.token_ids),
-                          finish=event.finish_reason, expected=expected)
+                if event.request_id != self.attempt_id:
+                    continue  # a superseded attempt's late words
                 if event.error is not None:
-                    raise ApiError(event.error.status, event.error.message)
-                pending[event.index] = event
-                while expected in pending:
-                    event = pending.pop(expected)
-                    expected += max(1, len(event.token_ids))
-                    for output in self._consume(event):
+                    if event.error.status < 500:
+                        raise ApiError(event.error.status, event.error.message)
+                    await self._resume(event.error.message)
+                    last_progress = time.monotonic()
+                    continue
+                self._watch(event.worker)
+                if event.index >= len(self.generated):
+                    pending[event.index] = event
+                while len(self.generated) in pending:
+                    last_progress = time.monotonic()
+                    for output in self._consume(pending.pop(len(self.generated))):
                         yield output
                     if self._done:
                         return
         finally:
             await self._close()
             if not self._done or self._cut_short:
-                await self.pipeline.cancel(self.request_id, "stop string" if self._cut_short else "request ended early")
+                await self.pipeline.cancel(self.attempt_id, "stop string" if self._cut_short else "request ended early")
+
+    async def _resume(self, reason: str) -> None:
+        """Continue on other workers from the prompt plus every token received so far."""
+        if self.resumes >= self.pipeline.settings.resume_attempts:
+            raise ApiError(503, "the model workers serving this request failed")
+        self.resumes += 1
+        log.warning("request.resume", request_id=self.request_id, reason=reason, tokens=len(self.generated))
+        await self.pipeline.cancel(self.attempt_id, "resumed elsewhere")
+        self.attempt_id = f"{self.request_id}.{self.resumes}"
+        self._worker = ""
+        remaining = self.sampling.max_tokens - len(self.generated)
+        prompt = Prompt(self.prompt.token_ids + self.generated, self.prompt.image_offsets, self.prompt.image_grids)
+        results = await self.pipeline.encode_images(self.attempt_id, self.images) if self.images else []
+        sampling = msgspec.structs.replace(self.sampling, max_tokens=remaining)
+        job = self.pipeline.prefill_job(self.attempt_id, prompt, results, sampling, self.subject)
+        await self.submit(msgspec.structs.replace(job, output_offset=len(self.generated)))
 
     def _consume(self, event: TokenEvent) -> list[TextDelta | Finished]:
         if self.first_token_at is None:
             self.first_token_at = time.time()
-        self.completion_tokens += len(event.token_ids)
+        self.generated += event.token_ids
         out: list[TextDelta | Finished] = []
         text = self.detok.push(event.token_ids)
         if self.detok.stopped or event.finish_reason is not None:

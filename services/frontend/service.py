@@ -17,6 +17,7 @@ from services.frontend.metrics import Admission, FrontendMetrics
 from services.frontend.nats_api import ChatEndpoint
 from services.frontend.pipeline import ChatPipeline
 from services.frontend.prompt import PromptBuilder
+from services.frontend.liveness import LiveWorkers
 from services.frontend.routing import EncoderDirectory
 from services.frontend.settings import FrontendSettings
 from shared import __version__
@@ -70,8 +71,10 @@ class FrontendService(ServiceBase):
         builder = PromptBuilder(tokenizer, config, ImageGeometry.from_checkpoint(path))
         self.encoders = EncoderDirectory(nc, self.subjects)
         self.encoders.start()
+        self.workers = LiveWorkers(nc, self.subjects)
+        self.workers.start()
         self.pipeline = ChatPipeline(nc, self.subjects, self.plane, self.media, builder, tokenizer, s,
-                                     self.max_model_len, self.encoders)
+                                     self.max_model_len, self.encoders, self.workers)
         self.app = create_app(self)
         config_http = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off",
                                      timeout_graceful_shutdown=s.drain_seconds)
@@ -102,6 +105,7 @@ class FrontendService(ServiceBase):
     async def close(self) -> None:
         await self.jobs.stop()
         await self.encoders.stop()
+        await self.workers.stop()
         await self.media.close()
         await self.plane.stop()
         self.executor.shutdown(wait=False, cancel_futures=True)

@@ -33,6 +33,8 @@ class FrontendSettings(CommonSettings):
     prefill_timeout: float = Field(30.0, gt=0, description="seconds for prefill to accept a request")
     first_token_timeout: float = Field(120.0, gt=0, description="seconds from admission to the first token")
     token_timeout: float = Field(60.0, gt=0, description="seconds between two tokens before the request fails")
+    resume_attempts: int = Field(2, ge=0, description="times a request whose prefill/decode worker died is "
+                                                      "resumed on other workers")
     jobs: bool = Field(True, description="answer durable jobs from JetStream (<prefix>.jobs.submit); "
                                          "needs a NATS server with JetStream")
     job_concurrency: int = Field(8, ge=1, description="jobs this frontend runs at once")

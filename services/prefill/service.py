@@ -107,7 +107,8 @@ class PrefillService(ServiceBase):
             await self._release_reservation(job.request_id)
             raise HandlerError(499, "request was cancelled")
         seq = Sequence(job.request_id, list(job.token_ids), len(job.token_ids), job.sampling,
-                       images=[ImageInput(s.offset, tuple(s.grid), e) for s, e in zip(job.images, embeds)])
+                       images=[ImageInput(s.offset, tuple(s.grid), e) for s, e in zip(job.images, embeds)],
+                       output_offset=job.output_offset)
         self.handoffs[job.request_id] = Handoff(job, decode_id)
         try:
             await self.loop.call(lambda engine: engine.add_prompt(seq))
@@ -165,7 +166,7 @@ class PrefillService(ServiceBase):
                 continue  # cancelled while computing
             job = handoff.job
             event = TokenEvent(request_id=job.request_id, index=out.index, token_ids=[out.token],
-                               finish_reason=out.finish_reason)
+                               finish_reason=out.finish_reason, worker=self.instance)
             self.publisher.publish(job.stream, encode(event))
             if out.finish_reason is not None:
                 self.handoffs.pop(job.request_id, None)
@@ -173,7 +174,7 @@ class PrefillService(ServiceBase):
             else:
                 start = DecodeStart(request_id=job.request_id, token_ids=out.seq.token_ids[:out.seq.prompt_len + 1],
                                     prompt_len=out.seq.prompt_len, rope_delta=out.seq.rope_delta,
-                                    sampling=job.sampling, stream=job.stream)
+                                    sampling=job.sampling, stream=job.stream, output_offset=job.output_offset)
                 self._spawn(self._start_decode(handoff, start))
 
     async def _start_decode(self, handoff: Handoff, start: DecodeStart) -> None:
@@ -202,7 +203,8 @@ class PrefillService(ServiceBase):
                 self._spawn(self._release_reservation(request_id))
 
     def _fail(self, stream: str, request_id: str, status: int, message: str) -> None:
-        event = TokenEvent(request_id=request_id, index=0, error=ErrorInfo(status=status, message=message))
+        event = TokenEvent(request_id=request_id, index=0, error=ErrorInfo(status=status, message=message),
+                           worker=self.instance)
         self.publisher.publish(stream, encode(event))
 
     def _spawn(self, coro) -> asyncio.Task:

@@ -124,7 +124,7 @@ class Engine:
             seq.finish_reason = reason
         if reason is not None or (kind == "prefill" and self.role == "prefill"):
             self._release(seq)  # finished, or handed off: its KV already left through the layer hook
-        return StepOutput(seq, token, seq.num_output - 1, reason)
+        return StepOutput(seq, token, seq.output_offset + seq.num_output - 1, reason)
 
     def _release(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)

@@ -40,6 +40,7 @@ class Sequence:
     finish_reason: str | None = None
     swapped_kv: torch.Tensor | None = None  # [layers, 2, num_computed, kv_heads, head_dim] while SWAPPED
     arrival: float = 0.0
+    output_offset: int = 0  # tokens generated before this sequence existed (a request resumed elsewhere)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -48,6 +48,7 @@ class DecodeStart(Message, frozen=True, kw_only=True):
     rope_delta: int
     sampling: SamplingParams
     stream: Subject
+    output_offset: Annotated[int, Meta(ge=0)] = 0
 
 
 class DecodeAccepted(Message, frozen=True, kw_only=True):

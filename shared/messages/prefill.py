@@ -24,8 +24,9 @@ class PrefillJob(Message, frozen=True, kw_only=True):
     request_id: Annotated[str, Meta(max_length=128)]
     token_ids: Annotated[list[int], Meta(min_length=1, max_length=MAX_PROMPT_TOKENS)]
     images: Annotated[list[ImageSlot], Meta(max_length=MAX_IMAGES)] = []
-    sampling: SamplingParams
+    sampling: SamplingParams  # max_tokens counts from output_offset
     stream: Annotated[str, Meta(max_length=256)]  # subject the tokens go to
+    output_offset: Annotated[int, Meta(ge=0)] = 0  # a resumed request: its last tokens were generated before
 
 
 class PrefillAccepted(Message, frozen=True, kw_only=True):

@@ -21,3 +21,4 @@ class TokenEvent(Message, frozen=True, kw_only=True):
     token_ids: list[int] = []
     finish_reason: str | None = None  # "stop" | "length" | "abort"; set on the last event only
     error: ErrorInfo | None = None  # the request failed; no more events follow
+    worker: str = ""  # instance that produced the event: the frontend watches it is still alive
