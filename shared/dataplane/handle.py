@@ -23,11 +23,12 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 MAX_DIMS = 8
+TRANSPORTS = ("ucx", "zmq", "inproc")
 
 
 class TensorHandle(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    transport: str  # "zmq" | "ucx" | "inproc"
-    address: str  # where the holder listens, e.g. tcp://10.0.0.5:41234
+    transport: str  # one of TRANSPORTS
+    address: str  # where the holder listens: ucx://10.0.0.5:41234, tcp://10.0.0.5:41234, ipc://..., inproc://...
     key: str  # the tensor's name at the holder
     token: str  # unguessable; the holder refuses a pull without it
     dtype: str
@@ -36,6 +37,8 @@ class TensorHandle(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     expires_at: float  # unix time after which the holder may have freed the tensor
 
     def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"unknown data plane transport {self.transport!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}")
         if len(self.shape) > MAX_DIMS or any(d < 0 for d in self.shape):

@@ -1,64 +1,66 @@
 """The data plane of one process: publish a tensor → a handle; pull a handle → the tensor.
 
-A process serves what it holds over its configured transport and can pull from holders of any
-transport. ``inproc`` hands the tensor itself to a consumer in the same process (the aggregated
-topology and tests): zero copies.
+A process serves what it holds over its configured transport (``ucx``, ``zmq`` or ``inproc``) and can
+pull from holders of any transport; clients are made on first use, so a ZMQ deployment never loads
+UCX. A handle this process holds is taken from its own store whatever its transport: no copy.
 """
 
 from __future__ import annotations
 
 import asyncio
-import uuid
 
 import torch
 import zmq.asyncio
 
-from shared.dataplane.handle import TensorHandle, dtype_name
+from shared.dataplane.handle import TRANSPORTS, TensorHandle, dtype_name
+from shared.dataplane.inproc_transport import InprocClient, InprocServer, take
 from shared.dataplane.store import DataPlaneError, TensorStore
+from shared.dataplane.transport import TransportClient, TransportServer
+from shared.dataplane.ucx_transport import UcxClient, UcxServer
 from shared.dataplane.zmq_transport import ZmqClient, ZmqServer
-
-_INPROC: dict[str, TensorStore] = {}  # address → store, for holders in this process
 
 
 class DataPlane:
     def __init__(self, transport: str = "zmq", host: str = "127.0.0.1", advertise: str = "",
                  max_bytes: int = 8 << 30, lease_seconds: float = 60.0, pull_timeout: float = 60.0):
-        if transport not in ("zmq", "inproc"):
-            raise ValueError(f"data plane transport {transport!r} is not available (use zmq or inproc)")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"data plane transport {transport!r} is not one of {', '.join(TRANSPORTS)}")
         self.transport = transport
+        self.host = host
+        self.advertise = advertise
         self.store = TensorStore(max_bytes, lease_seconds)
         self.pull_timeout = pull_timeout
-        self._context = zmq.asyncio.Context()
-        self._server = ZmqServer(self.store, host, advertise, self._context) if transport == "zmq" else None
-        self._zmq = ZmqClient(self._context)
+        self._context: zmq.asyncio.Context | None = None
+        self._server = self._make_server()
+        self._clients: dict[str, TransportClient] = {}
         self._sweeper: asyncio.Task | None = None
-        self.address = ""
 
     @classmethod
     def from_settings(cls, settings) -> "DataPlane":
         return cls(settings.transport, settings.data_host, settings.data_advertise,
                    settings.data_max_mb << 20, settings.lease_seconds)
 
+    @property
+    def address(self) -> str:
+        return self._server.address
+
     async def start(self) -> None:
-        if self._server is not None:
-            await self._server.start()
-            self.address = self._server.address
-        else:
-            self.address = f"inproc://{uuid.uuid4().hex}"
-            _INPROC[self.address] = self.store
+        await self._server.start()
         self._sweeper = asyncio.create_task(self._sweep(), name="dataplane-sweeper")
 
     async def stop(self) -> None:
         if self._sweeper:
             self._sweeper.cancel()
             await asyncio.gather(self._sweeper, return_exceptions=True)
-        if self._server is not None:
-            await self._server.stop()
-        _INPROC.pop(self.address, None)
-        await self._zmq.close()
-        self._context.term()
+        await self._server.stop()
+        for client in self._clients.values():
+            await client.close()
+        self._clients.clear()
+        if self._context is not None:
+            self._context.term()
 
     def publish(self, tensor: torch.Tensor, consumers: int | None = 1, lease: float | None = None) -> TensorHandle:
+        """Hold ``tensor`` for ``consumers`` pulls (None: until released or its lease ends)."""
         key, token, expires_at = self.store.put(tensor, consumers, lease)
         return TensorHandle(transport=self.transport, address=self.address, key=key, token=token,
                             dtype=dtype_name(tensor.dtype), shape=list(tensor.shape),
@@ -68,17 +70,46 @@ class DataPlane:
         if handle.address == self.address:
             self.store.release(handle.key)
 
-    async def pull(self, handle: TensorHandle) -> torch.Tensor:
-        if handle.transport == "inproc":
-            store = _INPROC.get(handle.address)
-            if store is None:
-                raise DataPlaneError("not_found", "in-process holder is gone")
-            tensor = store.get(handle.key, handle.token)
-            store.done(handle.key)
-            return tensor
-        if handle.transport == "zmq":
-            return await self._zmq.pull(handle, self.pull_timeout)
-        raise DataPlaneError("bad_request", f"unknown transport {handle.transport!r}")
+    async def pull(self, handle: TensorHandle, device: torch.device | str | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """The handle's tensor, on ``device`` (None: as held for this process's own tensors, host memory
+        for others'), or received into ``out``: a contiguous buffer of the handle's byte size that the
+        caller reuses (no allocation; UCX writes straight into it), returned viewed as the handle's
+        dtype and shape. Raises DataPlaneError: the holder's refusal, ``timeout`` or ``unreachable``."""
+        target = torch.device(device) if device is not None else None
+        if handle.address == self.address:
+            return take(self.store, handle, target, out)
+        try:
+            return await self._client(handle.transport).pull(handle, self.pull_timeout, target, out)
+        except TimeoutError:
+            raise DataPlaneError("timeout", f"no answer from the holder within {self.pull_timeout:g}s") from None
+
+    def stats(self) -> dict:
+        return self.store.stats()
+
+    def _make_server(self) -> TransportServer:
+        if self.transport == "zmq":
+            return ZmqServer(self.store, self.host, self.advertise, self._zmq_context())
+        if self.transport == "ucx":
+            return UcxServer(self.store, self.host, self.advertise)
+        return InprocServer(self.store)
+
+    def _client(self, transport: str) -> TransportClient:
+        client = self._clients.get(transport)
+        if client is None:
+            if transport == "zmq":
+                client = ZmqClient(self._zmq_context())
+            elif transport == "ucx":
+                client = UcxClient()
+            else:
+                client = InprocClient()
+            self._clients[transport] = client
+        return client
+
+    def _zmq_context(self) -> zmq.asyncio.Context:
+        if self._context is None:
+            self._context = zmq.asyncio.Context()
+        return self._context
 
     async def _sweep(self) -> None:
         while True:

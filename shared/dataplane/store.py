@@ -11,13 +11,15 @@ import hmac
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 
 class DataPlaneError(Exception):
-    """A pull or publish that cannot be served; ``code`` is one of not_found, forbidden, expired, full, bad_request."""
+    """A pull or publish that cannot be served. ``code``: not_found, forbidden, expired, full, bad_request
+    (the holder's answers), timeout, unreachable (the consumer's own verdicts)."""
 
     def __init__(self, code: str, message: str):
         super().__init__(message)
@@ -34,6 +36,9 @@ class _Entry:
     nbytes: int
 
 
+LAPSED_KEYS = 4096  # expired keys remembered, so a late consumer hears "expired", not "not found"
+
+
 class TensorStore:
     def __init__(self, max_bytes: int, lease_seconds: float):
         self.max_bytes = max_bytes
@@ -41,8 +46,11 @@ class TensorStore:
         self._entries: dict[str, _Entry] = {}
         self._bytes = 0
         self._lock = threading.Lock()
+        self._lapsed: OrderedDict[str, None] = OrderedDict()
+        self.served = 0  # pulls answered with the tensor (a remote one counts in ``pulls`` on its ack)
         self.pulls = 0
         self.expired = 0
+        self.refused = 0  # publishes turned away because the store was full
 
     @property
     def bytes_held(self) -> int:
@@ -52,13 +60,17 @@ class TensorStore:
         return len(self._entries)
 
     def put(self, tensor: torch.Tensor, consumers: int | None = 1, lease: float | None = None) -> tuple[str, str, float]:
-        """Hold ``tensor``; returns (key, token, expires_at)."""
+        """Hold ``tensor`` for ``consumers`` pulls (None: until released or expired); returns (key, token,
+        expires_at). Raises DataPlaneError("full") rather than exceed ``max_bytes``."""
+        if consumers is not None and consumers < 1:
+            raise ValueError("a tensor is published for at least one consumer (or None: until released)")
         nbytes = tensor.numel() * tensor.element_size()
         expires_at = time.time() + (lease or self.lease_seconds)
         key, token = secrets.token_hex(8), secrets.token_urlsafe(24)
         with self._lock:
             self._sweep_locked()
             if self._bytes + nbytes > self.max_bytes:
+                self.refused += 1
                 raise DataPlaneError("full", f"data plane full: {self._bytes + nbytes} bytes would exceed "
                                              f"the limit of {self.max_bytes}")
             self._entries[key] = _Entry(tensor.contiguous(), token, expires_at, consumers, nbytes)
@@ -70,13 +82,15 @@ class TensorStore:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
+                if key in self._lapsed:
+                    raise DataPlaneError("expired", "the tensor's lease expired before it was pulled")
                 raise DataPlaneError("not_found", "no tensor under this key (never held, already pulled, or freed)")
             if not hmac.compare_digest(entry.token, token):
                 raise DataPlaneError("forbidden", "wrong token for this tensor")
             if time.time() > entry.expires_at:
-                self._drop_locked(key)
-                self.expired += 1
+                self._expire_locked(key)
                 raise DataPlaneError("expired", "the tensor's lease expired before it was pulled")
+            self.served += 1
             return entry.tensor
 
     def done(self, key: str) -> None:
@@ -90,9 +104,21 @@ class TensorStore:
             if entry.remaining <= 0:
                 self._drop_locked(key)
 
+    def ack(self, key: str, token: str) -> None:
+        """A remote consumer confirms it holds the bytes: ``done``, if it proves it was given the handle."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or not hmac.compare_digest(entry.token, token):
+                return  # already freed (lease, release) or not a consumer of it: nothing to count
+        self.done(key)
+
     def release(self, key: str) -> None:
         with self._lock:
             self._drop_locked(key)
+
+    def stats(self) -> dict:
+        return {"bytes_held": self._bytes, "tensors": len(self._entries), "served": self.served,
+                "pulls": self.pulls, "expired": self.expired, "refused": self.refused}
 
     def sweep(self) -> int:
         with self._lock:
@@ -102,9 +128,15 @@ class TensorStore:
         now = time.time()
         stale = [k for k, e in self._entries.items() if now > e.expires_at]
         for key in stale:
-            self._drop_locked(key)
-        self.expired += len(stale)
+            self._expire_locked(key)
         return len(stale)
+
+    def _expire_locked(self, key: str) -> None:
+        self._drop_locked(key)
+        self.expired += 1
+        self._lapsed[key] = None
+        if len(self._lapsed) > LAPSED_KEYS:
+            self._lapsed.popitem(last=False)
 
     def _drop_locked(self, key: str) -> None:
         entry = self._entries.pop(key, None)

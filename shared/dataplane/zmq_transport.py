@@ -1,109 +1,70 @@
-"""ZMQ transport: a ROUTER socket serves pulls from the store; DEALER sockets pull, one per peer, reused.
+"""ZMQ transport: a ROUTER socket serves pulls from the store; one DEALER per holder pulls, reused.
 
 Wire: the consumer sends ``[request_id, PullRequest]``; the holder answers ``[request_id, PullReply,
-payload]`` where the payload is the tensor's raw bytes, sent without a copy. Requests are size-capped
-and schema-checked; nothing is unpickled.
+payload]`` with the tensor's raw bytes sent without a copy; the consumer then sends ``[request_id,
+PullAck]``. Many pulls share one connection, matched by request id. Requests are size-capped and
+schema-checked; nothing is unpickled. TCP across hosts; ``ipc://DIR`` as the data host for a Unix socket
+between processes of one host.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import warnings
+import os
+import uuid
 
 import msgspec
 import torch
 import zmq
 import zmq.asyncio
 
-from shared.dataplane.handle import DTYPES, TensorHandle
+from shared.dataplane import wire
+from shared.dataplane.handle import TensorHandle
+from shared.dataplane.net import resolve_advertise, url_host
 from shared.dataplane.store import DataPlaneError, TensorStore
 from shared.logging import get_logger
 
 log = get_logger(__name__)
-
-MAX_REQUEST_BYTES = 4096
-
-
-class PullRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    key: str
-    token: str
-
-
-class PullReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    ok: bool
-    code: str = ""
-    message: str = ""
-
-
-_request_decoder = msgspec.msgpack.Decoder(PullRequest)
-_reply_decoder = msgspec.msgpack.Decoder(PullReply)
-_encoder = msgspec.msgpack.Encoder()
-
-
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    flat = tensor.detach().reshape(-1)
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
-    return memoryview(flat.view(torch.uint8).numpy())
-
-
-def tensor_from_bytes(buffer, handle: TensorHandle) -> torch.Tensor:
-    if handle.nbytes == 0:
-        return torch.empty(handle.shape, dtype=DTYPES[handle.dtype])
-    with warnings.catch_warnings():  # the receive buffer is read-only; consumers copy on use
-        warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(buffer, dtype=torch.uint8)
-    return flat.view(DTYPES[handle.dtype]).view(handle.shape)
-
-
-def resolve_advertise(advertise: str, host: str) -> str:
-    """The address peers dial. ``auto``: this host's outward interface (containers, one IP per replica).
-    A wildcard bind without an advertised address would hand peers 0.0.0.0: refuse that."""
-    if advertise == "auto":
-        import socket
-
-        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        try:
-            probe.connect(("10.255.255.255", 1))  # no packet is sent; picks the default route's interface
-            return probe.getsockname()[0]
-        except OSError:
-            return socket.gethostbyname(socket.gethostname())
-        finally:
-            probe.close()
-    if advertise:
-        return advertise
-    if host in ("0.0.0.0", "::", "*"):
-        raise ValueError("the data plane listens on all interfaces: set --data-advertise (an address peers "
-                         "can reach, or 'auto')")
-    return host
 
 
 class ZmqServer:
     def __init__(self, store: TensorStore, host: str, advertise: str, context: zmq.asyncio.Context):
         self.store = store
         self.host = host
-        self.advertise = resolve_advertise(advertise, host)
+        self.advertise = "" if host.startswith("ipc://") else resolve_advertise(advertise, host)
         self.context = context
         self.address = ""
         self._socket: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task | None = None
+        self._staging: set[asyncio.Task] = set()  # device-to-host copies of GPU tensors being served
 
     async def start(self) -> None:
         sock = self.context.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        sock.setsockopt(zmq.MAXMSGSIZE, wire.CONTROL_BYTES)
         sock.setsockopt(zmq.LINGER, 0)
-        port = sock.bind_to_random_port(f"tcp://{self.host}")
+        if self.host.startswith("ipc://"):
+            path = os.path.join(self.host[len("ipc://"):], f"epd-{uuid.uuid4().hex[:12]}.sock")
+            self.address = f"ipc://{path}"
+            sock.bind(self.address)
+        else:
+            port = sock.bind_to_random_port(f"tcp://{url_host(self.host)}")
+            self.address = f"tcp://{url_host(self.advertise)}:{port}"
         self._socket = sock
-        self.address = f"tcp://{self.advertise}:{port}"
         self._task = asyncio.create_task(self._serve(), name="zmq-dataplane-server")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [t for t in (self._task, *self._staging) if t]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._socket:
             self._socket.close(0)
+        if self.address.startswith("ipc://"):
+            try:
+                os.unlink(self.address[len("ipc://"):])
+            except OSError:
+                pass
 
     async def _serve(self) -> None:
         sock = self._socket
@@ -120,17 +81,33 @@ class ZmqServer:
             return  # not our protocol: no reply, no state
         identity, request_id, body = frames
         try:
-            request = _request_decoder.decode(body)
-            tensor = self.store.get(request.key, request.token)
+            message = wire.consumer_decoder.decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError):
-            await sock.send_multipart([identity, request_id, _encoder.encode(PullReply(False, "bad_request", "malformed pull request")), b""])
-            return
-        except DataPlaneError as err:
-            await sock.send_multipart([identity, request_id, _encoder.encode(PullReply(False, err.code, err.message)), b""])
-            return
-        payload = tensor_bytes(tensor) if tensor.device.type == "cpu" else await asyncio.to_thread(tensor_bytes, tensor)
-        await sock.send_multipart([identity, request_id, _encoder.encode(PullReply(True)), payload], copy=False)
-        self.store.done(request.key)
+            return await self._refuse(sock, identity, request_id, "bad_request", "malformed pull request")
+        if isinstance(message, wire.PullAck):
+            return self.store.ack(message.key, message.token)
+        reply, tensor = wire.lookup(self.store, message)
+        if tensor is None:
+            return await self._refuse(sock, identity, request_id, reply.code, reply.message)
+        if tensor.device.type == "cpu":
+            return await self._send(sock, identity, request_id, wire.host_bytes(tensor))
+        task = asyncio.create_task(self._stage_and_send(sock, identity, request_id, tensor))
+        self._staging.add(task)
+        task.add_done_callback(self._staging.discard)
+
+    async def _stage_and_send(self, sock, identity: bytes, request_id: bytes, tensor: torch.Tensor) -> None:
+        try:
+            payload = await asyncio.to_thread(wire.host_bytes, tensor)
+            await self._send(sock, identity, request_id, payload)
+        except Exception:
+            log.exception("dataplane.stage_failed")
+
+    async def _send(self, sock, identity: bytes, request_id: bytes, payload) -> None:
+        header = wire.encode(wire.PullReply(True))
+        await sock.send_multipart([identity, request_id, header, payload], copy=False)
+
+    async def _refuse(self, sock, identity: bytes, request_id: bytes, code: str, message: str) -> None:
+        await sock.send_multipart([identity, request_id, wire.encode(wire.refusal(code, message)), b""])
 
 
 class _Peer:
@@ -140,47 +117,72 @@ class _Peer:
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(address)
+        # request id → (waiter, handle); an entry outlives a caller that gave up, so its late reply is
+        # still acknowledged (the holder frees the tensor then, not at lease expiry).
         self.pending: dict[bytes, tuple[asyncio.Future, TensorHandle]] = {}
         self.ids = itertools.count()
         self.reader = asyncio.create_task(self._read(), name=f"zmq-peer-{address}")
 
     async def pull(self, handle: TensorHandle, timeout: float) -> torch.Tensor:
+        self._forget_expired()
         request_id = next(self.ids).to_bytes(8, "little")
         future = asyncio.get_running_loop().create_future()
         self.pending[request_id] = (future, handle)
+        await self.socket.send_multipart([request_id, wire.encode(wire.PullRequest(handle.key, handle.token, handle.nbytes))])
         try:
-            await self.socket.send_multipart([request_id, _encoder.encode(PullRequest(handle.key, handle.token))])
             return await asyncio.wait_for(future, timeout)
-        finally:
-            self.pending.pop(request_id, None)
+        except TimeoutError:
+            raise DataPlaneError("timeout", f"no answer from the holder within {timeout:g}s") from None
 
     async def _read(self) -> None:
         while True:
-            frames = await self.socket.recv_multipart(copy=False)
-            if len(frames) != 3:
-                continue
-            request_id, header, payload = frames
-            waiter = self.pending.get(request_id.bytes)
-            if waiter is None or waiter[0].done():
-                continue  # the puller gave up (timeout or cancel)
+            request_id, header, payload = await self._next_reply()
+            waiter = self.pending.pop(request_id.bytes, None)
+            if waiter is None:
+                continue  # a reply to a request forgotten after its lease ran out
             future, handle = waiter
             try:
-                reply = _reply_decoder.decode(header.bytes)
-                if not reply.ok:
-                    future.set_exception(DataPlaneError(reply.code, reply.message))
-                elif len(payload) != handle.nbytes:
-                    future.set_exception(DataPlaneError("bad_request", "payload size does not match the handle"))
-                else:
-                    future.set_result(tensor_from_bytes(payload.buffer, handle))
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                future.set_exception(DataPlaneError("bad_request", "malformed reply from holder"))
+                result = self._result(header.bytes, payload, handle)
+            except DataPlaneError as err:
+                result = err
+            else:
+                await self.socket.send_multipart([request_id.bytes, wire.encode(wire.PullAck(handle.key, handle.token))])
+            if future.done():
+                continue  # the puller gave up (timeout or cancel)
+            if isinstance(result, DataPlaneError):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+    async def _next_reply(self):
+        while True:
+            frames = await self.socket.recv_multipart(copy=False)
+            if len(frames) == 3:
+                return frames
+
+    @staticmethod
+    def _result(header: bytes, payload, handle: TensorHandle) -> torch.Tensor:
+        try:
+            reply = wire.reply_decoder.decode(header)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            raise DataPlaneError("bad_request", "malformed reply from holder") from None
+        if not reply.ok:
+            raise DataPlaneError(reply.code, reply.message)
+        if len(payload) != handle.nbytes:
+            raise DataPlaneError("bad_request", "payload size does not match the handle")
+        return wire.tensor_from_buffer(payload.buffer, handle)
+
+    def _forget_expired(self) -> None:
+        stale = [rid for rid, (future, handle) in self.pending.items() if future.done() and handle.expired]
+        for rid in stale:
+            del self.pending[rid]
 
     async def close(self) -> None:
         self.reader.cancel()
         await asyncio.gather(self.reader, return_exceptions=True)
         for future, _ in self.pending.values():
             if not future.done():
-                future.set_exception(DataPlaneError("not_found", "data plane closed"))
+                future.set_exception(DataPlaneError("unreachable", "data plane closed"))
         self.socket.close(0)
 
 
@@ -189,13 +191,17 @@ class ZmqClient:
         self.context = context
         self._peers: dict[str, _Peer] = {}
 
-    async def pull(self, handle: TensorHandle, timeout: float) -> torch.Tensor:
-        if not handle.address.startswith("tcp://") and not handle.address.startswith("ipc://"):
+    async def pull(self, handle: TensorHandle, timeout: float, device: torch.device | None,
+                   out: torch.Tensor | None) -> torch.Tensor:
+        if not handle.address.startswith(("tcp://", "ipc://")):
             raise DataPlaneError("bad_request", "zmq handle with a non-zmq address")
+        if out is not None:
+            wire.check_out(out, handle)
         peer = self._peers.get(handle.address)
         if peer is None:
             peer = self._peers[handle.address] = _Peer(self.context, handle.address)
-        return await peer.pull(handle, timeout)
+        tensor = await peer.pull(handle, timeout)  # lands in ZMQ's own buffer: one copy into ``out``
+        return wire.deliver(wire.flat_bytes(tensor), handle, device, out)
 
     async def close(self) -> None:
         for peer in self._peers.values():

@@ -1,0 +1,138 @@
+"""What the network transports say to each other, and how a tensor becomes bytes and back.
+
+A pull is three messages: the consumer's ``PullRequest``, the holder's ``PullReply`` followed by the raw
+tensor bytes, and the consumer's ``PullAck`` once it holds them. The holder counts a pull as done only
+on the ack, so a consumer that dies mid-transfer leaves the tensor to its lease, never half-counted.
+Control messages are small msgspec structs (MessagePack); nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import struct
+import warnings
+
+import msgspec
+import torch
+
+from shared.dataplane.handle import DTYPES, TensorHandle
+from shared.dataplane.store import DataPlaneError, TensorStore
+
+CONTROL_BYTES = 256  # every control frame (UCX) is exactly this long; ZMQ caps requests at this size
+MAX_MESSAGE_CHARS = 160  # error messages are cut to fit a control frame
+
+
+class PullRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="pull"):
+    key: str
+    token: str
+    nbytes: int  # what the consumer's handle says; a holder whose tensor differs refuses
+    id: int = 0  # matches the reply to the request when many are in flight on one connection
+
+
+class PullAck(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="ack"):
+    key: str
+    token: str
+
+
+class PullReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    ok: bool
+    code: str = ""
+    message: str = ""
+
+
+ConsumerMessage = PullRequest | PullAck
+
+_encoder = msgspec.msgpack.Encoder()
+consumer_decoder = msgspec.msgpack.Decoder(ConsumerMessage)
+reply_decoder = msgspec.msgpack.Decoder(PullReply)
+_LENGTH = struct.Struct("<I")
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+def refusal(code: str, message: str) -> PullReply:
+    return PullReply(False, code, message[:MAX_MESSAGE_CHARS])
+
+
+def lookup(store: TensorStore, request: PullRequest) -> tuple[PullReply, torch.Tensor | None]:
+    """The holder's answer to a pull: its reply, and the tensor to send when the reply is ok."""
+    try:
+        tensor = store.get(request.key, request.token)
+    except DataPlaneError as err:
+        return refusal(err.code, err.message), None
+    if tensor.numel() * tensor.element_size() != request.nbytes:
+        return refusal("bad_request", "the handle's byte size does not match the tensor"), None
+    return PullReply(True), tensor
+
+
+def to_frame(message: msgspec.Struct) -> bytearray:
+    """``message`` in a fixed-size frame: a length, the MessagePack body, zero padding."""
+    body = _encoder.encode(message)
+    if len(body) + _LENGTH.size > CONTROL_BYTES:
+        raise ValueError("control message does not fit a frame")
+    frame = bytearray(CONTROL_BYTES)
+    _LENGTH.pack_into(frame, 0, len(body))
+    frame[_LENGTH.size:_LENGTH.size + len(body)] = body
+    return frame
+
+
+def from_frame(frame: bytes | bytearray, decoder: msgspec.msgpack.Decoder):
+    """Raises msgspec.DecodeError / ValidationError on anything but a well-formed frame."""
+    (length,) = _LENGTH.unpack_from(frame, 0)
+    if length > CONTROL_BYTES - _LENGTH.size:
+        raise msgspec.DecodeError("control frame length out of range")
+    return decoder.decode(memoryview(frame)[_LENGTH.size:_LENGTH.size + length])
+
+
+def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's storage as a flat uint8 tensor on its own device, without a copy (it is contiguous)."""
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+def host_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes in host memory: a view for a CPU tensor, one device-to-host copy otherwise."""
+    flat = flat_bytes(tensor)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return memoryview(flat.numpy())
+
+
+def empty_like_handle(handle: TensorHandle, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A writable flat uint8 buffer that a handle's bytes are received into."""
+    return torch.empty(handle.nbytes, dtype=torch.uint8, device=device)
+
+
+def check_out(out: torch.Tensor, handle: TensorHandle) -> torch.Tensor:
+    """``out`` (a caller's buffer to receive into) as flat bytes; it must be contiguous and the right size."""
+    if not out.is_contiguous() or out.numel() * out.element_size() != handle.nbytes:
+        raise ValueError(f"out must be a contiguous tensor of {handle.nbytes} bytes")
+    return flat_bytes(out)
+
+
+def deliver(flat: torch.Tensor, handle: TensorHandle, device: torch.device | None,
+            out: torch.Tensor | None) -> torch.Tensor:
+    """Received bytes as the handle's tensor: copied into ``out`` (unless they landed there), else moved
+    to ``device`` if they are not on it already."""
+    if out is not None:
+        target = check_out(out, handle)
+        if target.data_ptr() != flat.data_ptr() and handle.nbytes:
+            target.copy_(flat)
+        return as_tensor(target, handle)
+    tensor = as_tensor(flat, handle)
+    return tensor if device is None or tensor.device == device else tensor.to(device)
+
+
+def as_tensor(flat: torch.Tensor, handle: TensorHandle) -> torch.Tensor:
+    """The received bytes seen as the handle's dtype and shape (no copy)."""
+    return flat.view(DTYPES[handle.dtype]).view(handle.shape)
+
+
+def tensor_from_buffer(buffer, handle: TensorHandle) -> torch.Tensor:
+    """A tensor over a received (read-only) buffer, without a copy; consumers copy on use."""
+    if handle.nbytes == 0:
+        return torch.empty(handle.shape, dtype=DTYPES[handle.dtype])
+    with warnings.catch_warnings():  # torch warns that the buffer is not writable
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(buffer, dtype=torch.uint8)
+    return as_tensor(flat, handle)

@@ -1,0 +1,80 @@
+"""A data plane peer in a process of its own, for tests/test_dataplane.py.
+
+    python -m tests.dataplane_peer hold ucx,zmq,ipc:DIR   publish ``tensor_set()`` on each plane, print the
+                                                          handles as one JSON line, serve until stdin closes
+    python -m tests.dataplane_peer pull                   print "ready", read a JSON list of handles from
+                                                          stdin, print "pulling", pull them all at once
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import torch
+
+from shared.dataplane.handle import TensorHandle
+from shared.dataplane.plane import DataPlane
+
+BIG_BYTES = 110 << 20
+
+
+def tensor_set(seed: int = 7) -> dict[str, torch.Tensor]:
+    """Every dtype the plane carries, odd shapes, zero-size ones, special floats and one > 100 MB."""
+    g = torch.Generator().manual_seed(seed)
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e-45])
+    return {
+        "f32": torch.cat([torch.randn(10, generator=g), special]).reshape(3, 5),
+        "bf16": torch.randn(2, 3, 4, generator=g).bfloat16(),
+        "f16": torch.randn(17, generator=g).half(),
+        "f64_scalar": torch.tensor(3.141592653589793, dtype=torch.float64),
+        "i64": torch.randint(-(2**62), 2**62, (7,), generator=g),
+        "i32": torch.randint(-(2**31), 2**31 - 1, (5, 1, 3), generator=g, dtype=torch.int32),
+        "i16": torch.randint(-(2**15), 2**15 - 1, (9,), generator=g, dtype=torch.int16),
+        "i8": torch.randint(-128, 127, (4, 4), generator=g, dtype=torch.int8),
+        "u8": torch.randint(0, 255, (3, 2, 2, 1, 1, 1, 1, 2), generator=g, dtype=torch.uint8),  # 8 dims
+        "bool": torch.rand(4, 4, generator=g) > 0.5,
+        "empty": torch.empty(0, dtype=torch.uint8),
+        "empty_3d": torch.empty(3, 0, 2, dtype=torch.float32),
+        "transposed": torch.arange(24, dtype=torch.float32).reshape(4, 6).t(),  # published as a copy
+        "big": torch.randint(0, 256, (BIG_BYTES // 2,), generator=g, dtype=torch.int16).view(torch.bfloat16)
+        .reshape(55, -1),
+    }
+
+
+def as_json(handle: TensorHandle) -> dict:
+    return {f: getattr(handle, f) for f in handle.__struct_fields__}
+
+
+async def hold(specs: str) -> None:
+    planes = [_plane(spec) for spec in specs.split(",")]
+    for plane in planes:
+        await plane.start()
+    tensors = tensor_set()
+    handles = {p.address: {name: as_json(p.publish(t)) for name, t in tensors.items()} for p in planes}
+    print(json.dumps(handles), flush=True)
+    await asyncio.to_thread(sys.stdin.read)
+    for plane in planes:
+        await plane.stop()
+
+
+def _plane(spec: str) -> DataPlane:
+    if spec.startswith("ipc:"):
+        return DataPlane("zmq", host="ipc://" + spec[len("ipc:"):])
+    return DataPlane(spec)
+
+
+async def pull() -> None:
+    plane = DataPlane("zmq")
+    await plane.start()
+    print("ready", flush=True)
+    handles = [TensorHandle(**h) for h in json.loads(await asyncio.to_thread(sys.stdin.readline))]
+    print("pulling", flush=True)
+    tensors = await asyncio.gather(*(plane.pull(h) for h in handles))
+    print("pulled", [t.shape for t in tensors], flush=True)
+    await plane.stop()
+
+
+if __name__ == "__main__":
+    asyncio.run(hold(sys.argv[2]) if sys.argv[1] == "hold" else pull())
