@@ -134,8 +134,7 @@ class Launcher:
             time.sleep(0.5)
         pytest.fail("stack did not come up: " + self.log.read_text()[-3000:])
 
-    def stop(self) -> None:
-        self.process.terminate()
+    def wait_stopped(self) -> None:
         try:
             self.process.wait(60)
         except subprocess.TimeoutExpired:
@@ -152,7 +151,9 @@ def topology_stacks(tiny_model, tmp_path_factory):
         yield {name: (launcher, launcher.ready()) for name, launcher in launchers.items()}
     finally:
         for launcher in launchers.values():
-            launcher.stop()
+            launcher.process.terminate()  # both drain at once
+        for launcher in launchers.values():
+            launcher.wait_stopped()
 
 
 CASES = {"text": ("Hello! How are you today?", []), "image": ("Describe the image in one sentence.", [(11, 100, 150)])}
@@ -200,7 +201,7 @@ def test_plan_recommends_a_topology(tiny_model, tmp_path):
     out = tmp_path / "plan.json"
     done = epd("plan", "--model", str(tiny_model), "--image-count", "2", "--image-resolution", "112x112",
                "--input-len", "16", "--output-len", "8", "--request-rate", "0.1", "--gpus", "2",
-               "--max-model-len", "1024", "--decode-batch", "4", "--out", str(out))
+               "--max-model-len", "512", "--decode-batch", "2", "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "recommended:" in done.stdout
     plan = json.loads(out.read_text())

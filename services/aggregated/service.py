@@ -4,21 +4,18 @@ It serves the encoder's and prefill's subjects (queue groups ``encoder`` and ``p
 frontend talks to it as to a disaggregated stack. The vision half is an ``EncoderService`` held whole (its
 batcher, data plane and endpoints); the language half is one engine of role ``both`` that prefills and then
 keeps generating, streaming every token to the request's subject as prefill and decode do. Embeddings that
-this process's own encoder holds are taken from its store without a copy; others (several aggregated
-replicas behind one frontend) are pulled over the data plane.
+this process's own encoder holds come from its data plane's store without a copy (the plane short-circuits
+its own handles); others (several aggregated replicas behind one frontend) are pulled over the network.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-import torch
-
 from services.aggregated.settings import AggregatedSettings
 from services.encoder.service import EncoderService
 from services.prefill.service import validate_prompt
 from shared.bus import QUEUE, CancelRegistry, ConcurrentEndpoint, HandlerError, Publisher
-from shared.dataplane.handle import TensorHandle
 from shared.dataplane.store import DataPlaneError
 from shared.engine.builder import build_engine
 from shared.engine.engine import StepOutput
@@ -71,13 +68,14 @@ class AggregatedService(ServiceBase):
         job = decode(PrefillJob, data)
         validate_prompt(job, self.config)
         try:
-            embeds = await asyncio.gather(*(self.pull_embedding(slot.embedding) for slot in job.images))
+            embeds = await asyncio.gather(*(self.plane.pull(slot.embedding) for slot in job.images))
         except DataPlaneError as err:
             raise HandlerError(502, f"could not fetch image embeddings: {err.message}")
         if job.request_id in self.cancelled:
             raise HandlerError(499, "request was cancelled")
         seq = Sequence(job.request_id, list(job.token_ids), len(job.token_ids), job.sampling,
-                       images=[ImageInput(s.offset, tuple(s.grid), e) for s, e in zip(job.images, embeds)])
+                       images=[ImageInput(s.offset, tuple(s.grid), e) for s, e in zip(job.images, embeds)],
+                       output_offset=job.output_offset)
         self.jobs[job.request_id] = job
         try:
             await self.loop.call(lambda engine: engine.add_prompt(seq))
@@ -87,15 +85,6 @@ class AggregatedService(ServiceBase):
         self.prompts += 1
         return encode(PrefillAccepted(prefill_id=self.instance))
 
-    async def pull_embedding(self, handle: TensorHandle) -> torch.Tensor:
-        """From this process's own store when it holds the tensor (no copy, stays on the device)."""
-        if handle.address != self.plane.address:
-            return await self.plane.pull(handle)
-        store = self.plane.store
-        tensor = store.get(handle.key, handle.token)
-        store.done(handle.key)
-        return tensor
-
     # -- engine outputs ------------------------------------------------------------------------------
     def on_outputs(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
@@ -104,7 +93,7 @@ class AggregatedService(ServiceBase):
                 continue  # cancelled while the step ran
             self.tokens += 1
             event = TokenEvent(request_id=job.request_id, index=out.index, token_ids=[out.token],
-                               finish_reason=out.finish_reason)
+                               finish_reason=out.finish_reason, worker=self.instance)
             self.publisher.publish(job.stream, encode(event))
             if out.finish_reason is not None:
                 self.jobs.pop(job.request_id, None)
@@ -114,7 +103,7 @@ class AggregatedService(ServiceBase):
             job = self.jobs.pop(request_id, None)
             if job is not None:
                 event = TokenEvent(request_id=request_id, index=0,
-                                   error=ErrorInfo(status=500, message="generation failed"))
+                                   error=ErrorInfo(status=500, message="generation failed"), worker=self.instance)
                 self.publisher.publish(job.stream, encode(event))
 
     async def on_cancel(self, msg) -> None:

@@ -177,7 +177,8 @@ def measure_costs(settings) -> Costs:
     for n in sorted({0, *_spread(counts)}):
         tokens = settings.input_len + TEMPLATE_TOKENS + n * (image_tokens + PER_IMAGE_TOKENS)
         prefill_ms[tokens] = measure_prefill(engine, config, timer, settings.input_len, n, image_tokens, grid, str(n))
-    short, long = 256, max(257, min(4096, engine.max_model_len - 8))
+    short = min(256, engine.max_model_len // 4)
+    long = max(short + 1, min(4096, engine.max_model_len - 8))
     decode_ms = [(b, ctx, measure_decode(engine, config, timer, b, ctx))
                  for b, ctx in ((1, short), (settings.decode_batch, short), (settings.decode_batch, long))]
     return Costs(model=path.name, device=str(settings.torch_device()), dtype=str(settings.torch_dtype()),

@@ -13,6 +13,7 @@ import math
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -22,6 +23,8 @@ from services.bench.client import RequestResult, request_body, send
 from services.bench.dataset import ImagePool, RequestSpec, build_requests
 from services.bench.metrics import by_class, format_summary, summarize
 from services.bench.settings import BenchSettings
+
+WARMUP_TOKENS = 16  # a warm-up request exercises every stage; a long output would only add time
 
 
 def arrival_times(count: int, rate: float, seed: int) -> list[float]:
@@ -77,6 +80,7 @@ class LoadGenerator:
 def prepare(settings: BenchSettings) -> tuple[ImagePool, list[RequestSpec], list[RequestSpec]]:
     """Warm-up and measured requests, and every distinct image they use, encoded."""
     warm, warm_images = build_requests(settings, settings.warmup, settings.seed + 1, 0, repeat_ratio=0.0)
+    warm = [replace(spec, output_len=min(spec.output_len, WARMUP_TOKENS)) for spec in warm]
     measured, images = build_requests(settings, settings.num_prompts, settings.seed, warm_images)
     pool = ImagePool(settings.image_size, settings.image_format, settings.seed)
     pool.generate(warm_images + images)
@@ -133,7 +137,11 @@ def _progress_bar(settings: BenchSettings):
 
 
 def main(settings: BenchSettings) -> int:
-    results = asyncio.run(bench(settings))
+    try:
+        results = asyncio.run(bench(settings))
+    except (RuntimeError, httpx.HTTPError) as err:
+        print(f"epd bench: {err}", file=sys.stderr)
+        return 1
     classes = results["classes"] if len(results["classes"]) > 1 else {}
     print(format_summary(results["label"], settings.request_rate, results["summary"], classes))
     for error in results["errors"]:

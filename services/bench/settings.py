@@ -67,7 +67,8 @@ class BenchSettings(BaseSettings, Workload):
     request_rate: float = Field(math.inf, gt=0, description="Poisson arrivals per second (seeded); inf: all "
                                                             "at once, bounded by --max-concurrency")
     max_concurrency: int = Field(0, ge=0, description="requests in flight at most; 0: unbounded")
-    seed: int = Field(0, description="seed of arrivals, prompts and images")
+    seed: int = Field(0, description="seed of arrivals, prompts and images (the same seed sends the same "
+                                     "images again: change it between runs against an embedding cache)")
     tokenizer: str = Field("", description="HF tokenizer directory: size text prompts exactly to --input-len")
     image_format: Literal["png", "jpeg"] = Field("jpeg", description="how images are sent (data URLs)")
     repeat_ratio: float = Field(0.0, ge=0, le=1, description="share of images that repeat an earlier one "
