@@ -13,6 +13,7 @@ import pytest
 
 from services.bench.dataset import build_requests
 from services.bench.queueing import erlang_c, mdc_wait
+from services.bench.runner import arrival_times
 from services.bench.settings import BenchSettings
 from services.stack import UpSettings
 from shared.settings import parse_settings
@@ -33,7 +34,7 @@ def epd(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
 def bench_run(stack, tiny_model, tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict, Path]:
     out = tmp_path_factory.mktemp("bench") / "run.json"
     done = epd("bench", "--base-url", stack.base_url, "--label", "disaggregated", "--num-prompts", str(PROMPTS),
-               "--warmup", "1", "--request-rate", "20", "--seed", "1", "--input-len", "16", "--output-len",
+               "--warmup", "1", "--request-rate", "20", "--max-concurrency", "4", "--seed", "1", "--input-len", "16", "--output-len",
                str(OUTPUT_LEN), "--image-count", "2", "--random-image-count", "--image-resolution", "64x48",
                "--text-ratio", "0.5", "--tokenizer", str(tiny_model), "--slo-ttft", "60000", "--no-progress",
                "--out", str(out))
@@ -91,6 +92,13 @@ def test_requests_are_seeded_and_mixed_as_asked():
     assert distinct == sum(len(r.image_ids) for r in first)  # no repeats asked: every image is new
     repeated, distinct = build_requests(settings.model_copy(update={"repeat_ratio": 1.0}), 40, seed=5)
     assert distinct <= 3  # after the first image request, every image is one seen before
+
+
+def test_arrivals_are_seeded_poisson():
+    times = arrival_times(4000, 50.0, seed=2)
+    assert times == arrival_times(4000, 50.0, seed=2) and times[0] == 0.0
+    assert sorted(times) == times and times[-1] / 3999 == pytest.approx(1 / 50, rel=0.05)
+    assert arrival_times(3, float("inf"), seed=2) == [0.0, 0.0, 0.0]
 
 
 def test_queueing_formulas():

@@ -16,10 +16,10 @@ L the output length; each GPU layout gets λ/replicas):
 Layouts:
 - aggregated (one process per GPU): encode and prefill share the GPU with decode, with priority over
   it (the engine schedules prefill first): E+P work w = q·n·v + s_P waits W = M/D/1(λ, w) plus half a
-  decode step; decode gets the rest of the GPU, TPOT = t(B) / (1 − λw).
-  TTFT = W + t(B)/2 + E[p + n·v + s_P].
+  decode step when decode is running (share of time 1 − e^−B: running sequences are Poisson, M/G/∞);
+  decode gets the rest of the GPU, TPOT = t(B) / (1 − λw). TTFT = W + (1 − e^−B)·t(B)/2 + E[p + n·v + s_P].
 - colocated (E, P, D processes on one GPU): the GPU is time-sliced between busy processes, so a stage
-  runs slower by 1 + (share of time each other process is busy); decode is busy whenever B > 0.
+  runs slower by 1 + (share of time each other process is busy); decode is busy 1 − e^−B of the time.
   TTFT = encode (M/D/1 wait over images + own images, slowed) + M/D/1 wait of prefill + slowed s_P
   + transfer; TPOT = t(B)·(1 + ρ_E + ρ_P).
 - disaggregated: e encoder GPUs (one encoder each, M/D/e over images; a request's images spread, so its
@@ -51,7 +51,7 @@ class PlanSettings(EngineSettings, Workload):
     of each layout for the workload: per stage, M/D/c waiting (half the Erlang-C wait of M/M/c) plus
     service time; ViT v per image, prefill s_P by prompt tokens, decode step t(B) = a + b·B + c·B·ctx
     with the batch B = rate·output_len·TPOT (Little). Aggregated: encode + prefill wait as one M/D/1
-    ahead of decode (prefill first), TTFT = W + t(B)/2 + own work, TPOT = t(B)/(1 − ρ_E+P).
+    ahead of decode (prefill first), TTFT = W + (1 − e^−B)·t(B)/2 + own work, TPOT = t(B)/(1 − ρ_E+P).
     Colocated: each process on a shared GPU slowed by 1 + the others' busy shares. Disaggregated:
     encoders M/D/e over images, a request's images split over them; prefill M/D/1 per GPU; decode alone.
     The recommendation is the stable layout with the lowest predicted mean TTFT."""
@@ -155,6 +155,11 @@ def _decode_batch(rate: float, length: int, step, slowdown: float = 1.0) -> tupl
     return (batch, tpot) if rate * length * tpot <= batch * 1.01 + 1e-9 else (math.inf, math.inf)
 
 
+def decode_busy(batch: float) -> float:
+    """Share of time at least one sequence is decoding: running sequences are Poisson (M/G/∞) of mean B."""
+    return 1 - math.exp(-batch)
+
+
 class Planner:
     def __init__(self, costs: Costs, data_plane_gbs: float = 5.0, hidden_bytes: int = 0):
         self.costs = costs
@@ -195,7 +200,7 @@ class Planner:
         step = self.step(t)
         batch, tpot = _decode_batch(rate, t.output_len, step, 1 / (1 - rate * work))
         own = _mean(t, lambda n: self.preprocess(n) + self.vit(n) + self.prefill(t, n))
-        return mdc_wait(rate, work) + step(batch) / 2 + own, tpot
+        return mdc_wait(rate, work) + decode_busy(batch) * step(batch) / 2 + own, tpot
 
     def _colocated(self, layout: Layout, t: Traffic) -> tuple[float, float]:
         rate = t.rate / layout.gpus
@@ -215,7 +220,7 @@ class Planner:
         batch, tpot = _decode_batch(rate, t.output_len, step, decode_slowdown)
         if not math.isfinite(tpot):
             return math.inf, math.inf
-        busy_d = 1.0 if batch > 0 else 0.0
+        busy_d = decode_busy(batch)
         slow_p = 1 + busy_d + (rho_e if encode_shares_gpu else 0)
         slow_e = (1 + busy_d + rho_p) if encode_shares_gpu else 1
         encode = self._encode_stage(encode_rate, t, encoders, slow_e)
