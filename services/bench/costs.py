@@ -117,7 +117,6 @@ def measure_vision(settings, config, path, batches: list[int]) -> tuple[int, flo
         for batch in batches:
             stacked = one.repeat(batch, 1)
             vit_ms[batch] = timer.ms(lambda: tower(stacked, [grid] * batch))
-    del tower
     tokens = grid[0] * grid[1] * grid[2] // config.vision.merge_size ** 2
     return tokens, preprocess_ms, vit_ms
 
