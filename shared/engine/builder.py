@@ -20,8 +20,9 @@ def kv_pool_blocks(settings: EngineSettings, config: ModelConfig, device: torch.
     if settings.kv_cache_mb:
         budget = settings.kv_cache_mb << 20
     elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = int(free - total * (1 - settings.gpu_memory_utilization))
+        # this process's share of the GPU (vLLM's meaning): several processes on one GPU each take theirs
+        _, total = torch.cuda.mem_get_info(device)
+        budget = int(total * settings.gpu_memory_utilization - torch.cuda.memory_reserved(device))
     else:
         budget = 256 << 20
     return max(0, budget // per_block)
