@@ -110,11 +110,15 @@ async def connect(settings, name: str) -> Client:
 
 async def call(nc: Client, subject: str, payload: bytes, timeout: float, what: str) -> bytes:
     """Request/reply with errors made explicit: 503 when no one serves ``subject``, 504 on timeout."""
+    if not nc.is_connected:
+        raise ServiceCallError(503, "the message bus is unavailable")
     try:
         msg = await nc.request(subject, payload, timeout=timeout)
     except NoRespondersError:
         raise ServiceCallError(503, f"no {what} is available", no_responders=True) from None
     except NatsTimeout:
+        if not nc.is_connected:  # the bus went away while we waited: not the service's fault
+            raise ServiceCallError(503, "the message bus is unavailable") from None
         raise ServiceCallError(504, f"the {what} did not answer within {timeout:g}s") from None
     headers = msg.headers or {}
     if ERROR_CODE_HEADER in headers:

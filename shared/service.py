@@ -8,6 +8,7 @@ SIGINT leaves the queue group first (no new work), lets in-flight work finish, t
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import uuid
 
@@ -59,7 +60,7 @@ class ServiceBase:
         return {}
 
     def metadata(self) -> dict[str, str]:
-        meta = {"instance": self.instance, "prefix": self.subjects.prefix}
+        meta = {"instance": self.instance, "prefix": self.subjects.prefix, "pid": str(os.getpid())}
         plane = getattr(self, "plane", None)
         if plane is not None and plane.address:
             meta["data"] = plane.address  # where this instance's data plane listens (operators, tests)

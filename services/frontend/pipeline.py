@@ -65,6 +65,8 @@ class ChatPipeline:
         self.encoded_images = 0
 
     async def start(self, request: ChatCompletionRequest) -> "Generation":
+        if not self.nc.is_connected:
+            raise ApiError(503, "the message bus is unavailable")
         urls = image_urls(request.messages)
         if len(urls) > self.settings.max_images_per_request:
             raise ApiError(400, f"too many images: {len(urls)} (at most {self.settings.max_images_per_request})",
@@ -204,6 +206,8 @@ class Generation:
                 try:
                     msg = await self._sub.next_msg(timeout=0.5)
                 except asyncio.TimeoutError:
+                    if not self.pipeline.nc.is_connected:
+                        raise ApiError(503, "the message bus is unavailable") from None
                     if time.monotonic() - last_progress > limit:
                         raise ApiError(504, "the model stopped producing tokens in time") from None
                     if self._worker and self.pipeline.workers.gone(self._worker, self._worker_since):

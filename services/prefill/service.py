@@ -50,7 +50,10 @@ def validate_prompt(job: PrefillJob, config: ModelConfig) -> None:
             raise HandlerError(400, "image embedding shape does not match its grid")
         covered += n
         end = slot.offset + n
-    if covered != sum(1 for tok in job.token_ids if tok == config.image_token_id):
+    # Only the client's prompt places images; tokens the model generated earlier (a resumed request's
+    # tail) are plain tokens even when they happen to be the placeholder id.
+    prompt = job.token_ids[:len(job.token_ids) - job.output_offset]
+    if end > len(prompt) or covered != sum(1 for tok in prompt if tok == config.image_token_id):
         raise HandlerError(400, "image placeholder tokens without an image")
 
 
@@ -165,8 +168,10 @@ class PrefillService(ServiceBase):
             if handoff is None:
                 continue  # cancelled while computing
             job = handoff.job
+            # the decode worker holding the reservation is responsible from here on: the frontend
+            # watches it, and resumes the request elsewhere if it dies before or while decoding
             event = TokenEvent(request_id=job.request_id, index=out.index, token_ids=[out.token],
-                               finish_reason=out.finish_reason, worker=self.instance)
+                               finish_reason=out.finish_reason, worker=handoff.decode_id)
             self.publisher.publish(job.stream, encode(event))
             if out.finish_reason is not None:
                 self.handoffs.pop(job.request_id, None)
