@@ -33,6 +33,7 @@ class EmbeddedNats:
         self.config_text = config_text  # extra nats-server configuration (accounts, authorization)
         self._owned_dir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="epd-nats-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
         self.process: subprocess.Popen | None = None
         self.url = ""
 
