@@ -136,7 +136,8 @@ class StackProcess:
 
 def stack_env(args) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
-    env.update(EPD_LOG_FORMAT="json", EPD_LOG_LEVEL="info", PYTHONPATH=str(ROOT))
+    env.update(EPD_LOG_FORMAT="json", EPD_LOG_LEVEL="info",
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
     if not args.tiny:
         env.update(EPD_MODEL="qwen2.5-vl-7b", EPD_LOAD_FORMAT="dummy", EPD_KV_CACHE_MB=str(args.kv_cache_mb),
                    EPD_MAX_MODEL_LEN="32768")
@@ -189,10 +190,12 @@ def sweep(args, topology: Topology, plan: dict, tokenizer: str) -> list[dict]:
     try:
         api = stack.wait_ready(900)
         print(f"\n## {topology.label}: {api}", flush=True)
-        points = [(case, rate) for case in CASES for rate in rates(args, case)]
+        chosen = [c for c in CASES if not args.workloads or c.name in args.workloads.split(",")]
+        points = [(case, rate) for case in chosen for rate in rates(args, case)]
         for number, (case, rate) in enumerate(points):
             run = measure(args, api, topology, case, rate, tokenizer, seed=args.seed + 100 * number)
-            run["predicted_ttft_ms"] = predicted_ttft(plan, topology.layout, case_workload(case, args.tiny), rate)
+            run["predicted_ttft_ms"] = (predicted_ttft(plan, topology.layout, case_workload(case, args.tiny), rate)
+                                        if plan else None)
             runs.append(run)
             print(row(run), flush=True)
     finally:
@@ -284,12 +287,14 @@ def main() -> int:
     parser.add_argument("--num-prompts", type=int, default=0, help="override the prompts per point")
     parser.add_argument("--kv-cache-mb", type=int, default=20480, help="KV pool of every LM process (MiB)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workloads", default="", help="comma-separated workloads to run (default: all)")
+    parser.add_argument("--no-plan", action="store_true", help="skip `epd plan` (no predicted TTFT column)")
     args = parser.parse_args()
     args.gpus = visible_gpus() if args.gpus < 0 else args.gpus
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    plan = run_plan(args, out / "plan.json")
+    plan = None if args.no_plan else run_plan(args, out / "plan.json")
     tokenizer = tokenizer_dir(args.tiny)
     runs = []
     for topology in topologies(args.gpus):

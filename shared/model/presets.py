@@ -56,7 +56,7 @@ def materialize_preset(name: str, root: str | os.PathLike | None = None) -> Path
     from shared.model.tiny import SPECIAL_TOKENS, _image_processor_config, _write_tokenizer
 
     base = Path(root or os.environ.get("EPD_CACHE_DIR") or Path(tempfile.gettempdir()) / f"epd-{os.getuid()}")
-    path = base / f"preset-{name}-v1"
+    path = base / f"preset-{name}-v2"
     if (path / "config.json").exists():
         return path
     staging = Path(tempfile.mkdtemp(dir=base.mkdir(parents=True, exist_ok=True) or base))
@@ -65,6 +65,7 @@ def materialize_preset(name: str, root: str | os.PathLike | None = None) -> Path
     ids = {t["content"]: t["id"] for t in vocab["added_tokens"]}
     if ids["<|endoftext|>"] != SPECIAL_TOKENS.index("<|endoftext|>"):
         raise RuntimeError("tokenizer special tokens are not where expected")
+    _fill_vocabulary(staging / "tokenizer.json", PRESETS[name]["vocab_size"])
     config = dict(PRESETS[name])
     config.update(
         architectures=["Qwen2_5_VLForConditionalGeneration" if config["model_type"] == "qwen2_5_vl"
@@ -83,3 +84,17 @@ def materialize_preset(name: str, root: str | os.PathLike | None = None) -> Path
     except OSError:  # written concurrently by another process
         pass
     return path
+
+
+def _fill_vocabulary(tokenizer_json, vocab_size: int) -> None:
+    """Give the small trained tokenizer the model's full vocabulary: every id a random-weight model can
+    emit then decodes to a short word (``w123456``), so streamed text and its timing behave as with a
+    real tokenizer. The fillers have no merges: prompts never tokenize into them."""
+    raw = json.loads(tokenizer_json.read_text())
+    vocab = raw["model"]["vocab"]
+    taken = set(vocab.values()) | {t["id"] for t in raw["added_tokens"]}
+    for token_id in range(vocab_size):
+        if token_id not in taken:
+            vocab[f"w{token_id}"] = token_id
+    tokenizer_json.write_text(json.dumps(raw))
+
