@@ -57,13 +57,12 @@ def acquire():
 
 
 def _options() -> dict[str, str]:
-    """Our defaults; a ``UCX_*`` environment variable of the same name wins."""
-    import torch
-
-    if torch.cuda.is_available():
-        return {}  # GPU hosts: UCX's own choice (pipelines through GPU memory, RDMA, cuda_ipc)
-    # Host memory over TCP: 'auto' picks a fragmented copy-in/copy-out rendezvous (0.5 GB/s on loopback
-    # here) where writing straight from the sender's buffer (put_zcopy) measured 1.3-2.1 GB/s.
+    """Our defaults; a ``UCX_*`` environment variable of the same name wins (UCX_RNDV_SCHEME=auto
+    restores UCX's own choice)."""
+    # Over TCP, 'auto' picks a fragmented copy-in/copy-out rendezvous: 0.5 GB/s on loopback here, and
+    # 1.2 GB/s from an H200 host's GPU to another process's host memory, where writing straight from
+    # the sender's buffer (put_zcopy) gave 1.3-2.9 GB/s (bench/dataplane.py, docs/benchmarks.md).
+    # GPU to GPU over cuda_ipc measured the same either way (250-310 GB/s).
     return {"RNDV_SCHEME": "put_zcopy"}
 
 

@@ -109,10 +109,10 @@ class _Connection:
         reply, tensor = wire.lookup(self.store, request)
         sends = [self.endpoint.send(wire.to_frame(reply), tag=reply_tag(request.id))]
         if request.nbytes:
-            payload = await _payload(tensor) if tensor is not None else REFUSED_PAYLOAD
+            payload = await _payload(tensor, request.to_device) if tensor is not None else REFUSED_PAYLOAD
             sends.append(self.endpoint.send(payload, tag=payload_tag(request.id)))
         try:
-            await asyncio.gather(*sends)
+            await _all(sends)
         except ucxx.exceptions.UCXError as err:
             log.info("dataplane.send_failed", error=str(err))  # consumer gone: the lease frees the tensor
 
@@ -123,18 +123,28 @@ class _Connection:
         self.endpoint.abort(period=ABORT_NS)
 
 
-async def _payload(tensor: torch.Tensor):
-    """What UCX sends: device memory as is when UCX can read it, else a host copy (off the loop)."""
+async def _all(operations: list) -> None:
+    """Await UCX operations posted together; raise the first failure once every one has ended (an
+    operation left running would fail unobserved when its endpoint is aborted)."""
+    for outcome in await asyncio.gather(*operations, return_exceptions=True):
+        if isinstance(outcome, BaseException):
+            raise outcome
+
+
+async def _payload(tensor: torch.Tensor, to_device: bool):
+    """What UCX sends: host memory as is; device memory as is to a consumer that receives into GPU
+    memory (cuda_ipc, GPUDirect RDMA), else a pinned host copy made off the loop: UCX's own path from
+    device memory into a remote host buffer measured 0.15 GB/s on an H200, 5x slower than staging."""
     flat = wire.flat_bytes(tensor)
     if flat.device.type == "cpu":
         return flat.numpy()
-    if ucx_runtime.cuda_support():
+    if to_device and ucx_runtime.cuda_support():
         # UCX reads device memory outside torch's streams: the producer's kernels must have finished.
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(flat.device))
         await asyncio.to_thread(event.synchronize)
         return flat
-    return await asyncio.to_thread(lambda: flat.cpu().numpy())
+    return (await asyncio.to_thread(wire.host_bytes, flat)).obj
 
 
 class _Peer:
@@ -177,13 +187,13 @@ class _Peer:
         ucxx = ucx_runtime.module()
         request_id = next(self.ids)
         header = bytearray(wire.CONTROL_BYTES)
-        request = wire.PullRequest(handle.key, handle.token, handle.nbytes, request_id)
+        request = wire.PullRequest(handle.key, handle.token, handle.nbytes, request_id, to_device=landing.is_cuda)
         steps = [self.endpoint.send(wire.to_frame(request), tag=CONTROL),
                  self.endpoint.recv(header, tag=reply_tag(request_id))]
         if handle.nbytes:
             steps.append(self.endpoint.recv(landing if landing.is_cuda else landing.numpy(), tag=payload_tag(request_id)))
         try:
-            await asyncio.gather(*steps)
+            await _all(steps)
             reply = wire.from_frame(header, wire.reply_decoder)
         except ucxx.exceptions.UCXError as err:
             self.abort()  # withdraws the receives still posted

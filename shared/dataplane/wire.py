@@ -26,6 +26,7 @@ class PullRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="
     token: str
     nbytes: int  # what the consumer's handle says; a holder whose tensor differs refuses
     id: int = 0  # matches the reply to the request when many are in flight on one connection
+    to_device: bool = False  # the consumer receives into GPU memory (UCX): GPU tensors go as they are
 
 
 class PullAck(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="ack"):
@@ -91,10 +92,14 @@ def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def host_bytes(tensor: torch.Tensor) -> memoryview:
-    """The tensor's bytes in host memory: a view for a CPU tensor, one device-to-host copy otherwise."""
+    """The tensor's bytes in host memory: a view for a CPU tensor, else one copy into pinned memory (from
+    torch's cache of pinned blocks; 4x a pageable copy's speed). Blocks: call off the event loop."""
     flat = flat_bytes(tensor)
     if flat.device.type != "cpu":
-        flat = flat.cpu()
+        host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        torch.cuda.current_stream(flat.device).synchronize()
+        flat = host
     return memoryview(flat.numpy())
 
 
