@@ -20,7 +20,10 @@ for host memory, cuda_ipc between GPUs);
 ``ucx-host`` (the holder sends GPU memory, the consumer lands it in host memory and copies it up: the
 services' default pull) and ``ucx-staged`` (a holder without UCX's CUDA transports copies to host
 first). Every variant's first pull is checked bit for bit against the holder's tensors (same seed).
-Imports only torch, the standard library and shared/dataplane (msgspec, pyzmq, structlog, ucxx).
+Imports only torch, the standard library and shared/dataplane (msgspec, pyzmq, structlog, ucxx). On a
+GPU machine without them, carry wheels matching its CUDA major version: ucxx-cu13, libucxx-cu13,
+libucx-cu13, rmm-cu13, librmm-cu13, rapids-logger (cu12 names for CUDA 12), msgspec, pyzmq, structlog;
+cuda-core, cuda-bindings, numpy and nvidia-ml-py are expected there already.
 """
 
 from __future__ import annotations

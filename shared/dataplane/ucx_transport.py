@@ -1,10 +1,11 @@
-"""UCX transport (ucxx): RDMA, NVLink or CUDA IPC where the hardware has them, TCP or shared memory here.
+"""UCX transport (ucxx): RDMA, NVLink or CUDA IPC where the hardware has them, TCP otherwise.
 
 One ucxx listener serves the store; consumers keep one endpoint per holder and run many pulls on it at
-once. A pull: the consumer sends a fixed-size ``PullRequest`` frame (tag ``CONTROL``); the holder answers
-on tags derived from the request id: a ``PullReply`` frame, then the tensor's bytes straight from its
-memory; the consumer receives them into a buffer it allocated (on the GPU when asked and UCX has CUDA
-support: no host copy on either side), then sends a ``PullAck`` frame.
+once. A pull: the consumer posts its two receives and sends a fixed-size ``PullRequest`` frame (tag
+``CONTROL``); the holder answers on tags derived from the request id: a ``PullReply`` frame, then the
+tensor's bytes straight from its memory. The consumer receives them into a buffer it allocated or was
+given (on the GPU when asked and UCX has CUDA support: no host copy on either side), then sends a
+``PullAck`` frame, on which the holder counts the pull.
 
 ucxx's listener binds every interface (it takes no address); ``--data-host`` only picks what is
 advertised. The per-handle token is what guards the tensors.
