@@ -2,8 +2,9 @@
 
     python -m tests.dataplane_peer hold ucx,zmq,ipc:DIR   publish ``tensor_set()`` on each plane, print the
                                                           handles as one JSON line, serve until stdin closes
-    python -m tests.dataplane_peer pull                   print "ready", read a JSON list of handles from
-                                                          stdin, print "pulling", pull them all at once
+    python -m tests.dataplane_peer pull                   print "ready", read {"warm": [...], "pull": [...]}
+                                                          handles from stdin, pull the warm ones (connecting
+                                                          to each holder), print "pulling", pull the rest
 """
 
 from __future__ import annotations
@@ -69,9 +70,10 @@ async def pull() -> None:
     plane = DataPlane("zmq")
     await plane.start()
     print("ready", flush=True)
-    handles = [TensorHandle(**h) for h in json.loads(await asyncio.to_thread(sys.stdin.readline))]
+    ask = json.loads(await asyncio.to_thread(sys.stdin.readline))
+    await asyncio.gather(*(plane.pull(TensorHandle(**h)) for h in ask["warm"]))  # connections up first
     print("pulling", flush=True)
-    tensors = await asyncio.gather(*(plane.pull(h) for h in handles))
+    tensors = await asyncio.gather(*(plane.pull(TensorHandle(**h)) for h in ask["pull"]))
     print("pulled", [t.shape for t in tensors], flush=True)
     await plane.stop()
 

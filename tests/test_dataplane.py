@@ -163,16 +163,18 @@ async def test_a_consumer_killed_mid_transfer_leaves_the_tensor_to_its_lease():
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert consumer.stdout.readline().strip() == "ready"
+        warm = [h.publish(torch.zeros(1)) for h in holders]
         handles = [h.publish(big, lease=4.0) for h in holders]
-        consumer.stdin.write(json.dumps([as_json(h) for h in handles]) + "\n")
+        consumer.stdin.write(json.dumps({"warm": [as_json(h) for h in warm], "pull": [as_json(h) for h in handles]}) + "\n")
         consumer.stdin.flush()
-        await until(lambda: all(h.stats()["served"] for h in holders), 30, "both transfers to start")
+        assert (await asyncio.to_thread(consumer.stdout.readline)).strip() == "pulling"  # the loop serves meanwhile
+        await until(lambda: all(h.stats()["served"] == 2 for h in holders), 30, "both transfers to start")
         consumer.send_signal(signal.SIGKILL)
         assert consumer.wait(10) == -signal.SIGKILL
     finally:
         consumer.kill()
-    for holder in holders:
-        assert holder.stats()["pulls"] == 0 and holder.stats()["bytes_held"] == big.numel()
+    for holder in holders:  # the warm-up pull counted; the big one did not
+        assert holder.stats()["pulls"] == 1 and holder.stats()["bytes_held"] == big.numel()
         small = torch.arange(10)
         assert torch.equal(await other.pull(holder.publish(small)), small)  # still serving others
     await until(lambda: all(h.stats()["bytes_held"] == 0 for h in holders), 10, "the leases to free 1 GiB")
