@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -27,6 +28,7 @@ from pydantic import Field, model_validator
 
 from shared.bus import service_stats
 from shared.logging import configure_logging, get_logger
+from shared.nats_auth import StackCredentials
 from shared.natsserver import EmbeddedNats, _die_with_parent
 from shared.settings import CommonSettings
 
@@ -38,6 +40,8 @@ TOPOLOGIES = ("aggregated", "colocated", "disaggregated")
 
 class UpSettings(CommonSettings):
     nats_url: str = Field("", description="use this NATS server; empty: start an embedded one (loopback)")
+    nats_auth: bool = Field(True, description="the embedded server gets generated per-role credentials and "
+                                              "subject permissions (--no-nats-auth: open, for debugging)")
     host: str = Field("127.0.0.1", description="HTTP listen address")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port of the OpenAI-compatible API")
     encoders: int = Field(1, ge=0, description="encoder processes (0: text-only; image requests get 503)")
@@ -113,12 +117,16 @@ class Stack:
     env: dict[str, str]
     nats: EmbeddedNats | None = None
     processes: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+    credentials: StackCredentials | None = None  # per-role users of the embedded server, when secured
 
     @classmethod
-    def start_nats(cls, env: dict[str, str], nats_url: str = "") -> "Stack":
+    def start_nats(cls, env: dict[str, str], nats_url: str = "", secure: bool = False) -> "Stack":
+        """Use ``nats_url``, or start an embedded server (with generated per-role credentials if ``secure``)."""
         stack = cls(env=dict(env))
         if not nats_url:
-            stack.nats = EmbeddedNats()
+            if secure:
+                stack.credentials = StackCredentials.generate(env.get("EPD_SUBJECT_PREFIX", "epd"))
+            stack.nats = EmbeddedNats(config_text=stack.credentials.server_config() if secure else "")
             nats_url = stack.nats.start()
         stack.env["EPD_NATS_URL"] = nats_url
         return stack
@@ -130,8 +138,9 @@ class Stack:
     def spawn(self, kind: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         if kind not in KINDS:
             raise ValueError(f"unknown service kind {kind!r}")
-        process = subprocess.Popen([sys.executable, "-m", f"services.{kind}", *args], env={**self.env, **(env or {})},
-                                   preexec_fn=_die_with_parent)
+        role = self.credentials.env(kind) if self.credentials else {}
+        process = subprocess.Popen([sys.executable, "-m", f"services.{kind}", *args],
+                                   env={**self.env, **role, **(env or {})}, preexec_fn=_die_with_parent)
         self.processes.append((kind, process))
         return process
 
@@ -143,7 +152,7 @@ class Stack:
         import nats
 
         deadline = time.monotonic() + timeout
-        nc = await nats.connect(servers=[self.nats_url], **_auth(self.env))
+        nc = await nats.connect(servers=[self.nats_url], **self._auth())
         try:
             while True:
                 self.check_alive()
@@ -160,6 +169,23 @@ class Stack:
                 await asyncio.sleep(0.2)
         finally:
             await nc.close()
+
+    def _auth(self) -> dict:
+        if self.credentials:
+            return {"user": "admin", "password": self.credentials.passwords["admin"]}
+        if self.env.get("EPD_NATS_USER"):
+            return {"user": self.env["EPD_NATS_USER"], "password": self.env.get("EPD_NATS_PASSWORD", "")}
+        return {}
+
+    def write_client_credentials(self) -> Path | None:
+        """An env file with the ``client`` role's credentials (mode 0600), for `epd submit` and friends."""
+        if not self.credentials or self.nats is None:
+            return None
+        path = self.nats.workdir / "nats-client.env"
+        path.touch(mode=0o600)
+        path.write_text("".join(f"{k}={v}\n" for k, v in {"EPD_NATS_URL": self.nats_url,
+                                                            **self.credentials.env("client")}.items()))
+        return path
 
     def check_alive(self) -> None:
         for kind, process in self.processes:
@@ -186,10 +212,6 @@ def kind_counts_met(seen: dict[str, int], counts: dict[str, int]) -> bool:
     return all(seen.get(kind, 0) >= n for kind, n in counts.items())
 
 
-def _auth(env: dict[str, str]) -> dict:
-    if env.get("EPD_NATS_USER"):
-        return {"user": env["EPD_NATS_USER"], "password": env.get("EPD_NATS_PASSWORD", "")}
-    return {}
 
 
 def up(settings: UpSettings) -> int:
@@ -197,7 +219,7 @@ def up(settings: UpSettings) -> int:
     path = settings.model_path()  # writes the built-in model once, before the children race for it
     env = {**os.environ, "EPD_MODEL": str(path) if not settings.model or settings.load_format != "dummy"
            else settings.model, "EPD_LOAD_FORMAT": settings.load_format, "EPD_SUBJECT_PREFIX": settings.subject_prefix}
-    stack = Stack.start_nats(env, settings.nats_url)
+    stack = Stack.start_nats(env, settings.nats_url, secure=settings.nats_auth)
     counts = settings.service_counts()
     stopping = False
 
@@ -214,6 +236,7 @@ def up(settings: UpSettings) -> int:
         http = asyncio.run(stack.wait_ready(counts, settings.ready_timeout, settings.subject_prefix,
                                             lambda: stopping))
         log.info("stack.ready", api=f"http://{http}/v1", nats=stack.nats_url, topology=settings.topology,
+                 nats_client_credentials=str(stack.write_client_credentials() or ""),
                  **{kind: n for kind, n in counts.items() if kind != "frontend"})
         while not stopping:
             stack.check_alive()

@@ -11,8 +11,13 @@ import sys
 import time
 from pathlib import Path
 
+import asyncio
+
 import httpx
+import nats
 import pytest
+
+from tests.support import data_url, make_image
 
 
 def descendants(pid: int) -> set[int]:
@@ -54,20 +59,27 @@ def start_up(tiny_model, *args) -> tuple[subprocess.Popen, str]:
         except ValueError:
             continue
         if event.get("event") == "stack.ready":
-            return process, event["api"]
+            return process, event["api"], event
         assert event.get("event") != "stack.failed", line
     pytest.fail(f"epd up exited with {process.wait()} before it was ready")
 
 
 def test_up_serves_then_sigterm_stops_everything(tiny_model):
-    process, api = start_up(tiny_model, "--encoders", "0")
+    process, api, ready = start_up(tiny_model, "--encoders", "1")
     try:
         family = descendants(process.pid)
-        assert len(family) >= 4  # nats-server, prefill, decode, frontend
+        assert len(family) >= 5  # nats-server, encoder, prefill, decode, frontend
         assert httpx.get(api.removesuffix("/v1") + "/health").json() == {"status": "ok"}
+        image = {"type": "image_url", "image_url": {"url": data_url(make_image(3, 40, 60))}}
         reply = httpx.post(f"{api}/chat/completions", timeout=60, json={
-            "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3, "temperature": 0}).json()
-        assert reply["usage"]["completion_tokens"] == 3
+            "messages": [{"role": "user", "content": [image, {"type": "text", "text": "Hello"}]}],
+            "max_tokens": 3, "temperature": 0}).json()
+        assert reply["usage"]["completion_tokens"] == 3  # every role works within its NATS permissions
+        secrets_file = Path(ready["nats_client_credentials"])
+        assert secrets_file.stat().st_mode & 0o777 == 0o600 and "EPD_NATS_PASSWORD=" in secrets_file.read_text()
+        with pytest.raises(Exception):  # the embedded server refuses anyone without credentials
+            asyncio.run(nats.connect(ready["nats"], allow_reconnect=False, max_reconnect_attempts=0,
+                                     connect_timeout=2))
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0
         time.sleep(0.5)
@@ -77,7 +89,7 @@ def test_up_serves_then_sigterm_stops_everything(tiny_model):
 
 
 def test_launcher_killed_leaves_no_orphans(tiny_model):
-    process, _ = start_up(tiny_model, "--encoders", "1", "--decodes", "1")
+    process, _, _ = start_up(tiny_model, "--encoders", "1", "--decodes", "1")
     family = descendants(process.pid)
     process.kill()  # no chance to clean up: the children must notice on their own
     process.wait()

@@ -106,7 +106,7 @@ class DecodeService(ServiceBase):
             raise HandlerError(400, f"KV chunk of shape {chunk.kv.shape} for layers {chunk.first_layer}.."
                                     f"{chunk.last_layer} does not match this model ({expected})")
         try:
-            kv = await self.plane.pull(chunk.kv)
+            kv = await self.plane.pull(chunk.kv, device=self.engine.runner.device)
         except DataPlaneError as err:
             raise HandlerError(502, f"could not fetch the KV chunk: {err.message}") from None
         if self.reservations.get(chunk.request_id) is not reservation:

@@ -102,7 +102,8 @@ class PrefillService(ServiceBase):
             raise HandlerError(400, f"prompt of {len(job.token_ids)} tokens does not fit the context "
                                     f"({self.engine.max_model_len})")
         try:
-            embeds = await asyncio.gather(*(self.plane.pull(slot.embedding) for slot in job.images))
+            device = self.engine.runner.device  # GPU to GPU where the transport can (UCX)
+            embeds = await asyncio.gather(*(self.plane.pull(slot.embedding, device=device) for slot in job.images))
         except DataPlaneError as err:
             raise HandlerError(502, f"could not fetch image embeddings: {err.message}")
         decode_id = await self._reserve(job)
