@@ -80,18 +80,25 @@ class ServiceBase:
     async def stop(self) -> None:
         if self.service is not None:
             await self.stop_intake()  # no new work reaches this instance
+        # Without a bus nothing in flight can finish (no replies, no tokens out): do not wait long for it.
+        grace = self.settings.drain_seconds if self.nc is not None and self.nc.is_connected else 1.0
         try:
-            await asyncio.wait_for(self.drain(), self.settings.drain_seconds)
+            await asyncio.wait_for(self.drain(), min(grace, self.settings.drain_seconds))
         except asyncio.TimeoutError:
-            log.warning("service.drain_timeout", seconds=self.settings.drain_seconds)
+            log.warning("service.drain_timeout", seconds=grace)
         if self.service is not None:
             await self.service.stop()
         await self.close()
         if self.nc is not None and not self.nc.is_closed:
-            try:
-                await self.nc.drain()
-            except Exception:  # connection already lost; nothing left to flush
-                await self.nc.close()
+            try:  # flush what is pending; a bus that is gone (or reconnecting forever) must not hold the exit
+                if not self.nc.is_connected:
+                    raise ConnectionError("not connected")
+                await asyncio.wait_for(self.nc.drain(), 5.0)
+            except Exception:
+                try:
+                    await self.nc.close()
+                except Exception:  # the socket is already gone: nothing left to close cleanly
+                    pass
         log.info("service.stopped", kind=self.kind, instance=self.instance)
 
     async def run(self) -> None:
@@ -102,6 +109,24 @@ class ServiceBase:
         await self.stopping.wait()
         log.info("service.draining", kind=self.kind, instance=self.instance)
         await self.stop()
+        await _end_leftover_tasks()
+
+
+async def _end_leftover_tasks(timeout: float = 2.0) -> None:
+    """Cancel what is still running after a stop (library background tasks, e.g. a NATS client that was
+    reconnecting when the bus vanished) and exit even if one of them will not end: a stopped service
+    must not linger."""
+    current = asyncio.current_task()
+    leftovers = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
+    for task in leftovers:
+        task.cancel()
+    _, pending = await asyncio.wait(leftovers, timeout=timeout) if leftovers else (set(), set())
+    if pending:
+        log.warning("service.tasks_would_not_end", tasks=sorted(t.get_name() for t in pending))
+        import sys
+
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def run_service(service_cls, settings) -> None:

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -59,6 +60,8 @@ def start_up(tiny_model, *args) -> tuple[subprocess.Popen, str]:
         except ValueError:
             continue
         if event.get("event") == "stack.ready":
+            # keep reading: children share this pipe, and a full pipe would block their logging
+            threading.Thread(target=lambda: [None for _ in process.stderr], daemon=True).start()
             return process, event["api"], event
         assert event.get("event") != "stack.failed", line
     pytest.fail(f"epd up exited with {process.wait()} before it was ready")
@@ -96,4 +99,5 @@ def test_launcher_killed_leaves_no_orphans(tiny_model):
     deadline = time.monotonic() + 30
     while [p for p in family if alive(p)] and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not [p for p in family if alive(p)]
+    survivors = [p for p in family if alive(p)]
+    assert not survivors, [Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")[:200] for p in survivors]
