@@ -18,7 +18,7 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
 from shared.logging import get_logger
-from shared.messages import ProtocolError, decode, encode
+from shared.messages import ProtocolError, pack, unpack
 from shared.messages.encode import EmbeddingHolder
 
 log = get_logger(__name__)
@@ -104,7 +104,7 @@ class EmbeddingIndex:
         if kv is None:
             return None
         try:
-            await kv.create(key, encode(EmbeddingHolder(instance=instance)))
+            await kv.create(key, pack(EmbeddingHolder(instance=instance)))
             return None
         except KeyWrongLastSequenceError:
             pass  # somebody holds it, or is encoding it right now
@@ -120,7 +120,7 @@ class EmbeddingIndex:
         if kv is None:
             return
         try:
-            await kv.put(key, encode(EmbeddingHolder(instance=instance)))
+            await kv.put(key, pack(EmbeddingHolder(instance=instance)))
         except Exception as err:
             self._failed("put", err)
 
@@ -148,6 +148,6 @@ class EmbeddingIndex:
 
 def _holder_of(value: bytes | None) -> str | None:
     try:
-        return decode(EmbeddingHolder, value or b"").instance
+        return unpack(EmbeddingHolder, value or b"").instance
     except ProtocolError:
         return None

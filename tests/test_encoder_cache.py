@@ -25,7 +25,7 @@ from services.frontend.routing import EncoderInfo, assign
 from shared.bus import Subjects, call
 from shared.dataplane.plane import DataPlane
 from shared.embedding_index import embedding_key
-from shared.messages import decode, encode
+from shared.messages import pack, unpack
 from shared.messages.encode import EncodeJob, EncodeResult
 from tests.support import RunningStack, chat_messages, endpoint_data, make_image
 
@@ -125,8 +125,8 @@ class CacheStack:
         try:
             handle = plane.publish(torch.from_numpy(pixels.copy()), consumers=None)
             job = EncodeJob(request_id="test", image=handle, content_hash=content_hash(pixels))
-            reply = await call(nc, Subjects(self.running.prefix).encode_on(instance), encode(job), 60, "encoder")
-            result = decode(EncodeResult, reply)
+            reply = await call(nc, Subjects(self.running.prefix).encode_on(instance), pack(job), 60, "encoder")
+            result = unpack(EncodeResult, reply)
             return result, (await plane.pull(result.embedding)).clone()
         finally:
             await plane.stop()

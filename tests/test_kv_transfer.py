@@ -14,7 +14,7 @@ from services.stack import Stack
 from shared.bus import Subjects, call, service_stats
 from shared.dataplane.plane import DataPlane
 from shared.engine.sampling import SamplingParams
-from shared.messages import decode, encode
+from shared.messages import pack, unpack
 from shared.messages.control import Cancel
 from shared.messages.decode import DecodeStart, KVChunk, KVReservation, KVReserve
 from shared.messages.stream import TokenEvent
@@ -53,15 +53,15 @@ async def test_prefill_dying_mid_transfer_frees_blocks_and_reports_an_error(deco
     try:
         stream = subjects.stream("half-way")
         events = await nc.subscribe(stream)
-        reply = await call(nc, subjects.decode, encode(KVReserve(request_id="half-way", num_tokens=20, max_tokens=8,
+        reply = await call(nc, subjects.decode, pack(KVReserve(request_id="half-way", num_tokens=20, max_tokens=8,
                                                                    stream=stream)), 10, "decode")
-        decode_id = decode(KVReservation, reply).decode_id
+        decode_id = unpack(KVReservation, reply).decode_id
         held = await _decode_stats(nc, subjects)
         assert held["reservations"] == 1 and held["kv_blocks_used"] > 0
         chunk = KVChunk(request_id="half-way", first_layer=0, last_layer=1, kv=plane.publish(_kv(config, 1, 20)))
-        await call(nc, subjects.decode_kv(decode_id), encode(chunk), 10, "decode")
+        await call(nc, subjects.decode_kv(decode_id), pack(chunk), 10, "decode")
         # ... and the prefill dies: no second chunk, no start. The reservation expires (2 s here).
-        event = decode(TokenEvent, (await events.next_msg(timeout=10)).data)
+        event = unpack(TokenEvent, (await events.next_msg(timeout=10)).data)
         assert event.error is not None and event.error.status == 504 and event.finish_reason is None
         after = await _decode_stats(nc, subjects)
         assert after["reservations"] == 0 and after["kv_blocks_used"] == 0
@@ -71,7 +71,7 @@ async def test_prefill_dying_mid_transfer_frees_blocks_and_reports_an_error(deco
         start = DecodeStart(request_id="half-way", token_ids=[5] * 21, prompt_len=20, rope_delta=0,
                             sampling=SamplingParams(temperature=0), stream=stream)
         with pytest.raises(Exception, match="no reservation"):
-            await call(nc, subjects.decode_start(decode_id), encode(start), 10, "decode")
+            await call(nc, subjects.decode_start(decode_id), pack(start), 10, "decode")
     finally:
         await plane.stop()
         await nc.close()
@@ -81,10 +81,10 @@ async def test_cancel_frees_a_reservation_at_once(decode_worker, nats_url):
     subjects, _ = decode_worker
     nc = await nats.connect(nats_url)
     try:
-        await call(nc, subjects.decode, encode(KVReserve(request_id="cancelled", num_tokens=30, max_tokens=4,
+        await call(nc, subjects.decode, pack(KVReserve(request_id="cancelled", num_tokens=30, max_tokens=4,
                                                          stream=subjects.stream("cancelled"))), 10, "decode")
         assert (await _decode_stats(nc, subjects))["kv_blocks_used"] > 0
-        await nc.publish(subjects.cancel, encode(Cancel(request_id="cancelled")))
+        await nc.publish(subjects.cancel, pack(Cancel(request_id="cancelled")))
         deadline = time.monotonic() + 1.0
         while (stats := await _decode_stats(nc, subjects))["kv_blocks_used"] and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

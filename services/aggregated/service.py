@@ -22,7 +22,7 @@ from shared.engine.engine import StepOutput
 from shared.engine.loop import EngineLoop
 from shared.engine.sequence import ImageInput, Sequence
 from shared.logging import get_logger
-from shared.messages import decode, encode
+from shared.messages import pack, unpack
 from shared.messages.control import Cancel
 from shared.messages.prefill import PrefillAccepted, PrefillJob
 from shared.messages.stream import ErrorInfo, TokenEvent
@@ -65,7 +65,7 @@ class AggregatedService(ServiceBase):
 
     # -- admission -----------------------------------------------------------------------------------
     async def handle_prefill(self, data: bytes) -> bytes:
-        job = decode(PrefillJob, data)
+        job = unpack(PrefillJob, data)
         validate_prompt(job, self.config)
         try:
             embeds = await asyncio.gather(*(self.plane.pull(slot.embedding) for slot in job.images))
@@ -83,7 +83,7 @@ class AggregatedService(ServiceBase):
             self.jobs.pop(job.request_id, None)
             raise HandlerError(400, str(err))
         self.prompts += 1
-        return encode(PrefillAccepted(prefill_id=self.instance))
+        return pack(PrefillAccepted(prefill_id=self.instance))
 
     # -- engine outputs ------------------------------------------------------------------------------
     def on_outputs(self, outputs: list[StepOutput]) -> None:
@@ -94,7 +94,7 @@ class AggregatedService(ServiceBase):
             self.tokens += 1
             event = TokenEvent(request_id=job.request_id, index=out.index, token_ids=[out.token],
                                finish_reason=out.finish_reason, worker=self.instance)
-            self.publisher.publish(job.stream, encode(event))
+            self.publisher.publish(job.stream, pack(event))
             if out.finish_reason is not None:
                 self.jobs.pop(job.request_id, None)
 
@@ -104,11 +104,11 @@ class AggregatedService(ServiceBase):
             if job is not None:
                 event = TokenEvent(request_id=request_id, index=0,
                                    error=ErrorInfo(status=500, message="generation failed"), worker=self.instance)
-                self.publisher.publish(job.stream, encode(event))
+                self.publisher.publish(job.stream, pack(event))
 
     async def on_cancel(self, msg) -> None:
         try:
-            request_id = decode(Cancel, msg.data).request_id
+            request_id = unpack(Cancel, msg.data).request_id
         except ValueError:
             return
         self.cancelled.add(request_id)

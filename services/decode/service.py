@@ -18,7 +18,7 @@ from shared.engine.loop import EngineLoop
 from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import Sequence
 from shared.logging import get_logger
-from shared.messages import decode, encode
+from shared.messages import pack, unpack
 from shared.messages.control import Cancel
 from shared.messages.decode import DecodeAccepted, DecodeStart, KVChunk, KVReservation, KVReserve
 from shared.messages.stream import ErrorInfo, TokenEvent
@@ -71,7 +71,7 @@ class DecodeService(ServiceBase):
 
     # -- 1. reserve --------------------------------------------------------------------------------
     async def handle_reserve(self, data: bytes) -> bytes:
-        request = decode(KVReserve, data)
+        request = unpack(KVReserve, data)
         rid = request.request_id
         if rid in self.cancelled:
             raise HandlerError(499, "request was cancelled")
@@ -91,11 +91,11 @@ class DecodeService(ServiceBase):
         if not await self.loop.call(reserve):
             raise HandlerError(503, "decode worker has no free KV blocks")
         self.reservations[rid] = Reservation(seq, request.stream, time.monotonic() + self.settings.reservation_timeout)
-        return encode(KVReservation(decode_id=self.instance))
+        return pack(KVReservation(decode_id=self.instance))
 
     # -- 2. KV chunks ------------------------------------------------------------------------------
     async def handle_kv(self, data: bytes) -> bytes:
-        chunk = decode(KVChunk, data)
+        chunk = unpack(KVChunk, data)
         reservation = self.reservations.get(chunk.request_id)
         if reservation is None:
             raise HandlerError(404, "no reservation for this request (expired or cancelled)")
@@ -120,7 +120,7 @@ class DecodeService(ServiceBase):
 
     # -- 3. start ----------------------------------------------------------------------------------
     async def handle_start(self, data: bytes) -> bytes:
-        start = decode(DecodeStart, data)
+        start = unpack(DecodeStart, data)
         rid = start.request_id
         reservation = self.reservations.get(rid)
         if reservation is None:
@@ -143,7 +143,7 @@ class DecodeService(ServiceBase):
         self.streams[rid] = start.stream
         await self.loop.call(lambda engine: engine.activate(rid))
         self.accepted += 1
-        return encode(DecodeAccepted(decode_id=self.instance))
+        return pack(DecodeAccepted(decode_id=self.instance))
 
     # -- tokens out --------------------------------------------------------------------------------
     def on_outputs(self, outputs: list[StepOutput]) -> None:
@@ -154,7 +154,7 @@ class DecodeService(ServiceBase):
             self.tokens += 1
             event = TokenEvent(request_id=out.seq.request_id, index=out.index, token_ids=[out.token],
                                finish_reason=out.finish_reason, worker=self.instance)
-            self.publisher.publish(stream, encode(event))
+            self.publisher.publish(stream, pack(event))
             if out.finish_reason is not None:
                 self.streams.pop(out.seq.request_id, None)
 
@@ -169,12 +169,12 @@ class DecodeService(ServiceBase):
     def _fail(self, stream: str, request_id: str, status: int, message: str) -> None:
         event = TokenEvent(request_id=request_id, index=0, error=ErrorInfo(status=status, message=message),
                            worker=self.instance)
-        self.publisher.publish(stream, encode(event))
+        self.publisher.publish(stream, pack(event))
 
     # -- ending early ------------------------------------------------------------------------------
     async def on_cancel(self, msg) -> None:
         try:
-            request_id = decode(Cancel, msg.data).request_id
+            request_id = unpack(Cancel, msg.data).request_id
         except ValueError:
             return
         self.cancelled.add(request_id)

@@ -14,7 +14,7 @@ from shared.bus import ServiceCallError, Subjects, call
 from shared.dataplane.plane import DataPlane
 from shared.dataplane.store import DataPlaneError
 from shared.logging import get_logger
-from shared.messages import ProtocolError, decode, encode
+from shared.messages import ProtocolError, pack, unpack
 from shared.messages.encode import EmbeddingFetch, EmbeddingLoan
 
 log = get_logger(__name__)
@@ -36,9 +36,9 @@ class PeerEncoders:
     async def borrow(self, holder: str, key: str) -> Embedding | None:
         """``holder``'s embeddings for ``key``, pulled here; None if it cannot lend them."""
         try:
-            reply = await call(self.nc, fetch_subject(self.subjects, holder), encode(EmbeddingFetch(key=key)),
+            reply = await call(self.nc, fetch_subject(self.subjects, holder), pack(EmbeddingFetch(key=key)),
                                self.timeout, "encoder holding the image")
-            loan = decode(EmbeddingLoan, reply)
+            loan = unpack(EmbeddingLoan, reply)
             tensor = await asyncio.wait_for(self.plane.pull(loan.embedding), self.timeout)
         except (ServiceCallError, DataPlaneError, ProtocolError, asyncio.TimeoutError) as err:
             self.failures += 1

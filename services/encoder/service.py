@@ -24,7 +24,7 @@ from shared.dataplane.plane import DataPlane
 from shared.dataplane.store import DataPlaneError
 from shared.embedding_index import EmbeddingIndex, embedding_key
 from shared.logging import get_logger
-from shared.messages import decode, encode
+from shared.messages import pack, unpack
 from shared.messages.encode import EmbeddingFetch, EmbeddingLoan, EncodeJob, EncodeResult
 from shared.model.config import ModelConfig
 from shared.model.loader import load_vision_tower
@@ -81,21 +81,21 @@ class EncoderService(ServiceBase):
         await self.fetch_endpoint.add_to(service, fetch_subject(self.subjects, self.instance), QUEUE["encoder"])
 
     async def handle_encode(self, data: bytes) -> bytes:
-        job = decode(EncodeJob, data)
+        job = unpack(EncodeJob, data)
         self._check(job)
         key = embedding_key(job.content_hash, self.fingerprint)
         embedding, origin = await self.embeddings.obtain(key, lambda: self._encode(job.image))
         handle = self._publish(embedding)
-        return encode(EncodeResult(embedding=handle, grid=embedding.grid, encoder_id=self.instance,
+        return pack(EncodeResult(embedding=handle, grid=embedding.grid, encoder_id=self.instance,
                                    cached=origin != "computed"))
 
     async def handle_fetch(self, data: bytes) -> bytes:
         """Another encoder borrows an image's embeddings this one holds (or is encoding right now)."""
-        request = decode(EmbeddingFetch, data)
+        request = unpack(EmbeddingFetch, data)
         embedding = await self.embeddings.lend(request.key)
         if embedding is None:
             raise HandlerError(404, "this encoder does not hold that image")
-        return encode(EmbeddingLoan(embedding=self._publish(embedding), grid=embedding.grid))
+        return pack(EmbeddingLoan(embedding=self._publish(embedding), grid=embedding.grid))
 
     def _check(self, job: EncodeJob) -> None:
         image = job.image

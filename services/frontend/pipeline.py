@@ -28,7 +28,7 @@ from shared.bus import ServiceCallError, Subjects, call
 from shared.dataplane.plane import DataPlane
 from shared.engine.sampling import SamplingParams
 from shared.logging import get_logger
-from shared.messages import decode, encode
+from shared.messages import pack, unpack
 from shared.messages.control import Cancel
 from shared.messages.encode import EncodeJob, EncodeResult
 from shared.messages.prefill import ImageSlot, PrefillAccepted, PrefillJob
@@ -114,9 +114,9 @@ class ChatPipeline:
         attempts = self.settings.encode_attempts
         for attempt in range(1, attempts + 1):
             try:
-                reply = await call(self.nc, subject, encode(job), self.settings.encode_timeout, "encoder")
+                reply = await call(self.nc, subject, pack(job), self.settings.encode_timeout, "encoder")
                 self.encoded_images += 1
-                return decode(EncodeResult, reply)
+                return unpack(EncodeResult, reply)
             except ServiceCallError as err:
                 direct = subject != self.subjects.encode
                 subject = self.subjects.encode
@@ -138,7 +138,7 @@ class ChatPipeline:
 
     async def cancel(self, request_id: str, reason: str) -> None:
         try:
-            await self.nc.publish(self.subjects.cancel, encode(Cancel(request_id=request_id, reason=reason)))
+            await self.nc.publish(self.subjects.cancel, pack(Cancel(request_id=request_id, reason=reason)))
         except Exception:  # NATS gone: the stages' own timeouts and leases clean up
             log.warning("cancel.publish_failed", request_id=request_id)
 
@@ -182,9 +182,9 @@ class Generation:
         if self._sub is None:
             self._sub = await nc.subscribe(self.subject)  # before the job: no token can be missed
         try:
-            reply = await call(nc, self.pipeline.subjects.prefill, encode(job), self.pipeline.settings.prefill_timeout,
+            reply = await call(nc, self.pipeline.subjects.prefill, pack(job), self.pipeline.settings.prefill_timeout,
                                "prefill worker")
-            self._watch(decode(PrefillAccepted, reply).prefill_id)
+            self._watch(unpack(PrefillAccepted, reply).prefill_id)
         except ServiceCallError as err:
             if err.status == 504:
                 await self.pipeline.cancel(job.request_id, "prefill timeout")
@@ -214,7 +214,7 @@ class Generation:
                         await self._resume(f"worker {self._worker} vanished")
                         last_progress = time.monotonic()
                     continue
-                event = decode(TokenEvent, msg.data)
+                event = unpack(TokenEvent, msg.data)
                 if event.request_id != self.attempt_id:
                     continue  # a superseded attempt's late words
                 if event.error is not None:

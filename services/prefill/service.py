@@ -18,7 +18,7 @@ from shared.engine.engine import StepOutput
 from shared.engine.loop import EngineLoop
 from shared.engine.sequence import ImageInput, Sequence
 from shared.logging import get_logger
-from shared.messages import decode, encode
+from shared.messages import pack, unpack
 from shared.messages.control import Cancel
 from shared.messages.decode import DecodeAccepted, DecodeStart, KVChunk, KVReservation, KVReserve
 from shared.messages.prefill import PrefillAccepted, PrefillJob
@@ -96,7 +96,7 @@ class PrefillService(ServiceBase):
 
     # -- admission --------------------------------------------------------------------------------
     async def handle_prefill(self, data: bytes) -> bytes:
-        job = decode(PrefillJob, data)
+        job = unpack(PrefillJob, data)
         validate_prompt(job, self.config)
         if len(job.token_ids) >= self.engine.max_model_len:
             raise HandlerError(400, f"prompt of {len(job.token_ids)} tokens does not fit the context "
@@ -122,21 +122,21 @@ class PrefillService(ServiceBase):
             raise HandlerError(400, str(err))
         self.prompts += 1
         self.prompt_tokens += len(seq)
-        return encode(PrefillAccepted(prefill_id=self.instance))
+        return pack(PrefillAccepted(prefill_id=self.instance))
 
     async def _reserve(self, job: PrefillJob) -> str:
         """Room on a decode worker before any compute: no decode, no prefill (a fast 503)."""
         request = KVReserve(request_id=job.request_id, num_tokens=len(job.token_ids),
                             max_tokens=job.sampling.max_tokens, stream=job.stream)
         try:
-            reply = await call(self.nc, self.subjects.decode, encode(request), self.settings.handoff_timeout,
+            reply = await call(self.nc, self.subjects.decode, pack(request), self.settings.handoff_timeout,
                                "decode worker")
         except ServiceCallError as err:
             raise HandlerError(err.status, err.message) from None
-        return decode(KVReservation, reply).decode_id
+        return unpack(KVReservation, reply).decode_id
 
     async def _release_reservation(self, request_id: str) -> None:
-        await self.nc.publish(self.subjects.cancel, encode(Cancel(request_id=request_id, reason="prefill gave up")))
+        await self.nc.publish(self.subjects.cancel, pack(Cancel(request_id=request_id, reason="prefill gave up")))
 
     # -- KV streaming (engine thread → event loop) ------------------------------------------------
     def on_layer_done(self, layer: int, seqs: list[Sequence]) -> None:
@@ -156,7 +156,7 @@ class PrefillService(ServiceBase):
             return  # cancelled meanwhile
         handle = self.plane.publish(kv, consumers=1)
         chunk = KVChunk(request_id=request_id, first_layer=first, last_layer=last, kv=handle)
-        task = self._spawn(call(self.nc, self.subjects.decode_kv(handoff.decode_id), encode(chunk),
+        task = self._spawn(call(self.nc, self.subjects.decode_kv(handoff.decode_id), pack(chunk),
                                 self.settings.handoff_timeout, "decode worker"))
         task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or self.plane.release(handle))
         handoff.chunks.append(task)
@@ -173,7 +173,7 @@ class PrefillService(ServiceBase):
             # watches it, and resumes the request elsewhere if it dies before or while decoding
             event = TokenEvent(request_id=job.request_id, index=out.index, token_ids=[out.token],
                                finish_reason=out.finish_reason, worker=handoff.decode_id)
-            self.publisher.publish(job.stream, encode(event))
+            self.publisher.publish(job.stream, pack(event))
             if out.finish_reason is not None:
                 self.handoffs.pop(job.request_id, None)
                 self._spawn(self._release_reservation(job.request_id))  # nothing left to decode
@@ -188,9 +188,9 @@ class PrefillService(ServiceBase):
         try:
             for chunk in handoff.chunks:
                 await chunk
-            reply = await call(self.nc, self.subjects.decode_start(handoff.decode_id), encode(start),
+            reply = await call(self.nc, self.subjects.decode_start(handoff.decode_id), pack(start),
                                self.settings.handoff_timeout, "decode worker")
-            decode(DecodeAccepted, reply)
+            unpack(DecodeAccepted, reply)
         except ServiceCallError as err:
             self._fail(start.stream, rid, err.status, f"handing the request to decode failed: {err.message}")
             await self._release_reservation(rid)
@@ -211,7 +211,7 @@ class PrefillService(ServiceBase):
     def _fail(self, stream: str, request_id: str, status: int, message: str) -> None:
         event = TokenEvent(request_id=request_id, index=0, error=ErrorInfo(status=status, message=message),
                            worker=self.instance)
-        self.publisher.publish(stream, encode(event))
+        self.publisher.publish(stream, pack(event))
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -226,7 +226,7 @@ class PrefillService(ServiceBase):
 
     async def on_cancel(self, msg) -> None:
         try:
-            request_id = decode(Cancel, msg.data).request_id
+            request_id = unpack(Cancel, msg.data).request_id
         except ValueError:
             return
         self.cancelled.add(request_id)

@@ -1,12 +1,11 @@
 """Typed messages, one module per channel, MessagePack on the wire, with a protocol version.
 
-Every message decodes through ``decode``, which validates types, limits and the version; a peer that
+Every message is written with ``pack`` and read through ``unpack``, which validates types, limits and the version; a peer that
 speaks another version gets a clear error instead of a misread field. Nothing is ever pickled.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import TypeVar
 
 import msgspec
@@ -28,11 +27,11 @@ _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[type, msgspec.msgpack.Decoder] = {}
 
 
-def encode(message: msgspec.Struct) -> bytes:
+def pack(message: msgspec.Struct) -> bytes:
     return _encoder.encode(message)
 
 
-def decode(kind: type[M], data: bytes) -> M:
+def unpack(kind: type[M], data: bytes) -> M:
     decoder = _decoders.get(kind)
     if decoder is None:
         decoder = _decoders[kind] = msgspec.msgpack.Decoder(kind)
@@ -43,13 +42,3 @@ def decode(kind: type[M], data: bytes) -> M:
     if message.v != PROTOCOL_VERSION:
         raise ProtocolError(f"{kind.__name__} speaks protocol v{message.v}; this build speaks v{PROTOCOL_VERSION}")
     return message
-
-
-# The channel modules ``encode`` and ``decode`` share their names with the functions above, and Python binds a
-# submodule onto its package when first imported: whichever module happened to load ``shared.messages.encode``
-# first would turn every later ``from shared.messages import encode`` into the module. Load both channels now
-# and put the functions back, so these names are the functions whatever the import order.
-_FUNCTIONS = {"encode": encode, "decode": decode}
-for _channel in _FUNCTIONS:
-    importlib.import_module(f"{__name__}.{_channel}")
-globals().update(_FUNCTIONS)
