@@ -173,7 +173,7 @@ class ConcurrentEndpoint:
         except ProtocolError as err:
             await self._fail(request, 400, str(err))
         except asyncio.CancelledError:
-            await self._fail(request, 503, "service is shutting down")
+            await self._fail(request, 503, "the request was cancelled or the service is shutting down")
             raise
         except Exception:
             log.exception("endpoint.failed", endpoint=self.name)

@@ -265,3 +265,35 @@ def test_nats_restart_fails_in_flight_with_503_then_recovers(tiny_model, tmp_pat
         running.stop()
         server.stop()
 
+
+
+async def test_client_gone_while_images_encode_cancels_them(stack):
+    """The client leaves while its images wait on (frozen) encoders: the frontend broadcasts a cancel at
+    once, and the encoders drop the jobs when they run again."""
+    import nats
+
+    from shared.bus import Subjects
+    from shared.messages import unpack
+    from shared.messages.control import Cancel
+
+    encoders = await workers(stack, "encoder")
+    nc = await nats.connect(stack.stack.nats_url)
+    cancels = await nc.subscribe(Subjects(stack.prefix).cancel)
+    for e in encoders:
+        os.kill(e["pid"], signal.SIGSTOP)
+    try:
+        payload = body("describe", [make_image(300 + i, 64, 64) for i in range(4)], max_tokens=8, stream=False)
+        async with httpx.AsyncClient() as client:
+            with pytest.raises(httpx.TimeoutException):
+                await client.post(f"{stack.base_url}/chat/completions", json=payload, timeout=0.5)
+        cancel = unpack(Cancel, (await cancels.next_msg(timeout=1.5)).data)
+        assert cancel.reason == "client gone"
+    finally:
+        for e in encoders:
+            os.kill(e["pid"], signal.SIGCONT)
+        await nc.close()
+    deadline = time.monotonic() + 5
+    while any(e["in_flight"] for e in await workers(stack, "encoder")):
+        assert time.monotonic() < deadline, "encoders kept working for a request nobody waits for"
+        await asyncio.sleep(0.1)
+    await idle(stack)

@@ -143,6 +143,13 @@ def test_oversize_body_gets_413(stack):
     response = _post(stack, None, content=b"x" * 4_100_000, headers={"content-type": "application/json"})
     assert response.status_code == 413 and response.json()["error"]["message"]
 
+    def chunks():  # no Content-Length: the limit must hold while the body streams in
+        for _ in range(50):
+            yield b"x" * 100_000
+
+    response = _post(stack, None, content=chunks(), headers={"content-type": "application/json"})
+    assert response.status_code == 413 and response.json()["error"]["message"]
+
 
 def test_malformed_json_and_wrong_model(stack):
     response = _post(stack, None, content=b"{not json", headers={"content-type": "application/json"})

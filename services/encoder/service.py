@@ -25,6 +25,7 @@ from shared.dataplane.store import DataPlaneError
 from shared.embedding_index import EmbeddingIndex, embedding_key
 from shared.logging import get_logger
 from shared.messages import pack, unpack
+from shared.messages.control import Cancel
 from shared.messages.encode import EmbeddingFetch, EmbeddingLoan, EncodeJob, EncodeResult
 from shared.model.config import ModelConfig
 from shared.model.loader import load_vision_tower
@@ -50,6 +51,7 @@ class EncoderService(ServiceBase):
         self.cache = EmbeddingCache(settings.encoder_cache_mb << 20)
         self.embeddings: EmbeddingSource | None = None
         self.fingerprint = ""
+        self.jobs: dict[str, set[asyncio.Task]] = {}  # request id → its encode jobs running here
 
     async def setup(self, nc) -> None:
         s = self.settings
@@ -68,6 +70,7 @@ class EncoderService(ServiceBase):
             await index.open()
         peers = PeerEncoders(nc, self.subjects, self.plane, s.peer_fetch_timeout)
         self.embeddings = EmbeddingSource(self.cache, index, peers, self.instance)
+        await nc.subscribe(self.subjects.cancel, cb=self.on_cancel)
 
     def metadata(self) -> dict[str, str]:
         # The frontend builds index keys with it, to find which encoder holds an image.
@@ -84,10 +87,28 @@ class EncoderService(ServiceBase):
         job = unpack(EncodeJob, data)
         self._check(job)
         key = embedding_key(job.content_hash, self.fingerprint)
-        embedding, origin = await self.embeddings.obtain(key, lambda: self._encode(job.image))
+        task = asyncio.current_task()
+        self.jobs.setdefault(job.request_id, set()).add(task)
+        try:
+            embedding, origin = await self.embeddings.obtain(key, lambda: self._encode(job.image))
+        finally:
+            tasks = self.jobs.get(job.request_id, set())
+            tasks.discard(task)
+            if not tasks:
+                self.jobs.pop(job.request_id, None)
         handle = self._publish(embedding)
         return pack(EncodeResult(embedding=handle, grid=embedding.grid, encoder_id=self.instance,
                                    cached=origin != "computed"))
+
+    async def on_cancel(self, msg) -> None:
+        """The request is gone: stop its jobs here (an encoding other requests share goes on, and what
+        finishes still lands in the cache)."""
+        try:
+            request_id = unpack(Cancel, msg.data).request_id
+        except ValueError:
+            return
+        for task in list(self.jobs.pop(request_id, ())):
+            task.cancel()
 
     async def handle_fetch(self, data: bytes) -> bytes:
         """Another encoder borrows an image's embeddings this one holds (or is encoding right now)."""

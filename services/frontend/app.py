@@ -46,13 +46,7 @@ def create_app(frontend) -> FastAPI:
         log.exception("http.unhandled", error=type(err).__name__)
         return await _api_error(_request, ApiError(500, "internal error"))
 
-    @app.middleware("http")
-    async def _limit_body(request: Request, call_next):
-        declared = request.headers.get("content-length")
-        limit = frontend.settings.max_body_bytes
-        if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            return JSONResponse(ApiError(413, f"request body exceeds {limit} bytes").body(), status_code=413)
-        return await call_next(request)
+    app.add_middleware(BodyLimit, limit=frontend.settings.max_body_bytes)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -71,7 +65,7 @@ def create_app(frontend) -> FastAPI:
 
     @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=_ERRORS)
     async def chat(body: ChatCompletionRequest, request: Request):
-        generation = await admit(frontend, body)
+        generation = await _unless_disconnected(admit(frontend, body), request)
         if body.stream:
             stream = _sse(frontend, generation, include_usage(body))
             return StreamingResponse(stream, media_type="text/event-stream",
@@ -95,6 +89,60 @@ async def _complete(frontend, generation: Generation, request: Request) -> ChatC
             await asyncio.gather(collector, return_exceptions=True)
             raise ApiError(499, "client disconnected")
         return collector.result()
+    finally:
+        watcher.cancel()
+
+
+class BodyLimit:
+    """Refuses bodies over ``limit`` bytes: by Content-Length up front, and while a body without one
+    streams in (it is read here, then handed on whole). Plain ASGI on purpose: an
+    ``@app.middleware("http")`` wrapper would hide client disconnects from the endpoints, which cancel
+    abandoned requests; after the body, ``receive`` is the server's own again."""
+
+    def __init__(self, app, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            return await self._refuse(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before sending its body
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self._refuse(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        body = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay():
+            return body.pop() if body else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope, receive, send):
+        response = JSONResponse(ApiError(413, f"request body exceeds {self.limit} bytes").body(), status_code=413)
+        await response(scope, receive, send)
+
+
+async def _unless_disconnected(work, request: Request):
+    """Await ``work`` (encoding, prefill admission), abandoning it if the client hangs up meanwhile."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise ApiError(499, "client disconnected")
+        return task.result()
     finally:
         watcher.cancel()
 

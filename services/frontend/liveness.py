@@ -1,4 +1,4 @@
-"""Which prefill/decode instances are alive, as the NATS service API lists them (refreshed each second).
+"""Which encoder/prefill/decode instances are alive, as the NATS service API lists them (refreshed each second).
 
 A request's tokens come from one worker at a time; if that worker disappears from two consecutive
 listings taken after the request started depending on it, the worker is gone (killed, crashed, host
@@ -16,7 +16,7 @@ from shared.logging import get_logger
 
 log = get_logger(__name__)
 
-WATCHED = ("epd-prefill", "epd-decode", "epd-aggregated")
+WATCHED = ("epd-encoder", "epd-prefill", "epd-decode", "epd-aggregated")
 
 
 class LiveWorkers:

@@ -75,9 +75,13 @@ class ChatPipeline:
         prompt = self.builder.build(request.messages, [(i.height, i.width) for i in images])
         sampling = self.sampling(request, len(prompt.token_ids))
         request_id = uuid.uuid4().hex
-        results = await self.encode_images(request_id, images) if images else []
-        generation = Generation(self, request_id, prompt, request.stop_list(), images, sampling)
-        await generation.submit(self.prefill_job(request_id, prompt, results, sampling, generation.subject))
+        try:
+            results = await self.encode_images(request_id, images) if images else []
+            generation = Generation(self, request_id, prompt, request.stop_list(), images, sampling)
+            await generation.submit(self.prefill_job(request_id, prompt, results, sampling, generation.subject))
+        except asyncio.CancelledError:  # the client left before the answer started: drop its work everywhere
+            await asyncio.shield(self.cancel(request_id, "client gone"))
+            raise
         return generation
 
     def sampling(self, request: ChatCompletionRequest, prompt_len: int) -> SamplingParams:
@@ -114,7 +118,7 @@ class ChatPipeline:
         attempts = self.settings.encode_attempts
         for attempt in range(1, attempts + 1):
             try:
-                reply = await call(self.nc, subject, pack(job), self.settings.encode_timeout, "encoder")
+                reply = await self._call_watching(subject, pack(job))
                 self.encoded_images += 1
                 return unpack(EncodeResult, reply)
             except ServiceCallError as err:
@@ -125,6 +129,21 @@ class ChatPipeline:
                 if not retry:
                     raise ApiError(err.status, "image encoding failed: " + err.message) from None
         raise AssertionError("unreachable")
+
+    async def _call_watching(self, subject: str, payload: bytes) -> bytes:
+        """An encode call that gives up early if the encoder it went to disappears (killed, host lost):
+        the image is retried elsewhere at once instead of after the whole encode timeout."""
+        request = asyncio.ensure_future(call(self.nc, subject, payload, self.settings.encode_timeout, "encoder"))
+        if subject == self.subjects.encode:
+            return await request  # the queue group picked someone: nothing to watch
+        instance, since = subject.rsplit(".", 1)[-1], time.monotonic()
+        while True:
+            done, _ = await asyncio.wait({request}, timeout=0.5)
+            if done:
+                return request.result()
+            if self.workers.gone(instance, since):
+                request.cancel()
+                raise ServiceCallError(503, "the encoder went away")
 
     def prefill_job(self, request_id: str, prompt: Prompt, results: list[EncodeResult], sampling: SamplingParams,
                     subject: str) -> PrefillJob:
