@@ -18,6 +18,7 @@ commands:
   submit     send a chat request (JSON file or -) over NATS: answer, --stream chunks, or a --durable job
   bench      load generator for any OpenAI-compatible endpoint (`epd bench plot FILES` draws the results)
   plan       measure this model's encode/prefill/decode costs here and recommend a topology for a workload
+  credentials  write per-role NATS users (a server authorization block + one env file per role)
 
 `epd <command> --help` lists a command's options; every option is also an EPD_* environment variable.
 """
@@ -47,6 +48,8 @@ def main(argv: list[str] | None = None) -> None:
         from services.bench.settings import BenchSettings
 
         sys.exit(bench_main(parse_settings(BenchSettings, rest, "epd bench")))
+    if command == "credentials":
+        sys.exit(credentials(rest))
     if command == "plan":
         from services.bench.plan import PlanSettings, main as plan_main
 
@@ -71,6 +74,24 @@ def main(argv: list[str] | None = None) -> None:
     service_cls = getattr(importlib.import_module(service_module), service_name)
     settings_cls = getattr(importlib.import_module(settings_module), settings_name)
     service_main(service_cls, settings_cls, rest)
+
+
+def credentials(args: list[str]) -> int:
+    """``epd credentials --out DIR [--subject-prefix epd]``: per-role users for a NATS server you run."""
+    import argparse
+
+    from shared.nats_auth import StackCredentials
+
+    parser = argparse.ArgumentParser(prog="epd credentials", description=(
+        "Generate a user per role (encoder, prefill, decode, frontend, aggregated, client, admin) with "
+        "subject permissions limited to its work: DIR/nats-auth.conf goes into the nats-server "
+        "configuration (`include`), DIR/<role>.env gives each process its EPD_NATS_USER/EPD_NATS_PASSWORD."))
+    parser.add_argument("--out", required=True, help="directory for the files (created; files are mode 0600)")
+    parser.add_argument("--subject-prefix", default="epd", help="the stack's subject prefix")
+    options = parser.parse_args(args)
+    for path in StackCredentials.generate(options.subject_prefix).write(options.out):
+        print(path)
+    return 0
 
 
 def _submit_settings():

@@ -67,3 +67,20 @@ class StackCredentials:
                 f"allow_responses: true }} }}"
             )
         return "authorization {\n  users: [\n    " + ",\n    ".join(users) + "\n  ]\n}\n"
+
+    def write(self, directory) -> list:
+        """``nats-auth.conf`` (the server's authorization block) and one ``<role>.env`` per role, mode 0600."""
+        from pathlib import Path
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        written = []
+        for name, text in [("nats-auth.conf", self.server_config())] + [
+                (f"{role}.env", "".join(f"{k}={v}\n" for k, v in self.env(role).items())) for role in ROLES]:
+            path = out / name
+            path.touch(mode=0o600)
+            path.chmod(0o600)
+            path.write_text(text)
+            written.append(path)
+        return written
+

@@ -75,3 +75,29 @@ async def test_roles_subscribe_only_on_their_subjects(secured):
     finally:
         await frontend.close()
         await admin.close()
+
+
+def test_credentials_command_and_compose_overlay(tmp_path):
+    """`epd credentials` writes what deploy/compose.auth.yml mounts, and nats-server accepts it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    from shared.natsserver import nats_server_binary
+
+    out = tmp_path / "secrets"
+    subprocess.run([sys.executable, "-m", "services.cli", "credentials", "--out", str(out)], check=True,
+                   capture_output=True)
+    assert all((p.stat().st_mode & 0o777) == 0o600 for p in out.iterdir())
+    overlay = yaml.safe_load((Path(__file__).parents[1] / "deploy" / "compose.auth.yml").read_text())
+    for name, service in overlay["services"].items():
+        for env_file in service.get("env_file", []):
+            assert (out / Path(env_file).name).is_file(), env_file
+            assert Path(env_file).stem == name  # each service runs as its own role
+    conf = tmp_path / "nats.conf"
+    conf.write_text(overlay["configs"]["nats-conf"]["content"].replace("/data", str(tmp_path / "js")))
+    (tmp_path / "nats-auth.conf").write_text((out / "nats-auth.conf").read_text())
+    check = subprocess.run([nats_server_binary(), "-t", "-c", str(conf)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
