@@ -101,3 +101,35 @@ def test_credentials_command_and_compose_overlay(tmp_path):
     (tmp_path / "nats-auth.conf").write_text((out / "nats-auth.conf").read_text())
     check = subprocess.run([nats_server_binary(), "-t", "-c", str(conf)], capture_output=True, text=True)
     assert check.returncode == 0, check.stderr
+
+
+async def test_services_connect_to_a_tls_server_with_its_ca(tmp_path):
+    """`--nats-tls-ca` (EPD_NATS_TLS_CA) verifies an external server's certificate."""
+    import shutil
+    import subprocess
+
+    from shared.bus import connect
+    from shared.settings import CommonSettings
+
+    if not shutil.which("openssl"):
+        pytest.skip("openssl is not installed: cannot make a certificate")
+
+    def openssl(*args):
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=tmp_path)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+            "-subj", "/CN=epd test CA")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
+            "-subj", "/CN=localhost")
+    (tmp_path / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", "server.pem", "-days", "1", "-extfile", "san.ext")
+    tls = f'tls {{ cert_file: "{tmp_path}/server.pem", key_file: "{tmp_path}/server.key" }}'
+    with EmbeddedNats(config_text=tls, jetstream=False) as server:
+        url = server.url.replace("nats://", "tls://")
+        nc = await connect(CommonSettings(nats_url=url, nats_tls_ca=str(tmp_path / "ca.pem")), "tls-test")
+        assert nc.is_connected
+        await nc.close()
+        with pytest.raises(Exception):  # without the CA the certificate does not verify
+            await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2,
+                               tls=__import__("ssl").create_default_context())
