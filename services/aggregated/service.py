@@ -127,13 +127,11 @@ class AggregatedService(ServiceBase):
         await self.encoder.close()
 
     def stats(self) -> dict:
-        blocks = self.engine.blocks if self.engine else None
         return {
+            **(self.engine.block_stats() if self.engine else {}),
             **self.encoder.stats(),
             "prompts": self.prompts,
             "tokens": self.tokens,
             "running": len(self.jobs),
-            "kv_blocks_free": blocks.num_free if blocks else 0,
-            "kv_blocks_used": blocks.num_used if blocks else 0,
             "errors": self.encoder.endpoint.errors + self.endpoint.errors,
         }

@@ -212,16 +212,13 @@ class DecodeService(ServiceBase):
         await self.plane.stop()
 
     def stats(self) -> dict:
-        blocks = self.engine.blocks if self.engine else None
         return {
+            **(self.engine.block_stats() if self.engine else {}),
             "instance": self.instance,
             "accepted": self.accepted,
             "tokens": self.tokens,
             "running": len(self.streams),
             "reservations": len(self.reservations),
             "reservations_expired": self.expired,
-            "kv_blocks_free": blocks.num_free if blocks else 0,
-            "kv_blocks_used": blocks.num_used if blocks else 0,
-            "kv_blocks_total": blocks.num_blocks if blocks else 0,
             "errors": sum(e.errors for e in (self.reserve_endpoint, self.kv_endpoint, self.start_endpoint)),
         }

@@ -245,15 +245,13 @@ class PrefillService(ServiceBase):
         await self.plane.stop()
 
     def stats(self) -> dict:
-        blocks = self.engine.blocks if self.engine else None
         return {
+            **(self.engine.block_stats() if self.engine else {}),
             "instance": self.instance,
             "prompts": self.prompts,
             "prompt_tokens": self.prompt_tokens,
             "active": len(self.handoffs),
             "kv_chunks_sent": self.chunks_sent,
-            "kv_blocks_free": blocks.num_free if blocks else 0,
-            "kv_blocks_used": blocks.num_used if blocks else 0,
             "errors": self.endpoint.errors,
             "bytes_held": self.plane.store.bytes_held,
         }

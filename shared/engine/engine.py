@@ -98,6 +98,11 @@ class Engine:
     def has_work(self) -> bool:
         return len(self.scheduler) > 0
 
+    def block_stats(self) -> dict[str, int]:
+        """The KV pool's figures, as services report them in their NATS stats."""
+        return {"kv_blocks_free": self.blocks.num_free, "kv_blocks_used": self.blocks.num_used,
+                "kv_blocks_total": self.blocks.num_blocks}
+
     def request_ids(self) -> list[str]:
         return list(self._by_id)
 
