@@ -23,9 +23,9 @@ from shared.engine.loop import EngineLoop
 from shared.engine.sequence import ImageInput, Sequence
 from shared.logging import get_logger
 from shared.messages import pack, unpack
-from shared.messages.control import Cancel
+from shared.messages.control import cancelled_request
 from shared.messages.prefill import PrefillAccepted, PrefillJob
-from shared.messages.stream import ErrorInfo, TokenEvent
+from shared.messages.stream import TokenEvent, error_event
 from shared.service import ServiceBase
 
 log = get_logger(__name__)
@@ -102,14 +102,12 @@ class AggregatedService(ServiceBase):
         for request_id in request_ids:
             job = self.jobs.pop(request_id, None)
             if job is not None:
-                event = TokenEvent(request_id=request_id, index=0,
-                                   error=ErrorInfo(status=500, message="generation failed"), worker=self.instance)
+                event = error_event(request_id, 500, "generation failed", self.instance)
                 self.publisher.publish(job.stream, pack(event))
 
     async def on_cancel(self, msg) -> None:
-        try:
-            request_id = unpack(Cancel, msg.data).request_id
-        except ValueError:
+        request_id = cancelled_request(msg.data)
+        if request_id is None:
             return
         self.cancelled.add(request_id)
         if self.jobs.pop(request_id, None) is not None:

@@ -19,9 +19,9 @@ from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import Sequence
 from shared.logging import get_logger
 from shared.messages import pack, unpack
-from shared.messages.control import Cancel
+from shared.messages.control import cancelled_request
 from shared.messages.decode import DecodeAccepted, DecodeStart, KVChunk, KVReservation, KVReserve
-from shared.messages.stream import ErrorInfo, TokenEvent
+from shared.messages.stream import TokenEvent, error_event
 from shared.service import ServiceBase
 
 log = get_logger(__name__)
@@ -167,15 +167,12 @@ class DecodeService(ServiceBase):
                 self._fail(stream, request_id, 500, "decode failed")
 
     def _fail(self, stream: str, request_id: str, status: int, message: str) -> None:
-        event = TokenEvent(request_id=request_id, index=0, error=ErrorInfo(status=status, message=message),
-                           worker=self.instance)
-        self.publisher.publish(stream, pack(event))
+        self.publisher.publish(stream, pack(error_event(request_id, status, message, self.instance)))
 
     # -- ending early ------------------------------------------------------------------------------
     async def on_cancel(self, msg) -> None:
-        try:
-            request_id = unpack(Cancel, msg.data).request_id
-        except ValueError:
+        request_id = cancelled_request(msg.data)
+        if request_id is None:
             return
         self.cancelled.add(request_id)
         reservation = self.reservations.pop(request_id, None)

@@ -25,7 +25,7 @@ from shared.dataplane.store import DataPlaneError
 from shared.embedding_index import EmbeddingIndex, embedding_key
 from shared.logging import get_logger
 from shared.messages import pack, unpack
-from shared.messages.control import Cancel
+from shared.messages.control import cancelled_request
 from shared.messages.encode import EmbeddingFetch, EmbeddingLoan, EncodeJob, EncodeResult
 from shared.model.config import ModelConfig
 from shared.model.loader import load_vision_tower
@@ -103,9 +103,8 @@ class EncoderService(ServiceBase):
     async def on_cancel(self, msg) -> None:
         """The request is gone: stop its jobs here (an encoding other requests share goes on, and what
         finishes still lands in the cache)."""
-        try:
-            request_id = unpack(Cancel, msg.data).request_id
-        except ValueError:
+        request_id = cancelled_request(msg.data)
+        if request_id is None:
             return
         for task in list(self.jobs.pop(request_id, ())):
             task.cancel()

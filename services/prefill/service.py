@@ -19,10 +19,10 @@ from shared.engine.loop import EngineLoop
 from shared.engine.sequence import ImageInput, Sequence
 from shared.logging import get_logger
 from shared.messages import pack, unpack
-from shared.messages.control import Cancel
+from shared.messages.control import Cancel, cancelled_request
 from shared.messages.decode import DecodeAccepted, DecodeStart, KVChunk, KVReservation, KVReserve
 from shared.messages.prefill import PrefillAccepted, PrefillJob
-from shared.messages.stream import ErrorInfo, TokenEvent
+from shared.messages.stream import TokenEvent, error_event
 from shared.model.config import ModelConfig
 from shared.service import ServiceBase
 
@@ -209,9 +209,7 @@ class PrefillService(ServiceBase):
                 self._spawn(self._release_reservation(request_id))
 
     def _fail(self, stream: str, request_id: str, status: int, message: str) -> None:
-        event = TokenEvent(request_id=request_id, index=0, error=ErrorInfo(status=status, message=message),
-                           worker=self.instance)
-        self.publisher.publish(stream, pack(event))
+        self.publisher.publish(stream, pack(error_event(request_id, status, message, self.instance)))
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -225,9 +223,8 @@ class PrefillService(ServiceBase):
             log.error("prefill.task_failed", error=repr(task.exception()))
 
     async def on_cancel(self, msg) -> None:
-        try:
-            request_id = unpack(Cancel, msg.data).request_id
-        except ValueError:
+        request_id = cancelled_request(msg.data)
+        if request_id is None:
             return
         self.cancelled.add(request_id)
         if self.handoffs.pop(request_id, None) is not None:

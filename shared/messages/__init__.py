@@ -1,7 +1,8 @@
 """Typed messages, one module per channel, MessagePack on the wire, with a protocol version.
 
-Every message is written with ``pack`` and read through ``unpack``, which validates types, limits and the version; a peer that
-speaks another version gets a clear error instead of a misread field. Nothing is ever pickled.
+Every message is written with ``pack`` and read through ``unpack``, which validates types, limits and
+the version: a peer that speaks another version gets a clear error instead of a misread field.
+Nothing is ever pickled.
 """
 
 from __future__ import annotations

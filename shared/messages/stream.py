@@ -22,3 +22,8 @@ class TokenEvent(Message, frozen=True, kw_only=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort"; set on the last event only
     error: ErrorInfo | None = None  # the request failed; no more events follow
     worker: str = ""  # instance that produced the event: the frontend watches it is still alive
+
+
+def error_event(request_id: str, status: int, message: str, worker: str) -> TokenEvent:
+    """The event that ends a request with an error (the frontend never reads it as a finish)."""
+    return TokenEvent(request_id=request_id, index=0, error=ErrorInfo(status=status, message=message), worker=worker)
