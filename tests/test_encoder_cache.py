@@ -44,18 +44,19 @@ def test_same_pixels_in_other_dimensions_get_other_keys():
 
 
 def test_fingerprint_covers_preprocessing_weights_and_dtype(tiny_model, tmp_path):
-    base = encoder_fingerprint(tiny_model, "auto", "torch.float32")
-    assert base == encoder_fingerprint(tiny_model, "auto", "torch.float32")
-    assert base != encoder_fingerprint(tiny_model, "auto", "torch.bfloat16")
+    base = encoder_fingerprint(tiny_model, "auto", "torch.float32", "pil")
+    assert base == encoder_fingerprint(tiny_model, "auto", "torch.float32", "pil")
+    assert base != encoder_fingerprint(tiny_model, "auto", "torch.bfloat16", "pil")
+    assert base != encoder_fingerprint(tiny_model, "auto", "torch.float32", "torch")  # PIL and torch round apart
     resized = shutil.copytree(tiny_model, tmp_path / "resized")
     config = json.loads((resized / "preprocessor_config.json").read_text())
     (resized / "preprocessor_config.json").write_text(json.dumps({**config, "image_mean": [0.5, 0.5, 0.5]}))
-    assert base != encoder_fingerprint(resized, "auto", "torch.float32")
+    assert base != encoder_fingerprint(resized, "auto", "torch.float32", "pil")
     retrained = shutil.copytree(tiny_model, tmp_path / "retrained")
     weights = bytearray((retrained / "model.safetensors").read_bytes())
     weights[-1] ^= 0xFF
     (retrained / "model.safetensors").write_bytes(bytes(weights))
-    assert base != encoder_fingerprint(retrained, "auto", "torch.float32")
+    assert base != encoder_fingerprint(retrained, "auto", "torch.float32", "pil")
 
 
 def _embedding(tokens: int) -> Embedding:

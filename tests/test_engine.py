@@ -189,3 +189,57 @@ def test_batched_vision_equals_one_image_at_a_time(model_parts, tiny_model):
     torch.testing.assert_close(batched, torch.cat(single), rtol=1e-5, atol=1e-5)
     grouped = tower(torch.cat([torch.from_numpy(p) for p in patches]), list(grids), grouped=True)
     torch.testing.assert_close(grouped, batched, rtol=1e-5, atol=1e-5)
+
+
+def test_preprocessing_on_the_device_matches_the_checkpoints_processor(tiny_model):
+    """The torch preprocessor (what encoders run on a GPU) gives HF's PIL processor's patches and grid, to
+    one 8-bit step: downscaled past max_pixels, upscaled past min_pixels, rounded to the patch grid, as is.
+    (Where the sides scale very unequally, recent Pillow may resample columns first, and pixels near sharp
+    edges then differ by more: such sizes are not in this list.)"""
+    import numpy as np
+
+    from shared.model.processor import ImagePreprocessor, TorchImagePreprocessor
+
+    pil, on_device = ImagePreprocessor(tiny_model), TorchImagePreprocessor(tiny_model)
+    step = 1 / 255 / min(pil._processor.image_std)  # one 8-bit step, normalized
+    for seed, height, width in [(1, 600, 900), (2, 20, 30), (3, 100, 150), (4, 56, 56), (5, 300, 200)]:
+        pixels = np.asarray(make_image(seed, height, width))
+        expected, grid = pil(pixels)
+        got = on_device(torch.from_numpy(pixels.copy()))
+        assert on_device.grid(height, width) == grid
+        assert got.shape == expected.shape
+        difference = (got - torch.from_numpy(expected)).abs()
+        assert difference.max().item() <= step * 1.01, (height, width)
+        assert difference.mean().item() <= step / 2, (height, width)
+
+
+def test_the_vision_batcher_preprocesses_pixels_it_is_given(model_parts, tiny_model):
+    """Pixels queued to a batcher with ``prepare`` come out as the embeddings of the PIL path's patches,
+    however the images were grouped into forwards."""
+    import asyncio
+
+    import numpy as np
+
+    from services.encoder.batcher import VisionBatcher
+    from shared.model.processor import ImagePreprocessor, TorchImagePreprocessor
+
+    _, _, tower = model_parts
+    pil, on_device = ImagePreprocessor(tiny_model), TorchImagePreprocessor(tiny_model)
+    images = [np.asarray(make_image(s, h, w)) for s, h, w in [(11, 100, 150), (12, 300, 200), (13, 56, 56)]]
+
+    async def encode(prepare) -> list[torch.Tensor]:
+        batcher = VisionBatcher(tower, asyncio.get_running_loop(), max_images=2, max_patches=10_000, prepare=prepare)
+        batcher.start()
+        try:
+            if prepare is None:
+                jobs = [batcher.encode(torch.from_numpy(p), g) for p, g in map(pil, images)]
+            else:
+                jobs = [batcher.encode(torch.from_numpy(i.copy()), prepare.grid(*i.shape[:2])) for i in images]
+            return await asyncio.gather(*jobs)
+        finally:
+            await asyncio.to_thread(batcher.stop)
+
+    reference, prepared = asyncio.run(encode(None)), asyncio.run(encode(on_device))
+    for ref, got in zip(reference, prepared):
+        assert got.shape == ref.shape
+        torch.testing.assert_close(got, ref, rtol=0, atol=0.05)  # inputs differ by at most one 8-bit step

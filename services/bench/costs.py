@@ -1,7 +1,7 @@
 """What this model costs on this hardware, measured in-process through our own tower and engine.
 
 - ViT: one batch of 1..N images of the workload's resolution (ms per batch); the image processor's
-  CPU time per image;
+  CPU time per image, or, where encoders preprocess on the GPU, that work inside each ViT batch's time;
 - prefill: one prompt of the workload's text plus 0..N images (ms, by prompt tokens);
 - decode: one engine step at batch 1 and batch B, at a short and a long context (ms per step). The
   sequences are reserved with their KV in place (as a decode worker holds them), so no prefill is paid
@@ -30,11 +30,12 @@ class Costs:
     dtype: str
     resolution: str
     image_tokens: int  # language-model tokens per image at this resolution
-    preprocess_ms: float  # CPU, one image
+    preprocess_ms: float  # CPU, one image (0 with preprocess "torch": inside vit_ms)
     preprocess_threads: int
     vit_ms: dict[int, float]  # images in one forward → ms for the forward
     prefill_ms: dict[int, float]  # prompt tokens → ms
     decode_ms: list[tuple[int, int, float]]  # (batch, context tokens, ms per step)
+    preprocess: str = "pil"  # where the encoders preprocess: pil (CPU threads) or torch (the ViT's device)
 
     def vit_per_image(self, batch: float) -> float:
         """ms per image when ``batch`` images share a forward (interpolated between measured batches)."""
@@ -97,26 +98,36 @@ class Timer:
             torch.cuda.synchronize()
 
 
-def measure_vision(settings, config, path, batches: list[int]) -> tuple[int, float, dict[int, float]]:
-    """(tokens per image, preprocess ms, {batch: ViT ms})."""
+def measure_vision(settings, config, path, batches: list[int], mode: str) -> tuple[int, float, dict[int, float]]:
+    """(tokens per image, CPU preprocess ms, {batch: ViT ms}); with ``mode`` torch, each batch's time
+    includes moving its pixels to the device and preprocessing them there, as the encoder does."""
     from services.bench.dataset import make_image
     from shared.model.loader import load_vision_tower
-    from shared.model.processor import ImagePreprocessor
+    from shared.model.processor import ImagePreprocessor, TorchImagePreprocessor
 
     device, dtype = settings.torch_device(), settings.torch_dtype()
     timer = Timer(device)
     width, height = settings.image_size
     pixels = np.asarray(make_image(0, width, height))
-    preprocess = ImagePreprocessor(path)
-    preprocess_ms = timer.ms(lambda: preprocess(pixels))
-    patches, grid = preprocess(pixels)
     tower = load_vision_tower(path, config, device, dtype, settings.load_format)
-    one = torch.from_numpy(patches).to(device, dtype)
+    if mode == "torch":
+        prepare, source = TorchImagePreprocessor(path, dtype), torch.from_numpy(pixels.copy())
+        grid, preprocess_ms = prepare.grid(height, width), 0.0
+
+        def patches(batch: int) -> torch.Tensor:
+            return torch.cat([prepare(source.to(device)) for _ in range(batch)])
+    else:
+        preprocess = ImagePreprocessor(path)
+        preprocess_ms = timer.ms(lambda: preprocess(pixels))
+        flat, grid = preprocess(pixels)
+        one = torch.from_numpy(flat).to(device, dtype)
+
+        def patches(batch: int) -> torch.Tensor:
+            return one.repeat(batch, 1)
     vit_ms = {}
     with torch.inference_mode():
         for batch in batches:
-            stacked = one.repeat(batch, 1)
-            vit_ms[batch] = timer.ms(lambda: tower(stacked, [grid] * batch))
+            vit_ms[batch] = timer.ms(lambda: tower(patches(batch), [grid] * batch))
     tokens = grid[0] * grid[1] * grid[2] // config.vision.merge_size ** 2
     return tokens, preprocess_ms, vit_ms
 
@@ -163,12 +174,14 @@ def measure_costs(settings) -> Costs:
     """Every cost ``epd plan`` needs for ``settings``' workload (see the module's docstring)."""
     from shared.engine.builder import build_engine
     from shared.model.config import ModelConfig
+    from shared.model.processor import preprocess_mode
 
     path = settings.model_path()
     config = ModelConfig.from_checkpoint(path)
     counts = [n for n in settings.image_counts() if n > 0]
     batches = sorted({1, min(4, max(counts, default=1)), max(counts, default=1)})
-    image_tokens, preprocess_ms, vit_ms = measure_vision(settings, config, path, batches)
+    mode = preprocess_mode(settings.preprocess, settings.torch_device())
+    image_tokens, preprocess_ms, vit_ms = measure_vision(settings, config, path, batches, mode)
     grid = _grid(settings, path)
     engine, _ = build_engine(settings, "both")
     timer = Timer(settings.torch_device())
@@ -183,7 +196,7 @@ def measure_costs(settings) -> Costs:
     return Costs(model=path.name, device=str(settings.torch_device()), dtype=str(settings.torch_dtype()),
                  resolution=settings.image_resolution, image_tokens=image_tokens, preprocess_ms=preprocess_ms,
                  preprocess_threads=settings.preprocess_threads, vit_ms=vit_ms, prefill_ms=prefill_ms,
-                 decode_ms=decode_ms)
+                 decode_ms=decode_ms, preprocess=mode)
 
 
 def _grid(settings, path) -> tuple[int, int, int]:

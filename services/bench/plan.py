@@ -37,6 +37,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 
@@ -61,7 +62,9 @@ class PlanSettings(EngineSettings, Workload):
     max_num_seqs: int = Field(64, ge=1, description="the measuring engine's batch limit (graph capture is "
                                                     "per batch size: fewer is quicker)")
     decode_batch: int = Field(16, ge=2, description="the larger batch decode steps are timed at")
-    preprocess_threads: int = Field(2, ge=1, description="image preprocessing threads per encoder")
+    preprocess: Literal["auto", "pil", "torch"] = Field("auto", description="where encoders preprocess images "
+                                                                          "(as `epd encoder --preprocess`)")
+    preprocess_threads: int = Field(2, ge=1, description="image preprocessing threads per encoder (pil)")
     data_plane_gbs: float = Field(5.0, gt=0, description="assumed data-plane bandwidth between processes (GB/s)")
     out: str = Field("", description="write costs, predictions and the recommendation to this JSON file")
 
@@ -323,8 +326,14 @@ def describe_costs(c: Costs) -> str:
     prefill = ", ".join(f"{tokens} tokens {ms:.1f} ms" for tokens, ms in sorted(c.prefill_ms.items()))
     decode = ", ".join(f"batch {b} @ {ctx} ctx {ms:.2f} ms" for b, ctx, ms in c.decode_ms)
     return (f"epd plan: {c.model} on {c.device} ({c.dtype}); {c.resolution} image = {c.image_tokens} tokens\n"
-            f"  ViT: {vit}; preprocessing {c.preprocess_ms:.1f} ms/image (CPU)\n"
+            f"  ViT: {vit}; {_preprocessing(c)}\n"
             f"  prefill: {prefill}\n  decode step: {decode}")
+
+
+def _preprocessing(c: Costs) -> str:
+    if c.preprocess == "torch":
+        return "preprocessing on the device (inside the ViT times)"
+    return f"preprocessing {c.preprocess_ms:.1f} ms/image (CPU, {c.preprocess_threads} threads)"
 
 
 def format_predictions(rate: float, predictions: list[Prediction], best: Prediction | None) -> str:

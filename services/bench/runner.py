@@ -13,6 +13,7 @@ import math
 import platform
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -87,7 +88,9 @@ def prepare(settings: BenchSettings) -> tuple[ImagePool, list[RequestSpec], list
     return pool, warm, measured
 
 
-async def bench(settings: BenchSettings) -> dict:
+async def bench(settings: BenchSettings, before_measured: Callable[[], Awaitable[None]] | None = None) -> dict:
+    """Warm-up, then the measured requests; ``before_measured`` runs between the two (e.g. to read the
+    server's counters)."""
     pool, warm, measured = prepare(settings)
     generator = LoadGenerator(settings)
     try:
@@ -97,6 +100,8 @@ async def bench(settings: BenchSettings) -> dict:
             failed = [r.error for r in warm_results if not r.ok]
             if failed:
                 raise RuntimeError(f"{len(failed)} warm-up request(s) failed, e.g. {failed[0]}")
+        if before_measured is not None:
+            await before_measured()
         progress = _progress_bar(settings)
         try:
             results, duration = await generator.run(pool, measured, arrival_times(

@@ -1,10 +1,16 @@
-"""Batches images from any number of requests into one variable-length ViT forward, in its own thread."""
+"""Batches images from any number of requests into one variable-length ViT forward, in its own thread.
+
+Items are either patches made on CPU, or raw pixels that ``prepare`` turns into patches on the tower's
+device right before the forward (GPU preprocessing: only the 8-bit pixels cross to the GPU, an eighth of
+the bytes of the float32 patches, which repeat every pixel for both temporal frames).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,14 +25,21 @@ log = get_logger(__name__)
 
 @dataclass
 class _Item:
-    patches: torch.Tensor
+    source: torch.Tensor  # patches [N, patch_dim], or pixels [H, W, 3] uint8 when the batcher prepares them
     grid: tuple[int, int, int]
     future: asyncio.Future
 
+    @property
+    def patches(self) -> int:
+        t, h, w = self.grid
+        return t * h * w
+
 
 class VisionBatcher:
-    def __init__(self, tower: VisionTower, loop: asyncio.AbstractEventLoop, max_images: int, max_patches: int):
+    def __init__(self, tower: VisionTower, loop: asyncio.AbstractEventLoop, max_images: int, max_patches: int,
+                 prepare: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.tower = tower
+        self.prepare = prepare  # pixels on the tower's device → patches; None: items carry patches
         self.loop = loop
         self.max_images = max_images
         self.max_patches = max_patches
@@ -53,10 +66,11 @@ class VisionBatcher:
         self._queue.put(None)
         self._thread.join(timeout=30)
 
-    def encode(self, patches: torch.Tensor, grid: tuple[int, int, int]) -> asyncio.Future:
-        """Queue one image's patches; the future resolves to its embeddings ``[tokens, out_dim]``."""
+    def encode(self, source: torch.Tensor, grid: tuple[int, int, int]) -> asyncio.Future:
+        """Queue one image (its patches, or its pixels with ``prepare``); the future resolves to its
+        embeddings ``[tokens, out_dim]``."""
         future = self.loop.create_future()
-        self._queue.put(_Item(patches, grid, future))
+        self._queue.put(_Item(source, grid, future))
         return future
 
     def _run(self) -> None:
@@ -79,7 +93,7 @@ class VisionBatcher:
         self._carry = None
         if first is None:
             return None
-        batch, patches = [first], first.patches.shape[0]
+        batch, patches = [first], first.patches
         while len(batch) < self.max_images:
             try:
                 item = self._queue.get_nowait()
@@ -88,16 +102,19 @@ class VisionBatcher:
             if item is None:
                 self._queue.put(None)
                 break
-            if patches + item.patches.shape[0] > self.max_patches:
+            if patches + item.patches > self.max_patches:
                 self._carry = item  # starts the next batch
                 break
             batch.append(item)
-            patches += item.patches.shape[0]
+            patches += item.patches
         return batch
 
     @torch.inference_mode()
     def _forward(self, batch: list[_Item]) -> list[torch.Tensor]:
-        patches = torch.cat([item.patches for item in batch]).to(self.device, self.dtype, non_blocking=True)
+        if self.prepare is None:
+            patches = torch.cat([item.source for item in batch]).to(self.device, self.dtype, non_blocking=True)
+        else:
+            patches = torch.cat([self.prepare(item.source.to(self.device)) for item in batch])
         grids = [item.grid for item in batch]
         embeds = self.tower(patches, grids)
         unit = self.tower.config.merge_size ** 2

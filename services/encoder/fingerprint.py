@@ -1,4 +1,5 @@
-"""What makes two encoders' embeddings interchangeable: the same preprocessing, weights and dtype.
+"""What makes two encoders' embeddings interchangeable: the same preprocessing (settings and where it
+runs: PIL and torch differ by rounding), weights and dtype.
 
 The fingerprint goes into every cache key, so an encoder never serves (or borrows) embeddings that
 another configuration produced: a changed resize rule, normalization, checkpoint or dtype gives new keys.
@@ -16,11 +17,13 @@ from shared.model.processor import load_image_processor
 _SAMPLE_BYTES = 1 << 20  # read this much at each end of every weights file
 
 
-def encoder_fingerprint(path: Path, load_format: str, dtype: str) -> str:
-    """Hex digest over the image processor's resolved settings, the model config, and the weights' identity."""
+def encoder_fingerprint(path: Path, load_format: str, dtype: str, preprocess: str) -> str:
+    """Hex digest over the image processor's resolved settings and implementation (``pil``/``torch``),
+    the model config, and the weights' identity."""
     digest = hashlib.blake2b(digest_size=8)
     processor = load_image_processor(path).to_dict()
     digest.update(json.dumps(processor, sort_keys=True, default=str).encode())
+    digest.update(preprocess.encode())
     digest.update((path / "config.json").read_bytes())
     digest.update(f"{load_format}/{dtype}".encode())
     if load_format != "dummy":  # dummy weights come from a fixed seed: the config names them

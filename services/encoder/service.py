@@ -29,7 +29,7 @@ from shared.messages.control import cancelled_request
 from shared.messages.encode import EmbeddingFetch, EmbeddingLoan, EncodeJob, EncodeResult
 from shared.model.config import ModelConfig
 from shared.model.loader import load_vision_tower
-from shared.model.processor import ImagePreprocessor
+from shared.model.processor import ImagePreprocessor, TorchImagePreprocessor, preprocess_mode
 from shared.service import ServiceBase
 
 log = get_logger(__name__)
@@ -59,9 +59,17 @@ class EncoderService(ServiceBase):
         config = ModelConfig.from_checkpoint(path)
         tower = await asyncio.to_thread(load_vision_tower, path, config, s.torch_device(), s.torch_dtype(),
                                         s.load_format)
-        self.preprocess = ImagePreprocessor(path)
-        self.fingerprint = await asyncio.to_thread(encoder_fingerprint, path, s.load_format, str(s.torch_dtype()))
-        self.batcher = VisionBatcher(tower, asyncio.get_running_loop(), s.max_batch_images, s.max_batch_patches)
+        self.preprocess_mode = preprocess_mode(s.preprocess, s.torch_device())
+        on_device = None
+        if self.preprocess_mode == "torch":
+            on_device = TorchImagePreprocessor(path, s.torch_dtype())
+            self.grid_of = on_device.grid
+        else:
+            self.preprocess = ImagePreprocessor(path)
+        self.fingerprint = await asyncio.to_thread(encoder_fingerprint, path, s.load_format, str(s.torch_dtype()),
+                                                   self.preprocess_mode)
+        self.batcher = VisionBatcher(tower, asyncio.get_running_loop(), s.max_batch_images, s.max_batch_patches,
+                                     prepare=on_device)
         self.batcher.start()
         await self.plane.start()
         index = None
@@ -74,7 +82,7 @@ class EncoderService(ServiceBase):
 
     def metadata(self) -> dict[str, str]:
         # The frontend builds index keys with it, to find which encoder holds an image.
-        return {**super().metadata(), "cache_fingerprint": self.fingerprint}
+        return {**super().metadata(), "cache_fingerprint": self.fingerprint, "preprocess": self.preprocess_mode}
 
     async def serve(self, service) -> None:
         await self.endpoint.add_to(service, self.subjects.encode, QUEUE["encoder"])
@@ -131,10 +139,12 @@ class EncoderService(ServiceBase):
             pixels = await self.plane.pull(image)
         except DataPlaneError as err:
             raise HandlerError(502 if err.code != "expired" else 504, f"could not fetch the image: {err.message}")
+        if self.batcher.prepare is not None:  # preprocessed on the tower's device, in the vision thread
+            grid = self.grid_of(pixels.shape[0], pixels.shape[1])
+            return Embedding(await self.batcher.encode(pixels, grid), grid)
         loop = asyncio.get_running_loop()
         patches, grid = await loop.run_in_executor(self.pool, self.preprocess, pixels.numpy())
-        embeds = await self.batcher.encode(torch.from_numpy(patches), grid)
-        return Embedding(embeds, grid)
+        return Embedding(await self.batcher.encode(torch.from_numpy(patches), grid), grid)
 
     def _publish(self, embedding: Embedding) -> TensorHandle:
         """A new one-pull handle: the cache keeps the tensor, so every job gets its own handle to it."""

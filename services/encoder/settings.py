@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from shared.settings import CommonSettings
@@ -11,7 +13,11 @@ class EncoderSettings(CommonSettings):
     max_batch_images: int = Field(32, ge=1, description="images in one ViT forward at most")
     max_batch_patches: int = Field(65536, ge=1, description="patches in one ViT forward at most (1080p: 10,764)")
     max_concurrent_jobs: int = Field(256, ge=1, description="encode jobs admitted at once; more wait in NATS")
-    preprocess_threads: int = Field(2, ge=1, description="threads resizing and patchifying images")
+    preprocess: Literal["auto", "pil", "torch"] = Field(
+        "auto", description="where images are resized and patchified: pil = the checkpoint's own processor on CPU "
+                            "threads (exactly the reference); torch = tensor operations on the encoder's device "
+                            "(pixels may differ from PIL's by one 8-bit step); auto = torch on a GPU, else pil")
+    preprocess_threads: int = Field(2, ge=1, description="threads resizing and patchifying images (pil)")
     max_image_pixels: int = Field(64_000_000, ge=1, description="largest decoded image accepted (pixels)")
     encoder_cache_mb: int = Field(4096, ge=0, description="embedding cache of this encoder, least recently used "
                                                           "out (MiB); 0: no cache, no index")

@@ -18,6 +18,9 @@ class FrontendMetrics:
                               registry=self.registry)
         self.e2e = Histogram("epd_request_seconds", "request latency, admission to last token",
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.stage = Histogram("epd_stage_seconds", "time per stage: media (fetch and decode a request's images), "
+                               "encode (all its images), first_token (prefill submitted to first token)",
+                               ["stage"], buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.prompt_tokens = Counter("epd_prompt_tokens", "prompt tokens of finished requests", registry=self.registry)
         self.completion_tokens = Counter("epd_completion_tokens", "generated tokens", registry=self.registry)
         self.in_flight = Gauge("epd_requests_in_flight", "requests admitted and not finished", registry=self.registry)
@@ -29,6 +32,8 @@ class FrontendMetrics:
         if generation.first_token_at is not None:
             self.ttft.observe(generation.first_token_at - generation.created)
         self.e2e.observe(time.time() - generation.created)
+        for stage, seconds in generation.stages.items():
+            self.stage.labels(stage=stage).observe(seconds)
         self.prompt_tokens.inc(generation.prompt_tokens)
         self.completion_tokens.inc(generation.completion_tokens)
 

@@ -71,13 +71,17 @@ class ChatPipeline:
         if len(urls) > self.settings.max_images_per_request:
             raise ApiError(400, f"too many images: {len(urls)} (at most {self.settings.max_images_per_request})",
                            "messages")
+        arrived = time.time()
         images = await self.media.load_all(urls)
+        loaded = time.time()
         prompt = self.builder.build(request.messages, [(i.height, i.width) for i in images])
         sampling = self.sampling(request, len(prompt.token_ids))
         request_id = uuid.uuid4().hex
         try:
             results = await self.encode_images(request_id, images) if images else []
-            generation = Generation(self, request_id, prompt, request.stop_list(), images, sampling)
+            generation = Generation(self, request_id, prompt, request.stop_list(), images, sampling, arrived)
+            if images:
+                generation.stages.update(media=loaded - arrived, encode=time.time() - loaded)
             await generation.submit(self.prefill_job(request_id, prompt, results, sampling, generation.subject))
         except asyncio.CancelledError:  # the client left before the answer started: drop its work everywhere
             await asyncio.shield(self.cancel(request_id, "client gone"))
@@ -172,7 +176,7 @@ class Generation:
     """
 
     def __init__(self, pipeline: ChatPipeline, request_id: str, prompt: Prompt, stop: list[str],
-                 images: list[DecodedImage], sampling: SamplingParams):
+                 images: list[DecodedImage], sampling: SamplingParams, arrived: float):
         self.pipeline = pipeline
         self.request_id = request_id
         self.attempt_id = request_id  # the id the current attempt runs under on the workers
@@ -183,8 +187,12 @@ class Generation:
         self.subject = pipeline.subjects.stream(request_id)
         self.detok = IncrementalDetokenizer(pipeline.tokenizer, stop)
         self.generated: list[int] = []
-        self.created = time.time()
+        self.created = arrived  # the request's arrival (wall clock): TTFT and E2E count from here
         self.first_token_at: float | None = None
+        # seconds per stage: media (fetch, decode), encode (every image), first_token (prefill submitted →
+        # first token: prefill queue, prefill, KV hand-off, first decode step)
+        self.stages: dict[str, float] = {}
+        self._submitted = 0.0
         self.resumes = 0
         self._worker = ""
         self._worker_since = 0.0
@@ -200,6 +208,7 @@ class Generation:
         nc = self.pipeline.nc
         if self._sub is None:
             self._sub = await nc.subscribe(self.subject)  # before the job: no token can be missed
+        self._submitted = time.time()
         try:
             reply = await call(nc, self.pipeline.subjects.prefill, pack(job), self.pipeline.settings.prefill_timeout,
                                "prefill worker")
@@ -275,6 +284,7 @@ class Generation:
     def _consume(self, event: TokenEvent) -> list[TextDelta | Finished]:
         if self.first_token_at is None:
             self.first_token_at = time.time()
+            self.stages["first_token"] = self.first_token_at - self._submitted
         self.generated += event.token_ids
         out: list[TextDelta | Finished] = []
         text = self.detok.push(event.token_ids)
