@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+import httpx
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -60,7 +62,7 @@ class Case:
 
 CASES = [
     Case("image-heavy", dict(image_count=8, random_image_count=True, image_resolution="1080p", input_len=128,
-                             output_len=256), (0.5, 1.0, 1.5, 2.0), (0.5, 1.5)),
+                             output_len=256), (0.5, 1.0, 1.5, 2.0, 2.5), (0.75, 1.5, 2.5)),
     Case("mixed", dict(image_count=4, random_image_count=True, text_ratio=0.5, image_resolution="1080p",
                        input_len=128, output_len=128), (1.0, 2.0, 4.0, 6.0), (3.0,)),
     Case("image-light", dict(image_count=1, image_resolution="1080p", input_len=128, output_len=1024),
@@ -211,14 +213,40 @@ def measure(args, api: str, topology: Topology, case: Case, rate: float, tokeniz
     elif args.tiny:
         prompts = 4
     else:
-        seconds, least = (6, 6) if args.quick else (20, 16)
+        seconds, least = (10, 8) if args.quick else (20, 16)
         prompts = max(least, min(100, round(rate * seconds)))
     settings = BenchSettings(base_url=api, label=topology.label, num_prompts=prompts, request_rate=rate, seed=seed,
                              warmup=2, tokenizer=tokenizer, progress=False, timeout=300,
                              **case_workload(case, args.tiny))
-    run = asyncio.run(bench(settings))
+    run = asyncio.run(bench_with_stages(settings))
     run.update(workload=case.name, topology=topology.label)
     return run
+
+
+async def bench_with_stages(settings: BenchSettings) -> dict:
+    """A bench run, plus where its requests' time went: the frontend's per-stage histograms
+    (``epd_stage_seconds``) read before the measured requests and after them."""
+    before: dict[str, tuple[float, float]] = {}
+
+    async def mark() -> None:
+        before.update(await stage_totals(settings.base_url))
+
+    run = await bench(settings, before_measured=mark)
+    after = await stage_totals(settings.base_url)
+    run["stages_ms"] = {stage: (total - before.get(stage, (0, 0))[0]) / count * 1e3
+                        for stage, (total, seen) in after.items()
+                        if (count := seen - before.get(stage, (0, 0))[1]) > 0}
+    return run
+
+
+async def stage_totals(api: str) -> dict[str, tuple[float, float]]:
+    """{stage: (seconds summed, requests)} from the frontend's /metrics."""
+    async with httpx.AsyncClient(timeout=30) as client:
+        text = (await client.get(api.removesuffix("/v1") + "/metrics")).text
+    totals: dict[str, list[float]] = {}
+    for kind, stage, value in re.findall(r'^epd_stage_seconds_(sum|count)\{stage="(\w+)"\} (\S+)$', text, re.M):
+        totals.setdefault(stage, [0.0, 0.0])[kind == "count"] = float(value)
+    return {stage: (total, count) for stage, (total, count) in totals.items()}
 
 
 def rates(args, case: Case) -> list[float]:
@@ -229,14 +257,19 @@ def rates(args, case: Case) -> list[float]:
 
 
 HEADER = ("| workload | topology | rate (req/s) | achieved (req/s) | TTFT mean / p99 (ms) | predicted TTFT (ms) "
-          "| TPOT mean / p99 (ms) | E2E mean (ms) | output tok/s | failed |\n|---|---|---|---|---|---|---|---|---|---|")
+          "| text / image TTFT mean (ms) | media / encode / to first token (ms) | TPOT mean / p99 (ms) | E2E mean (ms) "
+          "| output tok/s | failed |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def row(run: dict) -> str:
     s = run["summary"]
     predicted = f"{run['predicted_ttft_ms']:.0f}" if run.get("predicted_ttft_ms") is not None else "unstable"
+    stages = run.get("stages_ms", {})
+    split = " / ".join(f"{stages[k]:.0f}" if k in stages else "-" for k in ("media", "encode", "first_token"))
+    classes = run.get("classes", {})
+    by_kind = " / ".join(f"{classes[k]['ttft_ms']['mean']:.0f}" if k in classes else "-" for k in ("text", "image"))
     return (f"| {run['workload']} | {run['topology']} | {run['request_rate']:g} | {s['request_throughput']:.2f} "
-            f"| {s['ttft_ms']['mean']:.0f} / {s['ttft_ms']['p99']:.0f} | {predicted} "
+            f"| {s['ttft_ms']['mean']:.0f} / {s['ttft_ms']['p99']:.0f} | {predicted} | {by_kind} | {split} "
             f"| {s['tpot_ms']['mean']:.1f} / {s['tpot_ms']['p99']:.1f} | {s['e2e_ms']['mean']:.0f} "
             f"| {s['output_throughput']:.0f} | {s['failed']} |")
 
@@ -278,8 +311,8 @@ def visible_gpus() -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench/results/epd_vs_aggregated", help="directory for results")
-    parser.add_argument("--quick", action="store_true", help="fewer rates (image-heavy: 2, others: 1) and prompts "
-                                                             "(~5 min of GPU time on one GPU)")
+    parser.add_argument("--quick", action="store_true", help="fewer rates (image-heavy: 3, others: 1) and prompts "
+                                                             "(10 s of arrivals per point; ~7 min on two GPUs)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test on the built-in tiny model")
     parser.add_argument("--gpus", type=int, default=-1, help="GPUs to use (default: every visible one)")
     parser.add_argument("--topologies", default="", help="comma-separated labels to run (default: all)")

@@ -10,6 +10,8 @@ Measures, for Qwen2.5-VL-7B shapes with random bf16 weights (timing does not dep
   memory      1,000 requests through the engine: KV pool and allocator do not grow
   hf          HF generate() decode step (t(65 tokens) - t(1 token)) / 64, 128-token prompt
   vit         vision tower, 1 and 4 x 1080p (and 8), ours against HF's
+  preprocess  one 1080p image to patches: HF's PIL processor on one CPU thread against the torch path on
+              the GPU (pixels copied over included), and how far apart their patches are
 
     python bench/gpu_engine.py --out results/ [--sections decode1,hf] [--tiny]
 
@@ -40,7 +42,7 @@ from shared.model.config import ModelConfig  # noqa: E402
 from shared.model.loader import load_language_model, load_vision_tower  # noqa: E402
 from shared.model.presets import PRESETS  # noqa: E402
 
-SECTIONS = ["ceilings", "check", "decode1", "decode64", "prefill", "memory", "hf", "vit", "profile"]
+SECTIONS = ["ceilings", "check", "decode1", "decode64", "prefill", "memory", "hf", "vit", "preprocess", "profile"]
 RESULTS: dict = {}
 
 
@@ -437,6 +439,35 @@ def vit(ctx):
         out["rel_error_vs_hf"] = (torch.linalg.norm(a - b) / torch.linalg.norm(b)).item()
     log(f"vit rel. error vs HF: {out['rel_error_vs_hf']:.1e}")
     RESULTS["vit"] = out
+
+
+def preprocess(ctx):
+    import numpy as np
+
+    from services.bench.dataset import make_image
+    from shared.model.presets import materialize_preset
+    from shared.model.processor import ImagePreprocessor, TorchImagePreprocessor
+
+    dev = ctx["device"]
+    path = materialize_preset(ctx["preset"]) if ctx["big"] else ctx["tiny_path"]
+    height, width = (1080, 1920) if ctx["big"] else (224, 224)
+    pixels = np.asarray(make_image(0, width, height))
+    pil, on_device = ImagePreprocessor(path), TorchImagePreprocessor(path, ctx["dtype"])
+    source = torch.from_numpy(pixels.copy())
+    cpu_timer = Timer(torch.device("cpu"))
+    pil_ms = cpu_timer.ms(lambda: pil(pixels), repeat=5, warmup=1)
+    # wall clock around copy + kernels, as the encoder's vision thread pays it
+    torch_ms = cpu_timer.ms(lambda: (on_device(source.to(dev)), torch.cuda.synchronize() if dev.type == "cuda"
+                                     else None), repeat=20, warmup=3)
+    expected, _ = pil(pixels)
+    got = TorchImagePreprocessor(path)(source.to(dev)).cpu()
+    difference = (got - torch.from_numpy(expected)).abs()
+    step = 1 / 255 / min(pil._processor.image_std)
+    RESULTS["preprocess"] = {"image": f"{width}x{height}", "pil_cpu_ms": pil_ms, "torch_device_ms": torch_ms,
+                             "speedup": pil_ms / torch_ms, "max_diff_8bit_steps": difference.max().item() / step,
+                             "share_differing": (difference > step / 2).float().mean().item()}
+    log(f"preprocess {width}x{height}: PIL (1 CPU thread) {pil_ms:.1f} ms, torch on {dev.type} {torch_ms:.2f} ms "
+        f"({pil_ms / torch_ms:.0f}x); patches differ by <= {difference.max().item() / step:.2f} 8-bit steps")
 
 
 def _copy_vision_weights(hf_visual, tower):
