@@ -8,8 +8,11 @@ For each N in ``--counts``: a fresh embedded nats-server (loopback, no auth), N 
 (``python -m services.encoder``, encoder i on GPU i via CUDA_VISIBLE_DEVICES, embedding cache off so
 every image runs the ViT), ready once the NATS service API lists all N. Then N client processes (one per
 encoder, each with its own NATS connection and data plane) do what the frontend and prefill do for an
-image: publish its pixels on the data plane, send an ``EncodeJob`` to the encoders' plain queue group
-``<prefix>.encode`` (``--concurrency`` jobs in flight per client) and pull the embeddings back.
+image: publish its pixels on the data plane, send an ``EncodeJob`` (``--concurrency`` jobs in flight per
+client) and pull the embeddings back. ``--routing least-loaded`` (default, as the frontend's router
+spreads new images): each job goes to the encoder with the fewest of this client's jobs in flight, on
+its own subject ``<prefix>.encode.<instance>``; ``--routing queue``: the plain queue group
+``<prefix>.encode``, where NATS picks an encoder at random (the frontend's fallback without discovery).
 
 - Images: ``--images`` distinct random-pixel images per client (each its own content hash), made
   before anything is timed. Warm-up: ``--warmup`` more per client, sent straight to "its" encoder
@@ -92,6 +95,7 @@ class ClientSpec:
     height: int
     transport: str
     timeout: float
+    targets: tuple[str, ...]  # encoders' own subjects to spread jobs over; empty: the queue group
 
 
 class Record(NamedTuple):
@@ -126,12 +130,14 @@ async def drive(spec: ClientSpec, barrier) -> dict:
     await plane.start()
     try:
         warm = range(spec.warmup)
-        await encode_all(nc, plane, spec, subjects.encode_on(spec.warm_on), [(pixels[i], hashes[i]) for i in warm])
+        await encode_all(nc, plane, spec, Router((subjects.encode_on(spec.warm_on),)),
+                         [(pixels[i], hashes[i]) for i in warm])
         await asyncio.to_thread(barrier.wait)  # every encoder warmed up: the parent reads their stats
         await asyncio.to_thread(barrier.wait)  # go
         busy, started = time.thread_time(), time.monotonic()
         timed = range(spec.warmup, len(pixels))
-        records = await encode_all(nc, plane, spec, subjects.encode, [(pixels[i], hashes[i]) for i in timed])
+        records = await encode_all(nc, plane, spec, Router(spec.targets or (subjects.encode,), spec.index),
+                                   [(pixels[i], hashes[i]) for i in timed])
         ended = time.monotonic()
         return {"index": spec.index, "started": started, "ended": ended, "records": records,
                 "loop_cpu_s": time.thread_time() - busy}
@@ -145,12 +151,35 @@ def random_image(spec: ClientSpec, number: int) -> np.ndarray:
     return rng.integers(0, 256, (spec.height, spec.width, 3), dtype=np.uint8)
 
 
-async def encode_all(nc, plane: DataPlane, spec: ClientSpec, subject: str, images: list) -> list[Record]:
+class Router:
+    """Picks the subject with the fewest of this client's jobs in flight (ties: the next in turn)."""
+
+    def __init__(self, subjects: tuple[str, ...], offset: int = 0):
+        self.in_flight = dict.fromkeys(subjects, 0)
+        self.turn = offset
+
+    def take(self) -> str:
+        order = list(self.in_flight)
+        self.turn += 1
+        rotated = order[self.turn % len(order):] + order[:self.turn % len(order)]
+        subject = min(rotated, key=self.in_flight.__getitem__)
+        self.in_flight[subject] += 1
+        return subject
+
+    def done(self, subject: str) -> None:
+        self.in_flight[subject] -= 1
+
+
+async def encode_all(nc, plane: DataPlane, spec: ClientSpec, router: Router, images: list) -> list[Record]:
     slots = asyncio.Semaphore(spec.concurrency)
 
     async def one(pixels: np.ndarray, digest: str) -> Record:
         async with slots:
-            return await encode_one(nc, plane, spec, subject, pixels, digest)
+            subject = router.take()
+            try:
+                return await encode_one(nc, plane, spec, subject, pixels, digest)
+            finally:
+                router.done(subject)
 
     return list(await asyncio.gather(*(one(p, h) for p, h in images)))
 
@@ -184,7 +213,7 @@ def measure(args, count: int) -> dict:
         context = mp.get_context("spawn")
         barrier = context.Barrier(count + 1, timeout=patience)
         results = context.Queue()
-        clients = [context.Process(target=client_main, args=(client_spec(args, stack, i, instances[i]), barrier,
+        clients = [context.Process(target=client_main, args=(client_spec(args, stack, i, instances), barrier,
                                                               results), daemon=True) for i in range(count)]
         for client in clients:
             client.start()
@@ -220,11 +249,13 @@ def spawn_encoders(stack: Stack, args, count: int) -> dict[int, str | None]:
     return gpu_of
 
 
-def client_spec(args, stack: Stack, index: int, instance: str) -> ClientSpec:
+def client_spec(args, stack: Stack, index: int, instances: list[str]) -> ClientSpec:
     width, height = parse_resolution(args.resolution)
-    return ClientSpec(index=index, nats_url=stack.nats_url, warm_on=instance, images=args.images,
+    subjects = Subjects(PREFIX)
+    targets = tuple(subjects.encode_on(i) for i in instances) if args.routing == "least-loaded" else ()
+    return ClientSpec(index=index, nats_url=stack.nats_url, warm_on=instances[index], images=args.images,
                       warmup=args.warmup, concurrency=args.concurrency, width=width, height=height,
-                      transport=args.transport, timeout=args.timeout)
+                      transport=args.transport, timeout=args.timeout, targets=targets)
 
 
 def encoder_stats(nats_url: str, count: int) -> list[dict]:
@@ -427,6 +458,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=0, help="untimed images per encoder first (default 16; tiny: 4)")
     parser.add_argument("--concurrency", type=int, default=0, help="jobs in flight per client (default 8; tiny: 4)")
     parser.add_argument("--transport", default="zmq", choices=("zmq", "ucx"), help="data plane")
+    parser.add_argument("--routing", default="least-loaded", choices=("least-loaded", "queue"),
+                        help="spread jobs over the encoders' own subjects (as the frontend), or the queue group")
     parser.add_argument("--encoder-args", default="", help="more flags for every encoder, "
                                                            "e.g. '--preprocess-threads 4'")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one encode job may take")

@@ -138,7 +138,7 @@ class StackProcess:
 
 def stack_env(args) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
-    env.update(EPD_LOG_FORMAT="json", EPD_LOG_LEVEL="info",
+    env.update(EPD_LOG_FORMAT="json", EPD_LOG_LEVEL="info", EPD_TRANSPORT=args.transport,
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
     if not args.tiny:
         env.update(EPD_MODEL="qwen2.5-vl-7b", EPD_LOAD_FORMAT="dummy", EPD_KV_CACHE_MB=str(args.kv_cache_mb),
@@ -176,7 +176,8 @@ def run_plan(args, out: Path) -> dict:
     else:
         cmd += ["--max-model-len", "1024", "--decode-batch", "4"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
-    subprocess.run(cmd, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, check=True)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    subprocess.run(cmd, cwd=ROOT, env={**env, "PYTHONPATH": path}, check=True)
     return json.loads(out.read_text())
 
 
@@ -322,12 +323,17 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workloads", default="", help="comma-separated workloads to run (default: all)")
     parser.add_argument("--no-plan", action="store_true", help="skip `epd plan` (no predicted TTFT column)")
+    parser.add_argument("--plan", default="", help="predict from this earlier `epd plan` JSON instead of measuring")
+    parser.add_argument("--transport", default="zmq", choices=("zmq", "ucx"), help="the stacks' data plane")
     args = parser.parse_args()
     args.gpus = visible_gpus() if args.gpus < 0 else args.gpus
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    plan = None if args.no_plan else run_plan(args, out / "plan.json")
+    if args.plan:
+        plan = json.loads(Path(args.plan).read_text())
+    else:
+        plan = None if args.no_plan else run_plan(args, out / "plan.json")
     tokenizer = tokenizer_dir(args.tiny)
     runs = []
     for topology in topologies(args.gpus):

@@ -91,3 +91,33 @@ async def test_cancel_frees_a_reservation_at_once(decode_worker, nats_url):
         assert stats["kv_blocks_used"] == 0 and stats["reservations"] == 0
     finally:
         await nc.close()
+
+
+def test_requests_wait_for_room_on_a_full_decode_worker(nats_url, tiny_model):
+    """Overload queues instead of failing: a decode worker whose KV pool holds one of these prompts at a
+    time serves three sent together, one after the other; prefill counts the waits."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.support import RunningStack, endpoint_data
+
+    running = RunningStack(nats_url, tiny_model)
+    try:
+        running.start(encoders=0, decodes=0)
+        running.spawn("decode", "--kv-cache-mb", "1", "--max-model-len", "2000")  # 127 blocks of 16 tokens
+        running.wait_for({"decode": 1})
+        client = running.client()
+        model = client.models.list().data[0].id
+        prompt = " ".join(["stack"] * 290)
+
+        def ask(i: int):
+            return client.chat.completions.create(model=model, max_tokens=4, temperature=0,
+                                                  messages=[{"role": "user", "content": f"{i} {prompt}"}])
+
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(ask, range(3)))
+        assert all(a.choices[0].finish_reason == "length" and a.usage.completion_tokens == 4 for a in answers)
+        assert min(a.usage.prompt_tokens for a in answers) > 127 * 16 // 2  # two never fit together
+        prefill = endpoint_data(running.stats_sync("epd-prefill")[0])
+        assert prefill["decode_full_waits"] >= 1
+    finally:
+        running.stop()

@@ -5,6 +5,7 @@ layer group, sends the first token straight to the request's stream, and starts 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +28,9 @@ from shared.model.config import ModelConfig
 from shared.service import ServiceBase
 
 log = get_logger(__name__)
+
+_FULL_RETRY_FIRST = 0.05  # seconds before asking full decode workers again; doubles up to the next
+_FULL_RETRY_MAX = 0.5
 
 
 def validate_prompt(job: PrefillJob, config: ModelConfig) -> None:
@@ -79,6 +83,7 @@ class PrefillService(ServiceBase):
         self.cancelled = CancelRegistry()
         self.engine = None
         self.prompts = 0
+        self.waited_for_decode = 0  # times a request was told "every decode worker is full" and waited
         self.prompt_tokens = 0
         self.chunks_sent = 0
 
@@ -125,15 +130,26 @@ class PrefillService(ServiceBase):
         return pack(PrefillAccepted(prefill_id=self.instance))
 
     async def _reserve(self, job: PrefillJob) -> str:
-        """Room on a decode worker before any compute: no decode, no prefill (a fast 503)."""
+        """Room on a decode worker before any compute. While every decode worker is full the request
+        waits here, asking again with back-off (the queue group may pick another worker each time), for
+        up to ``decode_wait`` seconds: overload queues requests instead of failing them. No decode worker
+        at all, or room still lacking at the deadline: 503."""
         request = KVReserve(request_id=job.request_id, num_tokens=len(job.token_ids),
                             max_tokens=job.sampling.max_tokens, stream=job.stream)
-        try:
-            reply = await call(self.nc, self.subjects.decode, pack(request), self.settings.handoff_timeout,
-                               "decode worker")
-        except ServiceCallError as err:
-            raise HandlerError(err.status, err.message) from None
-        return unpack(KVReservation, reply).decode_id
+        deadline = time.monotonic() + self.settings.decode_wait
+        pause = _FULL_RETRY_FIRST
+        while True:
+            try:
+                reply = await call(self.nc, self.subjects.decode, pack(request), self.settings.handoff_timeout,
+                                   "decode worker")
+                return unpack(KVReservation, reply).decode_id
+            except ServiceCallError as err:
+                full = err.status == 503 and not err.no_responders
+                if not full or time.monotonic() + pause > deadline or job.request_id in self.cancelled:
+                    raise HandlerError(err.status, err.message) from None
+            self.waited_for_decode += 1
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, _FULL_RETRY_MAX)
 
     async def _release_reservation(self, request_id: str) -> None:
         await self.nc.publish(self.subjects.cancel, pack(Cancel(request_id=request_id, reason="prefill gave up")))
@@ -249,6 +265,7 @@ class PrefillService(ServiceBase):
             "prompt_tokens": self.prompt_tokens,
             "active": len(self.handoffs),
             "kv_chunks_sent": self.chunks_sent,
+            "decode_full_waits": self.waited_for_decode,
             "errors": self.endpoint.errors,
             "bytes_held": self.plane.store.bytes_held,
         }
