@@ -173,6 +173,28 @@ def test_prefill_role_streams_kv_that_decode_continues(model_parts, requests_wit
     assert decode.blocks.num_free == decode.blocks.num_blocks
 
 
+def test_short_prompts_start_first_and_passed_over_prompts_are_not_starved():
+    """Shortest waiting prompt first (a text prompt does not wait behind an image prompt); one passed
+    over for longer than the window goes first; window 0 is first come, first served."""
+    from shared.engine.block_manager import BlockManager
+    from shared.engine.scheduler import Scheduler
+
+    def prompt(rid: str, tokens: int) -> Sequence:
+        return Sequence(rid, [1] * tokens, tokens, SamplingParams(max_tokens=4))
+
+    def first_prefills(window: float, passed_over_for: float = 0.0) -> list[list[str]]:
+        scheduler = Scheduler(BlockManager(1024, 16), max_num_seqs=8, max_batched_tokens=1000, swapper=None,
+                              priority_window=window)
+        for rid, tokens in (("images", 900), ("text-a", 60), ("text-b", 50)):
+            scheduler.add_waiting(prompt(rid, tokens))
+        scheduler.waiting[0].arrival -= passed_over_for
+        return [[s.request_id for s in scheduler.schedule().seqs] for _ in range(2)]
+
+    assert first_prefills(window=2.0) == [["text-b", "text-a"], ["images"]]
+    assert first_prefills(window=2.0, passed_over_for=3.0) == [["images", "text-b"], ["text-a"]]
+    assert first_prefills(window=0.0) == [["images", "text-a"], ["text-b"]]
+
+
 def test_batched_vision_equals_one_image_at_a_time(model_parts, tiny_model):
     """Images of different sizes in one packed ViT forward give each image's own result (fp32, CPU), and
     the grouped attention of the GPU path agrees with the per-segment one."""

@@ -1,5 +1,6 @@
 """What this model costs on this hardware, measured in-process through our own tower and engine.
 
+- media: the frontend's decode (and content hash) of one image of the workload's resolution and format;
 - ViT: one batch of 1..N images of the workload's resolution (ms per batch); the image processor's
   CPU time per image, or, where encoders preprocess on the GPU, that work inside each ViT batch's time;
 - prefill: one prompt of the workload's text plus 0..N images (ms, by prompt tokens);
@@ -36,6 +37,8 @@ class Costs:
     prefill_ms: dict[int, float]  # prompt tokens → ms
     decode_ms: list[tuple[int, int, float]]  # (batch, context tokens, ms per step)
     preprocess: str = "pil"  # where the encoders preprocess: pil (CPU threads) or torch (the ViT's device)
+    media_ms: float = 0.0  # the frontend decoding one image (plans written before it was measured: 0)
+    media_threads: int = 4
 
     def vit_per_image(self, batch: float) -> float:
         """ms per image when ``batch`` images share a forward (interpolated between measured batches)."""
@@ -96,6 +99,18 @@ class Timer:
     def _sync(self) -> None:
         if self.cuda:
             torch.cuda.synchronize()
+
+
+def measure_media(settings) -> float:
+    """ms for the frontend to decode one image of the workload's size, sent as the workload sends it."""
+    import base64
+
+    from services.bench.dataset import data_url, make_image
+    from services.frontend.media import decode_image
+
+    width, height = settings.image_size
+    payload = base64.b64decode(data_url(make_image(0, width, height), settings.image_format).split(",", 1)[1])
+    return Timer(torch.device("cpu")).ms(lambda: decode_image(payload, width * height), repeat=5)
 
 
 def measure_vision(settings, config, path, batches: list[int], mode: str) -> tuple[int, float, dict[int, float]]:
@@ -196,7 +211,8 @@ def measure_costs(settings) -> Costs:
     return Costs(model=path.name, device=str(settings.torch_device()), dtype=str(settings.torch_dtype()),
                  resolution=settings.image_resolution, image_tokens=image_tokens, preprocess_ms=preprocess_ms,
                  preprocess_threads=settings.preprocess_threads, vit_ms=vit_ms, prefill_ms=prefill_ms,
-                 decode_ms=decode_ms, preprocess=mode)
+                 decode_ms=decode_ms, preprocess=mode, media_ms=measure_media(settings),
+                 media_threads=settings.media_threads)
 
 
 def _grid(settings, path) -> tuple[int, int, int]:

@@ -10,21 +10,24 @@ L the output length; each GPU layout gets λ/replicas):
   ``--data-plane-gbs`` (disaggregated and colocated only).
 - decode: a step costs t(B, ctx) = a + b·B + c·B·ctx (fitted); the running batch B follows from
   Little's law, B = λ·L·TPOT, solved with TPOT below.
-- waiting: Poisson arrivals, deterministic service: M/D/c queueing, W = ½ · Erlang-C wait of M/M/c
-  (exact for c = 1). A stage at or beyond saturation is reported unstable.
+- media: the frontend decodes a request's images m at a time (``--media-threads``), each taking the
+  measured decode + hash time of one image of the workload's resolution; the same in every layout.
+- waiting: Poisson arrivals. A request's prefill (or encode + prefill) varies with its image count, so
+  its queue is M/G/1, W = λ·E[S²] / 2(1−ρ); images on e encoders are M/D/e, W = ½ · Erlang-C wait of
+  M/M/e. A stage at or beyond saturation is reported unstable.
 
 Layouts:
 - aggregated (one process per GPU): encode and prefill share the GPU with decode, with priority over
-  it (the engine schedules prefill first): E+P work w = q·n·v + s_P waits W = M/D/1(λ, w) plus half a
+  it (the engine schedules prefill first): E+P work w = q·n·v + s_P waits W = M/G/1(λ, w) plus half a
   decode step when decode is running (share of time 1 − e^−B: running sequences are Poisson, M/G/∞);
   decode gets the rest of the GPU, TPOT = t(B) / (1 − λw). TTFT = W + (1 − e^−B)·t(B)/2 + E[p + n·v + s_P].
 - colocated (E, P, D processes on one GPU): the GPU is time-sliced between busy processes, so a stage
   runs slower by 1 + (share of time each other process is busy); decode is busy 1 − e^−B of the time.
-  TTFT = encode (M/D/1 wait over images + own images, slowed) + M/D/1 wait of prefill + slowed s_P
+  TTFT = encode (M/D/1 wait over images + own images, slowed) + M/G/1 wait of prefill + slowed s_P
   + transfer; TPOT = t(B)·(1 + ρ_E + ρ_P).
 - disaggregated: e encoder GPUs (one encoder each, M/D/e over images; a request's images spread, so its
   own encode takes ⌈n/e⌉·v); LM GPUs either run prefill and decode side by side (time-sliced, as
-  colocated) or p prefill GPUs (M/D/1 each at λ/p: NATS queue groups pick at random) and d decode GPUs
+  colocated) or p prefill GPUs (M/G/1 each at λ/p: NATS queue groups pick at random) and d decode GPUs
   (TPOT = t(B) at B = λ/d·L·TPOT).
 
 The recommendation is the stable layout with the lowest predicted mean TTFT (near ties, within 5 %,
@@ -42,20 +45,21 @@ from typing import Literal
 from pydantic import Field
 
 from services.bench.costs import Costs, measure_costs
-from services.bench.queueing import mdc_wait
+from services.bench.queueing import mdc_wait, mg1_wait
 from services.bench.settings import Workload
 from shared.engine.settings import EngineSettings
 
 
 class PlanSettings(EngineSettings, Workload):
-    """Measures the model's ViT, prefill and decode costs on this machine, then predicts mean TTFT and TPOT
-    of each layout for the workload: per stage, M/D/c waiting (half the Erlang-C wait of M/M/c) plus
-    service time; ViT v per image, prefill s_P by prompt tokens, decode step t(B) = a + b·B + c·B·ctx
-    with the batch B = rate·output_len·TPOT (Little). Aggregated: encode + prefill wait as one M/D/1
-    ahead of decode (prefill first), TTFT = W + (1 − e^−B)·t(B)/2 + own work, TPOT = t(B)/(1 − ρ_E+P).
-    Colocated: each process on a shared GPU slowed by 1 + the others' busy shares. Disaggregated:
-    encoders M/D/e over images, a request's images split over them; prefill M/D/1 per GPU; decode alone.
-    The recommendation is the stable layout with the lowest predicted mean TTFT."""
+    """Measures the model's ViT, prefill and decode costs (and the frontend's image decoding) on this
+    machine, then predicts mean TTFT and TPOT of each layout for the workload: ViT v per image, prefill
+    s_P by prompt tokens, decode step t(B) = a + b·B + c·B·ctx with the batch B = rate·output_len·TPOT
+    (Little); per-request queues M/G/1 (service time varies with the image count), images over
+    encoders M/D/e. Aggregated: encode + prefill wait as one queue ahead of decode (prefill first),
+    TTFT = W + (1 − e^−B)·t(B)/2 + own work, TPOT = t(B)/(1 − ρ_E+P). Colocated: each process on a
+    shared GPU slowed by 1 + the others' busy shares. Disaggregated: a request's images split over the
+    encoders; prefill per GPU; decode alone. The recommendation is the stable layout with the lowest
+    predicted mean TTFT."""
 
     request_rate: list[float] = Field([1.0], description="request rates (req/s) to predict for, e.g. 1,2,4")
     gpus: int = Field(0, ge=0, description="GPUs to lay the services out on; 0: every visible GPU (1 on CPU)")
@@ -65,6 +69,9 @@ class PlanSettings(EngineSettings, Workload):
     preprocess: Literal["auto", "pil", "torch"] = Field("auto", description="where encoders preprocess images "
                                                                           "(as `epd encoder --preprocess`)")
     preprocess_threads: int = Field(2, ge=1, description="image preprocessing threads per encoder (pil)")
+    media_threads: int = Field(4, ge=1, description="the frontend's image-decoding threads (as `epd frontend`)")
+    image_format: Literal["png", "jpeg"] = Field("jpeg", description="how clients send images (the frontend "
+                                                                    "decodes them)")
     data_plane_gbs: float = Field(5.0, gt=0, description="assumed data-plane bandwidth between processes (GB/s)")
     out: str = Field("", description="write costs, predictions and the recommendation to this JSON file")
 
@@ -180,6 +187,10 @@ class Planner:
     def prefill(self, t: Traffic, n: int) -> float:
         return self.costs.prefill(self.costs.prompt_tokens(t.input_len, n)) / 1e3
 
+    def media(self, n: int) -> float:
+        """The frontend fetching and decoding a request's images (its pool decodes several at once)."""
+        return math.ceil(n / self.costs.media_threads) * self.costs.media_ms / 1e3 if n else 0.0
+
     def transfer(self, n: int) -> float:
         return n * self.costs.image_tokens * self.hidden_bytes / self.bandwidth
 
@@ -191,6 +202,7 @@ class Planner:
     def predict(self, layout: Layout, t: Traffic) -> Prediction:
         ttft, tpot = {"aggregated": self._aggregated, "colocated": self._colocated,
                       "disaggregated": self._disaggregated}[layout.topology](layout, t)
+        ttft += _mean(t, self.media)  # the same in every layout: before any encoder sees an image
         stable = math.isfinite(ttft) and math.isfinite(tpot)
         return Prediction(layout.describe(), layout.topology, layout.encoders, t.rate,
                           ttft * 1e3 if stable else math.inf, tpot * 1e3 if stable else math.inf, stable)
@@ -198,12 +210,13 @@ class Planner:
     def _aggregated(self, layout: Layout, t: Traffic) -> tuple[float, float]:
         rate = t.rate / layout.gpus
         work = _mean(t, lambda n: self.vit(n) + self.prefill(t, n))
+        spread = _mean(t, lambda n: (self.vit(n) + self.prefill(t, n)) ** 2)
         if rate * work >= 1:
             return math.inf, math.inf
         step = self.step(t)
         batch, tpot = _decode_batch(rate, t.output_len, step, 1 / (1 - rate * work))
         own = _mean(t, lambda n: self.preprocess(n) + self.vit(n) + self.prefill(t, n))
-        return mdc_wait(rate, work) + decode_busy(batch) * step(batch) / 2 + own, tpot
+        return mg1_wait(rate, work, spread) + decode_busy(batch) * step(batch) / 2 + own, tpot
 
     def _colocated(self, layout: Layout, t: Traffic) -> tuple[float, float]:
         rate = t.rate / layout.gpus
@@ -230,7 +243,8 @@ class Planner:
         prefill_s = _mean(t, lambda n: self.prefill(t, n)) * slow_p
         if rate * prefill_s >= 1 or not math.isfinite(encode):
             return math.inf, math.inf
-        prefill = mdc_wait(rate, prefill_s) + prefill_s + _mean(t, self.transfer)
+        spread = _mean(t, lambda n: self.prefill(t, n) ** 2) * slow_p ** 2
+        prefill = mg1_wait(rate, prefill_s, spread) + prefill_s + _mean(t, self.transfer)
         return encode + prefill, tpot
 
     def _encode_stage(self, rate: float, t: Traffic, encoders: int, slowdown: float = 1.0) -> float:
@@ -255,7 +269,8 @@ class Planner:
         prefill_s = _mean(t, lambda n: self.prefill(t, n))
         if prefill_rate * prefill_s >= 1:
             return math.inf, math.inf
-        prefill = mdc_wait(prefill_rate, prefill_s) + prefill_s + _mean(t, self.transfer)
+        spread = _mean(t, lambda n: self.prefill(t, n) ** 2)
+        prefill = mg1_wait(prefill_rate, prefill_s, spread) + prefill_s + _mean(t, self.transfer)
         _, tpot = _decode_batch(t.rate / layout.decode_gpus, t.output_len, self.step(t))
         return encode + prefill, tpot
 
@@ -326,6 +341,7 @@ def describe_costs(c: Costs) -> str:
     prefill = ", ".join(f"{tokens} tokens {ms:.1f} ms" for tokens, ms in sorted(c.prefill_ms.items()))
     decode = ", ".join(f"batch {b} @ {ctx} ctx {ms:.2f} ms" for b, ctx, ms in c.decode_ms)
     return (f"epd plan: {c.model} on {c.device} ({c.dtype}); {c.resolution} image = {c.image_tokens} tokens\n"
+            f"  frontend: {c.media_ms:.1f} ms to decode one image, {c.media_threads} at a time\n"
             f"  ViT: {vit}; {_preprocessing(c)}\n"
             f"  prefill: {prefill}\n  decode step: {decode}")
 

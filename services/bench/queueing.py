@@ -1,7 +1,10 @@
-"""Queue waiting times for the planner (``epd plan``): Poisson arrivals, deterministic service.
+"""Queue waiting times for the planner (``epd plan``): Poisson arrivals.
 
-M/D/c waiting is taken as half the M/M/c (Erlang C) wait: exact for one server, and the usual
-approximation for several (the Cosmetatos correction is within a few per cent at the loads we plan for).
+- M/G/1 (Pollaczek-Khinchine) where one server's service time varies with the request (a prompt of
+  1 or 8 images): the wait grows with the second moment of the service time, not only its mean.
+- M/D/c for identical jobs on several servers (one image on one of several encoders): half the M/M/c
+  (Erlang C) wait, exact for one server and the usual approximation for several (the Cosmetatos
+  correction is within a few per cent at the loads we plan for).
 Every function returns ``inf`` for a stage at or beyond saturation.
 """
 
@@ -34,6 +37,14 @@ def mmc_wait(rate: float, service: float, servers: int = 1) -> float:
 def mdc_wait(rate: float, service: float, servers: int = 1) -> float:
     """Mean time in queue of M/D/c (≈ half of M/M/c; exact for c = 1: ρS / 2(1−ρ))."""
     return 0.5 * mmc_wait(rate, service, servers)
+
+
+def mg1_wait(rate: float, mean: float, second_moment: float) -> float:
+    """Mean time in queue of M/G/1: λ·E[S²] / 2(1−ρ), seconds (``mean`` = E[S], ``second_moment`` = E[S²])."""
+    rho = rate * mean
+    if rho >= 1:
+        return math.inf
+    return rate * second_moment / (2 * (1 - rho))
 
 
 def utilization(rate: float, service: float, servers: int = 1) -> float:

@@ -39,7 +39,8 @@ def build_engine(settings: EngineSettings, role: str) -> tuple[Engine, ModelConf
     log.info("engine.kv_pool", role=role, blocks=blocks, block_size=settings.block_size,
              mib=round(cache.nbytes / 2**20, 1), max_model_len=max_len)
     runner = ModelRunner(model, cache, config.vision.merge_size)
-    engine = Engine(runner, config.eos_token_ids, max_len, role, settings.max_num_seqs, settings.max_batched_tokens)
+    engine = Engine(runner, config.eos_token_ids, max_len, role, settings.max_num_seqs, settings.max_batched_tokens,
+                    settings.prefill_priority_window)
     if device.type == "cuda" and role != "prefill" and not settings.enforce_eager:
         runner.capture_graphs(settings.max_num_seqs, max_len)
     return engine, config

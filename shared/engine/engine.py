@@ -33,7 +33,7 @@ class StepOutput:
 
 class Engine:
     def __init__(self, runner: ModelRunner, eos_token_ids: tuple[int, ...], max_model_len: int, role: str = "both",
-                 max_num_seqs: int = 256, max_batched_tokens: int = 8192):
+                 max_num_seqs: int = 256, max_batched_tokens: int = 8192, priority_window: float = 2.0):
         if role not in ROLES:
             raise ValueError(f"engine role must be one of {ROLES}")
         cache = runner.cache
@@ -45,7 +45,8 @@ class Engine:
         self.role = role
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max(max_batched_tokens, max_model_len), self)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max(max_batched_tokens, max_model_len), self,
+                                   priority_window)
         self.reserved: dict[str, Sequence] = {}
         self._by_id: dict[str, Sequence] = {}
 

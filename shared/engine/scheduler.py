@@ -1,7 +1,9 @@
 """Continuous batching: which sequences run in the next step, and who waits when blocks run out.
 
 Each step is either a prefill of waiting prompts (up to a token budget) or one decode step for every
-running sequence. Sequences join and leave between steps. When the pool cannot hold the next token of
+running sequence. Waiting prompts start shortest first — a text prompt does not wait behind a prompt of
+eight images — except that one passed over for longer than the priority window goes first, oldest
+first, so no prompt waits for ever. Sequences join and leave between steps. When the pool cannot hold the next token of
 every running sequence, the most recently admitted one is preempted: its KV is parked in host memory
 (swapped out) and copied back when blocks free up, so it resumes exactly where it stopped — no
 recompute, which matters here because a disaggregated decode worker never holds the image embeddings.
@@ -9,6 +11,7 @@ recompute, which matters here because a disaggregated decode worker never holds 
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -23,8 +26,10 @@ class Plan:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_batched_tokens: int, swapper):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_batched_tokens: int, swapper,
+                 priority_window: float = 2.0):
         self.blocks = blocks
+        self.priority_window = priority_window  # seconds; 0: first come, first served
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
         self.swapper = swapper  # has swap_out(seq) and swap_in(seq)
@@ -37,6 +42,7 @@ class Scheduler:
 
     def add_waiting(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
+        seq.arrival = time.monotonic()
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
@@ -74,20 +80,30 @@ class Scheduler:
         if self.swapped:
             return []  # preempted work resumes before new prompts start
         batch, tokens = [], 0
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in self._prefill_order():
+            if len(self.running) >= self.max_num_seqs:
+                break
             if batch and tokens + len(seq) > self.max_batched_tokens:
                 break
             # leave one block per running sequence so admitting a prompt does not force a preemption
             if not self.blocks.can_allocate(len(seq) + (len(self.running) + 1) * self.blocks.block_size):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self.blocks.allocate(seq, len(seq))
             seq.status = Status.RUNNING
             self.running.append(seq)
             batch.append(seq)
             tokens += len(seq)
         return batch
+
+    def _prefill_order(self) -> list[Sequence]:
+        """Prompts passed over for longer than the window (oldest first), then the rest shortest first."""
+        if self.priority_window <= 0 or len(self.waiting) < 2:
+            return list(self.waiting)
+        now = time.monotonic()
+        overdue = [s for s in self.waiting if now - s.arrival > self.priority_window]
+        fresh = [s for s in self.waiting if now - s.arrival <= self.priority_window]
+        return overdue + sorted(fresh, key=len)  # stable: equal lengths keep their order
 
     def _make_room_for_decode(self) -> None:
         for seq in list(self.running):
