@@ -10,8 +10,9 @@ Workloads (Qwen2.5-VL-7B architecture, `--load-format dummy`, output forced with
 
 Topologies, by the GPUs visible (rates are scaled by the GPU count: every topology uses all of them):
   1 GPU    aggregated; colocated (encoder, prefill and decode processes sharing the GPU)
-  2 GPUs   aggregated x2; disaggregated: the encoder on GPU 1, prefill + decode on GPU 0
-  3+ GPUs  aggregated xN; disaggregated: encoders on GPUs 2.., prefill on GPU 0, decode on GPU 1
+  2 GPUs   aggregated x2; colocated x2 (an encoder, a prefill and a decode process on each GPU);
+           disaggregated: the encoder on GPU 1, prefill + decode on GPU 0
+  3+ GPUs  aggregated xN; colocated xN; disaggregated: encoders on GPUs 2.., prefill on GPU 0, decode on GPU 1
 
 Each stack is started with `python -m services.cli up` (a subprocess, like a user would) and driven over
 HTTP only by `epd bench`'s load generator. Every LM process gets the same KV pool (`--kv-cache-mb`):
@@ -91,8 +92,13 @@ def topologies(gpus: int) -> list[Topology]:
         epd = Topology("disaggregated", ("--encoders", str(gpus - 2), "--encoder-gpus", encoders,
                                          "--prefill-gpus", "0", "--decode-gpus", "1"),
                        Layout("disaggregated", gpus, gpus - 2, 1, 1))
+    # every GPU runs an encoder, a prefill and a decode process: the LM capacity of aggregated, with
+    # images encoded in processes of their own
+    colocated = Topology(f"colocated x{gpus}", ("--encoders", str(gpus), "--prefills", str(gpus), "--decodes", str(gpus),
+                                               "--encoder-gpus", every, "--prefill-gpus", every, "--decode-gpus", every),
+                         Layout("colocated", gpus))
     return [Topology(f"aggregated x{gpus}", ("--topology", "aggregated", "--aggregated", str(gpus), "--gpus", every),
-                     Layout("aggregated", gpus)), epd]
+                     Layout("aggregated", gpus)), colocated, epd]
 
 
 class StackProcess:
