@@ -174,6 +174,9 @@ def test_a_repeated_image_is_encoded_once_and_counted_at_metrics(cache_stack):
     assert found and float(found.group(1)) >= 1, metrics[-2000:]
     for stat in ("cache_misses", "cache_bytes", "batch_size_le_1", "images_per_s", "queue_depth", "bytes_held"):
         assert f'stat="{stat}"' in metrics
+    for stage in ("media", "encode", "first_token"):  # the frontend's own per-stage timings
+        found = re.search(rf'epd_stage_seconds_count\{{stage="{stage}"\}} (\S+)', metrics)
+        assert found and float(found.group(1)) >= 2, stage
 
 
 def test_an_encoder_borrows_an_image_another_encoder_holds(cache_stack):
