@@ -194,12 +194,23 @@ class ConcurrentEndpoint:
             await asyncio.gather(*list(self.tasks), return_exceptions=True)
 
 
-async def stop_endpoint(service: Service, name: str) -> None:
-    """Unsubscribe one endpoint of a running nats.micro service (the library only stops them all)."""
+async def leave_endpoints(service: Service, names: set[str] | None = None) -> None:
+    """Leave the queue groups of a running nats.micro service's endpoints (``names``; None: all) without
+    losing a request: each subscription is drained — the server stops routing to it, and the requests
+    it already delivered here are still handled. (The library's own stop unsubscribes, which drops
+    them: their callers would wait for their whole timeout. It also only stops every endpoint at once.)
+    The service's own API subjects (ping, info, stats) stay until ``service.stop()``."""
     for endpoint in list(service._endpoints):
-        if endpoint._name == name:
-            await endpoint._stop()
-            service._endpoints.remove(endpoint)
+        if names is not None and endpoint._name not in names:
+            continue
+        subscription, endpoint._subscription = endpoint._subscription, None
+        service._endpoints.remove(endpoint)
+        if subscription is None:
+            continue
+        try:
+            await asyncio.wait_for(subscription.drain(), 10)
+        except Exception:  # bus gone or closing: nothing more can be delivered anyway
+            log.warning("endpoint.drain_failed", endpoint=endpoint._name)
 
 
 class Publisher:

@@ -17,7 +17,7 @@ from nats.aio.client import Client
 from nats.micro.service import Service
 
 from shared import __version__
-from shared.bus import Subjects, connect
+from shared.bus import Subjects, connect, leave_endpoints
 from shared.logging import configure_logging, get_logger
 
 log = get_logger(__name__)
@@ -45,9 +45,10 @@ class ServiceBase:
         """Add the endpoints (join the queue groups). Called once setup is done, so a listed service is ready."""
 
     async def stop_intake(self) -> None:
-        """Stop taking new work: by default leave every queue group. A service whose in-flight work
-        still needs some endpoints (decode: KV chunks and starts) leaves only its intake."""
-        await self.service.stop()
+        """Stop taking new work: by default leave every queue group (requests already delivered here are
+        still handled). A service whose in-flight work still needs some endpoints (decode: KV chunks and
+        starts) leaves only its intake."""
+        await leave_endpoints(self.service)
 
     async def drain(self) -> None:
         """Wait for in-flight work; called after ``stop_intake``."""

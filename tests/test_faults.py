@@ -297,3 +297,38 @@ async def test_client_gone_while_images_encode_cancels_them(stack):
         assert time.monotonic() < deadline, "encoders kept working for a request nobody waits for"
         await asyncio.sleep(0.1)
     await idle(stack)
+
+
+async def test_leaving_the_queue_group_answers_requests_already_delivered(nats_url):
+    """A draining instance leaves its queue groups without dropping the requests NATS already handed it
+    (they wait in the client for a free slot): every caller gets its answer, none waits for its timeout."""
+    import nats
+    import nats.micro
+
+    from shared.bus import ConcurrentEndpoint, call, leave_endpoints
+
+    release = asyncio.Event()
+
+    async def slow(data: bytes) -> bytes:
+        await release.wait()
+        return data
+
+    nc = await nats.connect(nats_url)
+    service = await nats.micro.add_service(nc, name="drain-test", version="0.0.1")
+    endpoint = ConcurrentEndpoint("work", slow, limit=1)  # one runs; the others wait in the subscription
+    subject = f"drain-test.{os.getpid()}"
+    await endpoint.add_to(service, subject, "q")
+    try:
+        calls = [asyncio.create_task(call(nc, subject, str(i).encode(), 10, "worker")) for i in range(5)]
+        await asyncio.sleep(0.3)  # all five delivered: one in the handler, four pending
+        leaving = asyncio.create_task(leave_endpoints(service))
+        await asyncio.sleep(0.2)
+        release.set()
+        await leaving
+        assert sorted(await asyncio.gather(*calls)) == [str(i).encode() for i in range(5)]
+        with pytest.raises(Exception, match="no worker"):  # gone from the queue group
+            await call(nc, subject, b"late", 2, "worker")
+    finally:
+        release.set()
+        await service.stop()
+        await nc.close()

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from services.decode.settings import DecodeSettings
-from shared.bus import QUEUE, CancelRegistry, ConcurrentEndpoint, HandlerError, Publisher, stop_endpoint
+from shared.bus import QUEUE, CancelRegistry, ConcurrentEndpoint, HandlerError, Publisher, leave_endpoints
 from shared.dataplane.plane import DataPlane
 from shared.dataplane.store import DataPlaneError
 from shared.engine.builder import build_engine
@@ -194,7 +194,7 @@ class DecodeService(ServiceBase):
     # -- lifecycle ---------------------------------------------------------------------------------
     async def stop_intake(self) -> None:
         """Take no new reservations, but keep landing KV and starting the ones already made."""
-        await stop_endpoint(self.service, "reserve")
+        await leave_endpoints(self.service, {"reserve"})
 
     async def drain(self) -> None:
         for endpoint in (self.reserve_endpoint, self.kv_endpoint, self.start_endpoint):
