@@ -57,7 +57,6 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import NamedTuple
 
@@ -68,10 +67,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.epd_vs_aggregated import versions  # noqa: E402
 from services.bench.settings import parse_resolution  # noqa: E402
 from services.frontend.media import content_hash  # noqa: E402
 from services.stack import Stack  # noqa: E402
-from shared.bus import Subjects, call, service_stats  # noqa: E402
+from shared.bus import Subjects, call, endpoint_data, service_stats  # noqa: E402
 from shared.dataplane.plane import DataPlane  # noqa: E402
 from shared.messages import pack, unpack  # noqa: E402
 from shared.messages.encode import EncodeJob, EncodeResult  # noqa: E402
@@ -275,10 +275,6 @@ def encoder_stats(nats_url: str, count: int) -> list[dict]:
     return sorted(found, key=lambda s: s["pid"])
 
 
-def endpoint_data(stats: dict) -> dict:
-    return next((e["data"] for e in stats.get("endpoints") or [] if e.get("data")), {})
-
-
 def rendezvous(barrier, results) -> None:
     try:
         barrier.wait()
@@ -427,16 +423,6 @@ def cpu_name() -> str:
         return platform.processor() or platform.machine()
     return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
                 platform.machine())
-
-
-def versions() -> dict[str, str]:
-    out = {"python": platform.python_version()}
-    for name in ("torch", "transformers", "triton", "nats-py", "pyzmq"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    return out
 
 
 # -- command line ----------------------------------------------------------------------------------------

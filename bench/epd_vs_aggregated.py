@@ -298,7 +298,7 @@ def hardware() -> str:
 
 def versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
-    for name in ("torch", "triton", "transformers", "httpx"):
+    for name in ("torch", "triton", "transformers", "httpx", "nats-py", "pyzmq"):
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:

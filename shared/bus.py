@@ -287,3 +287,8 @@ async def service_stats(nc: Client, service: str | None = None, wait: float = 0.
 
     subject = "$SRV.STATS" + (f".{service}" if service else "")
     return [json.loads(r) for r in await gather_replies(nc, subject, wait)]
+
+
+def endpoint_data(stats: dict) -> dict:
+    """A service's own figures in a STATS answer (the ``data`` of its endpoints; every endpoint has the same)."""
+    return next((e.get("data") or {} for e in stats.get("endpoints") or [] if e.get("data")), {})

@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from services.stack import Stack
-from shared.bus import service_stats
+from shared.bus import endpoint_data, service_stats  # noqa: F401  (endpoint_data: for the tests)
 
 
 def make_image(seed: int, height: int, width: int) -> Image.Image:
@@ -129,10 +129,6 @@ class RunningStack:
 
     def stop(self) -> None:
         self.stack.stop(grace=15)
-
-
-def endpoint_data(stats: dict) -> dict:
-    return next((e.get("data") or {} for e in stats.get("endpoints") or [] if e.get("data")), {})
 
 
 def dumps(obj) -> str:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from services.stack import Stack
-from shared.bus import Subjects, call, service_stats
+from shared.bus import Subjects, call, endpoint_data, service_stats
 from shared.dataplane.plane import DataPlane
 from shared.engine.sampling import SamplingParams
 from shared.messages import pack, unpack
@@ -36,7 +36,7 @@ def decode_worker(nats_url, tiny_model):
 async def _decode_stats(nc, subjects) -> dict:
     for stats in await service_stats(nc, "epd-decode", wait=0.3):
         if stats["metadata"]["prefix"] == subjects.prefix:
-            return next(e["data"] for e in stats["endpoints"] if e.get("data"))
+            return endpoint_data(stats)
     raise AssertionError("decode worker not found")
 
 
@@ -98,7 +98,7 @@ def test_requests_wait_for_room_on_a_full_decode_worker(nats_url, tiny_model):
     time serves three sent together, one after the other; prefill counts the waits."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from tests.support import RunningStack, endpoint_data
+    from tests.support import RunningStack
 
     running = RunningStack(nats_url, tiny_model)
     try:

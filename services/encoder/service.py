@@ -60,16 +60,15 @@ class EncoderService(ServiceBase):
         tower = await asyncio.to_thread(load_vision_tower, path, config, s.torch_device(), s.torch_dtype(),
                                         s.load_format)
         self.preprocess_mode = preprocess_mode(s.preprocess, s.torch_device())
-        on_device = None
+        self.on_device = None  # the torch preprocessor, run by the batcher in the vision thread
         if self.preprocess_mode == "torch":
-            on_device = TorchImagePreprocessor(path, s.torch_dtype())
-            self.grid_of = on_device.grid
+            self.on_device = TorchImagePreprocessor(path, s.torch_dtype())
         else:
             self.preprocess = ImagePreprocessor(path)
         self.fingerprint = await asyncio.to_thread(encoder_fingerprint, path, s.load_format, str(s.torch_dtype()),
                                                    self.preprocess_mode)
         self.batcher = VisionBatcher(tower, asyncio.get_running_loop(), s.max_batch_images, s.max_batch_patches,
-                                     prepare=on_device)
+                                     prepare=self.on_device)
         self.batcher.start()
         await self.plane.start()
         index = None
@@ -139,8 +138,8 @@ class EncoderService(ServiceBase):
             pixels = await self.plane.pull(image)
         except DataPlaneError as err:
             raise HandlerError(502 if err.code != "expired" else 504, f"could not fetch the image: {err.message}")
-        if self.batcher.prepare is not None:  # preprocessed on the tower's device, in the vision thread
-            grid = self.grid_of(pixels.shape[0], pixels.shape[1])
+        if self.on_device is not None:  # preprocessed on the tower's device, in the vision thread
+            grid = self.on_device.grid(pixels.shape[0], pixels.shape[1])
             return Embedding(await self.batcher.encode(pixels, grid), grid)
         loop = asyncio.get_running_loop()
         patches, grid = await loop.run_in_executor(self.pool, self.preprocess, pixels.numpy())

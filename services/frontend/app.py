@@ -71,26 +71,11 @@ def create_app(frontend) -> FastAPI:
             return StreamingResponse(stream, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            return await _complete(frontend, generation, request)
+            return await _unless_disconnected(complete(frontend, generation), request)
         finally:
             frontend.admission.release()
 
     return app
-
-
-async def _complete(frontend, generation: Generation, request: Request) -> ChatCompletion:
-    """Collect the whole answer; a client that disconnects meanwhile cancels the request."""
-    watcher = asyncio.create_task(_wait_disconnect(request))
-    collector = asyncio.create_task(complete(frontend, generation))
-    try:
-        done, _ = await asyncio.wait({watcher, collector}, return_when=asyncio.FIRST_COMPLETED)
-        if collector not in done:
-            collector.cancel()
-            await asyncio.gather(collector, return_exceptions=True)
-            raise ApiError(499, "client disconnected")
-        return collector.result()
-    finally:
-        watcher.cancel()
 
 
 class BodyLimit:
@@ -133,7 +118,8 @@ class BodyLimit:
 
 
 async def _unless_disconnected(work, request: Request):
-    """Await ``work`` (encoding, prefill admission), abandoning it if the client hangs up meanwhile."""
+    """Await ``work`` (admission: encoding, prefill; or collecting a whole answer), abandoning it if the
+    client hangs up meanwhile."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.create_task(_wait_disconnect(request))
     try:

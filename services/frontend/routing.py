@@ -21,7 +21,7 @@ import asyncio
 import hashlib
 from dataclasses import dataclass
 
-from shared.bus import Subjects, service_stats
+from shared.bus import Subjects, endpoint_data, service_stats
 from shared.embedding_index import EmbeddingIndex, embedding_key
 from shared.logging import get_logger
 
@@ -64,7 +64,7 @@ class EncoderDirectory:
             metadata = stats.get("metadata") or {}
             if metadata.get("prefix") != self.subjects.prefix:
                 continue  # another stack sharing this NATS server
-            data = next((e.get("data") or {} for e in stats.get("endpoints") or [] if e.get("data")), {})
+            data = endpoint_data(stats)
             instance = metadata.get("instance")
             if instance:
                 found.append(EncoderInfo(instance, int(data.get("in_flight", 0)), metadata.get("cache_fingerprint", "")))

@@ -136,8 +136,9 @@ class TorchImagePreprocessor:
             if tuple(image.shape[2:]) != size:
                 image = F.interpolate(image, size=size, mode="bicubic", antialias=True, align_corners=False)
                 image = image.round_().clamp_(0, 255)
-        scale, shift = self._scale.to(image.device), self._shift.to(image.device)
-        image = image[0] * scale + shift  # [3, h, w]
+        if self._scale.device != image.device:  # once: the constants live where the pixels are
+            self._scale, self._shift = self._scale.to(image.device), self._shift.to(image.device)
+        image = image[0] * self._scale + self._shift  # [3, h, w]
         m, p, t = g.merge_size, g.patch_size, g.temporal_patch_size
         gh, gw = h // p, w // p
         patches = image.view(3, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)  # gh gw mh mw C ph pw
