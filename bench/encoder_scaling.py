@@ -68,14 +68,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.epd_vs_aggregated import versions  # noqa: E402
-from services.bench.settings import parse_resolution  # noqa: E402
+from tools.bench.settings import parse_resolution  # noqa: E402
 from services.frontend.media import content_hash  # noqa: E402
-from services.stack import Stack  # noqa: E402
+from launcher.stack import Stack  # noqa: E402
 from shared.bus import Subjects, call, endpoint_data, service_stats  # noqa: E402
 from shared.dataplane.plane import DataPlane  # noqa: E402
 from shared.messages import pack, unpack  # noqa: E402
 from shared.messages.encode import EncodeJob, EncodeResult  # noqa: E402
-from shared.natsserver import _die_with_parent  # noqa: E402
+from launcher.processes import die_with_parent  # noqa: E402
 from shared.settings import CommonSettings  # noqa: E402
 
 TARGET = 0.9  # scaling efficiency the issue asks for
@@ -113,7 +113,7 @@ class Record(NamedTuple):
 
 def client_main(spec: ClientSpec, barrier, results) -> None:
     """Entry point of a client process: its records on ``results``, or its error (and the barrier broken)."""
-    _die_with_parent()
+    die_with_parent()
     try:
         results.put(asyncio.run(drive(spec, barrier)))
     except BaseException as err:

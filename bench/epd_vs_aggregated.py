@@ -14,7 +14,7 @@ Topologies, by the GPUs visible (rates are scaled by the GPU count: every topolo
            disaggregated: the encoder on GPU 1, prefill + decode on GPU 0
   3+ GPUs  aggregated xN; colocated xN; disaggregated: encoders on GPUs 2.., prefill on GPU 0, decode on GPU 1
 
-Each stack is started with `python -m services.cli up` (a subprocess, like a user would) and driven over
+Each stack is started with `python -m launcher.cli up` (a subprocess, like a user would) and driven over
 HTTP only by `epd bench`'s load generator. Every LM process gets the same KV pool (`--kv-cache-mb`):
 processes that share a GPU start at the same time, and a pool sized from free memory would race.
 
@@ -46,11 +46,11 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.bench.costs import Costs  # noqa: E402
-from services.bench.plan import Layout, Planner, traffic  # noqa: E402
-from services.bench.plot import plot  # noqa: E402
-from services.bench.runner import bench  # noqa: E402
-from services.bench.settings import BenchSettings, Workload  # noqa: E402
+from tools.plan.costs import Costs  # noqa: E402
+from tools.plan.plan import Layout, Planner, traffic  # noqa: E402
+from tools.bench.plot import plot  # noqa: E402
+from tools.bench.runner import bench  # noqa: E402
+from tools.bench.settings import BenchSettings, Workload  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -102,10 +102,10 @@ def topologies(gpus: int) -> list[Topology]:
 
 
 class StackProcess:
-    """`python -m services.cli up` in a subprocess; its log is drained by a thread (a full pipe would block it)."""
+    """`python -m launcher.cli up` in a subprocess; its log is drained by a thread (a full pipe would block it)."""
 
     def __init__(self, args: list[str], env: dict[str, str]):
-        self.process = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", "0", *args],
+        self.process = subprocess.Popen([sys.executable, "-m", "launcher.cli", "up", "--port", "0", *args],
                                         cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
                                         start_new_session=True)
         self.tail: deque[str] = deque(maxlen=40)
@@ -173,7 +173,7 @@ def tokenizer_dir(tiny: bool) -> str:
 def run_plan(args, out: Path) -> dict:
     """`epd plan` for the heaviest workload (its costs cover the others: same resolution, fewer images)."""
     heavy = case_workload(CASES[0], args.tiny)
-    cmd = [sys.executable, "-m", "services.cli", "plan", "--gpus", str(max(1, args.gpus)), "--out", str(out),
+    cmd = [sys.executable, "-m", "launcher.cli", "plan", "--gpus", str(max(1, args.gpus)), "--out", str(out),
            "--image-count", str(heavy["image_count"]), "--random-image-count", "--image-resolution",
            heavy["image_resolution"], "--input-len", str(heavy["input_len"]), "--output-len", str(heavy["output_len"]),
            "--request-rate", ",".join(str(r * max(1, args.gpus)) for r in CASES[0].quick_rates)]

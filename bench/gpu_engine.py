@@ -444,7 +444,7 @@ def vit(ctx):
 def preprocess(ctx):
     import numpy as np
 
-    from services.bench.dataset import make_image
+    from tools.bench.dataset import make_image
     from shared.model.presets import materialize_preset
     from shared.model.processor import ImagePreprocessor, TorchImagePreprocessor
 
@@ -471,9 +471,9 @@ def preprocess(ctx):
 
 
 def _copy_vision_weights(hf_visual, tower):
-    from shared.model.loader import _load_into
+    from shared.model.loader import load_into
 
-    _load_into(tower, iter(hf_visual.state_dict().items()))  # the checkpoint loading path, fusing included
+    load_into(tower, iter(hf_visual.state_dict().items()))  # the checkpoint loading path, fusing included
 
 
 # ------------------------------------------------------------------------------------------------

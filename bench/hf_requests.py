@@ -3,7 +3,7 @@
 benchmarks issue's "aggregated >= 5x HF's request throughput".
 
 The requests are built by the same code and settings as an epd_vs_aggregated.py point (its ``CASES`` and
-``case_workload``, ``services.bench.runner.prepare`` with the same warm-up count and seed): the same
+``case_workload``, ``tools.bench.runner.prepare`` with the same warm-up count and seed): the same
 prompts, the same images as the same JPEG data URLs. ``--seed S`` gives the requests of the point whose
 seed is S: its first point when run with ``--workloads W --seed S`` (point n of a sweep has S + 100 n).
 The requests of a shorter run are the first ones of a longer run with the same seed.
@@ -46,10 +46,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.epd_vs_aggregated import CASES, case_workload, hardware, tokenizer_dir, versions  # noqa: E402
-from services.bench.dataset import ImagePool, RequestSpec  # noqa: E402
-from services.bench.runner import prepare  # noqa: E402
-from services.bench.settings import BenchSettings, Workload  # noqa: E402
-from shared.model.processor import ImageGeometry, ImagePreprocessor, load_tokenizer  # noqa: E402
+from tools.bench.dataset import ImagePool, RequestSpec  # noqa: E402
+from tools.bench.runner import prepare  # noqa: E402
+from tools.bench.settings import BenchSettings, Workload  # noqa: E402
+from shared.model.geometry import ImageGeometry, grid_tokens  # noqa: E402
+from shared.model.processor import ImagePreprocessor, load_tokenizer  # noqa: E402
 
 WARMUP_REQUESTS = 2  # as epd_vs_aggregated.measure(): the warm-up images come first in the pool
 
@@ -104,7 +105,7 @@ class InputBuilder:
         if urls:
             patches, grids = zip(*(self.preprocess(decode_data_url(url)) for url in urls))
             pieces = rendered.split("<|image_pad|>")
-            counts = [t * h * w // self.merge_size**2 for t, h, w in grids]
+            counts = [grid_tokens(g, self.merge_size) for g in grids]
             rendered = pieces[0] + "".join("<|image_pad|>" * n + pieces[i + 1] for i, n in enumerate(counts))
             inputs.update(pixel_values=torch.from_numpy(np.concatenate(patches)).to(self.device),
                           image_grid_thw=torch.tensor(grids, device=self.device))

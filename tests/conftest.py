@@ -25,7 +25,7 @@ if not torch.cuda.is_available():
         pass
 
 from shared.model.tiny import write_tiny_checkpoint
-from shared.natsserver import EmbeddedNats
+from launcher.natsserver import EmbeddedNats
 from tests.support import Reference, RunningStack
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from services.stack import Stack
+from launcher.stack import Stack
 from shared.bus import endpoint_data, service_stats  # noqa: F401  (endpoint_data: for the tests)
 
 

@@ -8,8 +8,8 @@ import nats
 import pytest
 from nats.errors import NoServersError
 
-from shared.nats_auth import StackCredentials
-from shared.natsserver import EmbeddedNats
+from launcher.credentials import StackCredentials
+from launcher.natsserver import EmbeddedNats
 
 PREFIX = "sec"
 
@@ -85,10 +85,10 @@ def test_credentials_command_and_compose_overlay(tmp_path):
 
     import yaml
 
-    from shared.natsserver import nats_server_binary
+    from launcher.natsserver import nats_server_binary
 
     out = tmp_path / "secrets"
-    subprocess.run([sys.executable, "-m", "services.cli", "credentials", "--out", str(out)], check=True,
+    subprocess.run([sys.executable, "-m", "launcher.cli", "credentials", "--out", str(out)], check=True,
                    capture_output=True)
     assert all((p.stat().st_mode & 0o777) == 0o600 for p in out.iterdir())
     overlay = yaml.safe_load((Path(__file__).parents[1] / "deploy" / "compose.auth.yml").read_text())

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from services.bench.dataset import build_requests
-from services.bench.queueing import erlang_c, mdc_wait
-from services.bench.runner import arrival_times
-from services.bench.settings import BenchSettings
-from services.stack import UpSettings
+from tools.bench.dataset import build_requests
+from tools.plan.queueing import erlang_c, mdc_wait
+from tools.bench.runner import arrival_times
+from tools.bench.settings import BenchSettings
+from launcher.stack import UpSettings
 from shared.settings import parse_settings
 from tests.support import chat_messages, make_image
 from tests.test_up import descendants
@@ -26,7 +26,7 @@ PROMPTS = 6
 
 def epd(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "launcher.cli", *args], env=env, capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -129,7 +129,7 @@ class Launcher:
         env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
         env.update(EPD_MODEL=str(tiny_model), EPD_KV_CACHE_MB="32", EPD_LOG_FORMAT="json")
         self.log = log
-        self.process = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", "0", *args], env=env,
+        self.process = subprocess.Popen([sys.executable, "-m", "launcher.cli", "up", "--port", "0", *args], env=env,
                                         stderr=log.open("w"), stdout=subprocess.DEVNULL)
 
     def ready(self, timeout: float = 240) -> dict:

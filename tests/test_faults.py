@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from shared.natsserver import EmbeddedNats
+from launcher.natsserver import EmbeddedNats
 from tests.support import RunningStack, chat_messages, endpoint_data, make_image
 
 LONG = 240  # tokens: long enough on this CPU to act mid-stream

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
-from shared.engine.kernels.attention import paged_decode_attention  # noqa: E402
-from shared.engine.kernels.fused import add_rms_norm, rms_norm, rope_store, silu_mul  # noqa: E402
+from shared.kernels.attention import paged_decode_attention  # noqa: E402
+from shared.kernels.fused import add_rms_norm, rms_norm, rope_store, silu_mul  # noqa: E402
 from shared.model.rope import apply_rotary  # noqa: E402
 from shared.model.text import RMSNorm  # noqa: E402
 
@@ -118,7 +118,7 @@ def test_triton_backend_generates_hf_tokens(tiny_model, reference):
 
 
 def test_segment_attention_matches_per_segment_sdpa():
-    from shared.engine.kernels.attention import segment_attention
+    from shared.kernels.attention import segment_attention
 
     torch.manual_seed(3)
     cu = [0, 64, 100, 164, 180, 181]

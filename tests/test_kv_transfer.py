@@ -10,7 +10,7 @@ import nats
 import pytest
 import torch
 
-from services.stack import Stack
+from launcher.stack import Stack
 from shared.bus import Subjects, call, endpoint_data, service_stats
 from shared.dataplane.plane import DataPlane
 from shared.engine.sampling import SamplingParams

@@ -115,7 +115,7 @@ def test_job_that_can_never_succeed_gets_an_error_result(stack):
 def test_epd_submit_durable_wait_prints_the_answer(stack):
     body = request("Count to five.")
     env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
-    done = subprocess.run([sys.executable, "-m", "services.cli", "submit", "--nats-url", stack.stack.nats_url,
+    done = subprocess.run([sys.executable, "-m", "launcher.cli", "submit", "--nats-url", stack.stack.nats_url,
                            "--subject-prefix", stack.prefix, "--durable", "--wait", "--timeout", "120", "-"],
                           input=json.dumps(body), capture_output=True, text=True, env=env, timeout=180)
     assert done.returncode == 0, done.stderr

@@ -9,7 +9,7 @@ from services.frontend.errors import ApiError
 from services.frontend.prompt import PromptBuilder
 from services.frontend.protocol import ChatMessage
 from shared.model.config import ModelConfig
-from shared.model.processor import ImageGeometry
+from shared.model.geometry import ImageGeometry
 
 
 @pytest.fixture(scope="module")

@@ -27,8 +27,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from services.stack import Stack
-from shared.natsserver import _die_with_parent, nats_server_binary
+from launcher.stack import Stack
+from launcher.natsserver import nats_server_binary
+from launcher.processes import die_with_parent
 from tests.support import chat_messages, make_image
 
 pytestmark = pytest.mark.timeout(180)
@@ -96,7 +97,7 @@ class TwoHosts:
 
     def run(self, ns: str, argv: list[str], env: dict[str, str], **kwargs) -> subprocess.Popen:
         return subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=env, cwd=ROOT,
-                                preexec_fn=_die_with_parent, **kwargs)
+                                preexec_fn=die_with_parent, **kwargs)
 
 
 def nats_config(workdir: Path, name: str, listen: str, cluster_ip: str, peer_ip: str) -> Path:

@@ -50,7 +50,7 @@ def alive(pid: int) -> bool:
 def start_up(tiny_model, *args) -> tuple[subprocess.Popen, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
     env.update(EPD_MODEL=str(tiny_model), EPD_KV_CACHE_MB="32", EPD_LOG_FORMAT="json")
-    process = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", "0", *args], env=env,
+    process = subprocess.Popen([sys.executable, "-m", "launcher.cli", "up", "--port", "0", *args], env=env,
                                stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 180
     for line in process.stderr:

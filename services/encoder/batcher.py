@@ -18,6 +18,7 @@ import torch
 from services.encoder.metrics import BatchSizes, RateMeter
 from shared.aio import settle
 from shared.logging import get_logger
+from shared.model.geometry import Grid, grid_tokens
 from shared.model.vision import VisionTower
 
 log = get_logger(__name__)
@@ -26,7 +27,7 @@ log = get_logger(__name__)
 @dataclass
 class _Item:
     source: torch.Tensor  # patches [N, patch_dim], or pixels [H, W, 3] uint8 when the batcher prepares them
-    grid: tuple[int, int, int]
+    grid: Grid
     future: asyncio.Future
 
     @property
@@ -70,7 +71,7 @@ class VisionBatcher:
         self._queue.put(None)
         self._thread.join(timeout=30)
 
-    def encode(self, source: torch.Tensor, grid: tuple[int, int, int]) -> asyncio.Future:
+    def encode(self, source: torch.Tensor, grid: Grid) -> asyncio.Future:
         """Queue one image (its patches, or its pixels with ``prepare``); the future resolves to its
         embeddings ``[tokens, out_dim]``."""
         future = self.loop.create_future()
@@ -126,8 +127,7 @@ class VisionBatcher:
             patches = torch.cat([self.prepare(item.source.to(self.device)) for item in batch])
         grids = [item.grid for item in batch]
         embeds = self.tower(patches, grids)
-        unit = self.tower.config.merge_size ** 2
-        sizes = [t * h * w // unit for t, h, w in grids]
+        sizes = [grid_tokens(g, self.tower.config.merge_size) for g in grids]
         self.batches += 1
         self.images += len(batch)
         self.patches += patches.shape[0]

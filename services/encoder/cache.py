@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-Grid = tuple[int, int, int]
+from shared.model.geometry import Grid
 
 
 @dataclass

@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 from services.frontend.errors import ApiError
 from services.frontend.protocol import ChatMessage, ImagePart
 from shared.model.config import ModelConfig
-from shared.model.processor import ImageGeometry
+from shared.model.geometry import Grid, ImageGeometry, grid_tokens
 
 
 @dataclass
 class Prompt:
     token_ids: list[int]
     image_offsets: list[int] = field(default_factory=list)
-    image_grids: list[tuple[int, int, int]] = field(default_factory=list)
+    image_grids: list[Grid] = field(default_factory=list)
 
 
 def image_urls(messages: list[ChatMessage]) -> list[str]:
@@ -104,7 +104,7 @@ class PromptBuilder:
             prompt.token_ids += ids[start:slot]
             prompt.image_offsets.append(len(prompt.token_ids))
             prompt.image_grids.append(grid)
-            prompt.token_ids += [image_token] * (grid[0] * grid[1] * grid[2] // self.geometry.merge_size ** 2)
+            prompt.token_ids += [image_token] * grid_tokens(grid, self.geometry.merge_size)
             start = slot + 1
         prompt.token_ids += ids[start:]
         return prompt

@@ -25,7 +25,8 @@ from shared.bus import gather_replies
 from shared.dataplane.plane import DataPlane
 from shared.logging import get_logger
 from shared.model.config import ModelConfig
-from shared.model.processor import ImageGeometry, load_tokenizer
+from shared.model.geometry import ImageGeometry
+from shared.model.processor import load_tokenizer
 from shared.service import ServiceBase
 
 log = get_logger(__name__)

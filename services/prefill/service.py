@@ -25,6 +25,7 @@ from shared.messages.decode import DecodeAccepted, DecodeStart, KVChunk, KVReser
 from shared.messages.prefill import PrefillAccepted, PrefillJob
 from shared.messages.stream import TokenEvent, error_event
 from shared.model.config import ModelConfig
+from shared.model.geometry import grid_tokens
 from shared.service import ServiceBase
 
 log = get_logger(__name__)
@@ -40,12 +41,11 @@ def validate_prompt(job: PrefillJob, config: ModelConfig) -> None:
         raise HandlerError(400, "token id out of the vocabulary")
     covered = 0
     end = 0
-    unit = config.vision.merge_size ** 2
     for slot in sorted(job.images, key=lambda s: s.offset):
         t, h, w = slot.grid
         if t < 1 or h < 1 or w < 1 or h % config.vision.merge_size or w % config.vision.merge_size:
             raise HandlerError(400, "invalid image grid")
-        n = t * h * w // unit
+        n = grid_tokens(slot.grid, config.vision.merge_size)
         if slot.offset < end or slot.offset + n > len(job.token_ids):
             raise HandlerError(400, "image slots overlap or run past the prompt")
         if any(tok != config.image_token_id for tok in job.token_ids[slot.offset:slot.offset + n]):

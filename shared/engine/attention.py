@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from shared.engine.kernels import TRITON, attention as paged, fused
+from shared.kernels import TRITON, attention as paged, fused
 from shared.engine.kv_cache import KVCache
 from shared.model.rope import apply_rotary
 

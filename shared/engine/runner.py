@@ -93,7 +93,7 @@ class ModelRunner:
     def _splits(self, batch: int) -> int:
         if self.device.type != "cuda":
             return 1
-        from shared.engine.kernels.attention import default_splits
+        from shared.kernels.attention import default_splits
 
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         return default_splits(batch, self.model.config.num_kv_heads, sms)

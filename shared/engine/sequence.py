@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.engine.sampling import SamplingParams
+from shared.model.geometry import Grid
 
 
 class Status(enum.Enum):
@@ -22,7 +23,7 @@ class ImageInput:
     """One image's embeddings and where its placeholder run starts in the prompt."""
 
     offset: int
-    grid: tuple[int, int, int]
+    grid: Grid
     embeds: torch.Tensor  # [num_tokens, hidden]
 
 

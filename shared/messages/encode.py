@@ -8,8 +8,7 @@ from msgspec import Meta
 
 from shared.dataplane.handle import TensorHandle
 from shared.messages import Message
-
-Grid = tuple[int, int, int]
+from shared.model.geometry import Grid
 
 
 class EncodeJob(Message, frozen=True, kw_only=True):

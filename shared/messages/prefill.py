@@ -9,6 +9,7 @@ from msgspec import Meta
 from shared.dataplane.handle import TensorHandle
 from shared.engine.sampling import SamplingParams
 from shared.messages import Message
+from shared.model.geometry import Grid
 
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_IMAGES = 1024
@@ -16,7 +17,7 @@ MAX_IMAGES = 1024
 
 class ImageSlot(Message, frozen=True, kw_only=True):
     offset: Annotated[int, Meta(ge=0)]  # first placeholder token of this image in token_ids
-    grid: tuple[int, int, int]
+    grid: Grid
     embedding: TensorHandle
 
 

@@ -80,7 +80,7 @@ def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     return model.get_submodule(path) if path else model, f"{layer}.{local}"
 
 
-def _load_into(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+def load_into(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
     """Copy checkpoint tensors into ``model``: fused projections take their pieces at the owner's
     ``fused_offsets``; parameters the owner lists in ``padded_params`` may be larger than the tensor
     (the tensor fills the leading block, the rest stays zero)."""
@@ -146,7 +146,7 @@ def _load(path: Path | None, role: str, build, device, dtype, load_format: str, 
     if load_format == "dummy":
         _randomize(model, seed)
     elif load_format in ("auto", "safetensors"):
-        _load_into(model, read_role_tensors(path, role))
+        load_into(model, read_role_tensors(path, role))
     else:
         raise ValueError(f"unknown load format {load_format!r}: use 'auto' or 'dummy'")
     return model.eval().requires_grad_(False)

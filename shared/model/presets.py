@@ -53,14 +53,14 @@ def materialize_preset(name: str, root: str | os.PathLike | None = None) -> Path
     """Write (once) a weightless checkpoint directory for preset ``name`` and return its path."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; known: {', '.join(sorted(PRESETS))}")
-    from shared.model.tiny import SPECIAL_TOKENS, _image_processor_config, _write_tokenizer
+    from shared.model.tiny import SPECIAL_TOKENS, image_processor_config, write_tokenizer
 
     base = Path(root or os.environ.get("EPD_CACHE_DIR") or Path(tempfile.gettempdir()) / f"epd-{os.getuid()}")
     path = base / f"preset-{name}-v2"
     if (path / "config.json").exists():
         return path
     staging = Path(tempfile.mkdtemp(dir=base.mkdir(parents=True, exist_ok=True) or base))
-    _write_tokenizer(staging, vocab_size=600)
+    write_tokenizer(staging, vocab_size=600)
     vocab = json.loads((staging / "tokenizer.json").read_text())
     ids = {t["content"]: t["id"] for t in vocab["added_tokens"]}
     if ids["<|endoftext|>"] != SPECIAL_TOKENS.index("<|endoftext|>"):
@@ -76,7 +76,7 @@ def materialize_preset(name: str, root: str | os.PathLike | None = None) -> Path
         torch_dtype="bfloat16",
     )
     (staging / "config.json").write_text(json.dumps(config, indent=2))
-    processor = _image_processor_config(config["model_type"], REAL_MAX_PIXELS)
+    processor = image_processor_config(config["model_type"], REAL_MAX_PIXELS)
     processor["min_pixels"] = REAL_MIN_PIXELS
     (staging / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
     try:

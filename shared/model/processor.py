@@ -1,7 +1,6 @@
 """Image preprocessing and tokenizer loading, without torchvision.
 
-The frontend only needs how many tokens an image becomes (``ImageGeometry``: the processor's resize
-rule, no pixels touched). The encoder turns decoded pixels into flattened patches in one of two ways:
+How many tokens an image becomes is ``shared.model.geometry`` (no pixels touched). The encoder turns decoded pixels into flattened patches in one of two ways:
 
 - ``ImagePreprocessor``: the checkpoint's own image processor (its PIL backend) on CPU threads, so its
   output is exactly the reference's;
@@ -14,62 +13,13 @@ rule, no pixels touched). The encoder turns decoded pixels into flattened patche
 
 from __future__ import annotations
 
-import json
-import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-
-@dataclass(frozen=True)
-class ImageGeometry:
-    patch_size: int = 14
-    merge_size: int = 2
-    temporal_patch_size: int = 2
-    min_pixels: int = 56 * 56
-    max_pixels: int = 28 * 28 * 1280
-
-    @classmethod
-    def from_checkpoint(cls, path: str | Path) -> "ImageGeometry":
-        raw = json.loads((Path(path) / "preprocessor_config.json").read_text())
-        size = raw.get("size") or {}
-        return cls(
-            patch_size=raw.get("patch_size", 14),
-            merge_size=raw.get("merge_size", 2),
-            temporal_patch_size=raw.get("temporal_patch_size", 2),
-            min_pixels=raw.get("min_pixels") or size.get("shortest_edge") or cls.min_pixels,
-            max_pixels=raw.get("max_pixels") or size.get("longest_edge") or cls.max_pixels,
-        )
-
-    def resized(self, height: int, width: int) -> tuple[int, int]:
-        """The processor's resize rule: sides multiple of patch×merge, area within [min, max] pixels."""
-        factor = self.patch_size * self.merge_size
-        if min(height, width) <= 0:
-            raise ValueError("image has no pixels")
-        if max(height, width) / min(height, width) > 200:
-            raise ValueError("image aspect ratio must be below 200:1")
-        h = round(height / factor) * factor
-        w = round(width / factor) * factor
-        if h * w > self.max_pixels:
-            beta = math.sqrt(height * width / self.max_pixels)
-            h = max(factor, math.floor(height / beta / factor) * factor)
-            w = max(factor, math.floor(width / beta / factor) * factor)
-        elif h * w < self.min_pixels:
-            beta = math.sqrt(self.min_pixels / (height * width))
-            h = math.ceil(height * beta / factor) * factor
-            w = math.ceil(width * beta / factor) * factor
-        return h, w
-
-    def grid(self, height: int, width: int) -> tuple[int, int, int]:
-        h, w = self.resized(height, width)
-        return 1, h // self.patch_size, w // self.patch_size
-
-    def num_tokens(self, height: int, width: int) -> int:
-        _, gh, gw = self.grid(height, width)
-        return gh * gw // self.merge_size**2
+from shared.model.geometry import Grid, ImageGeometry
 
 
 def load_image_processor(path: str | Path):
@@ -87,8 +37,10 @@ class ImagePreprocessor:
     def __init__(self, path: str | Path):
         self._processor = load_image_processor(path)
 
-    def __call__(self, pixels: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int]]:
-        out = self._processor(images=[pixels], return_tensors="np")
+    def __call__(self, pixels: np.ndarray) -> tuple[np.ndarray, Grid]:
+        # The layout is given, not inferred: HF guesses channels from the shape, and reads a 1×1 or 3×N
+        # image as channels-first.
+        out = self._processor(images=[pixels], return_tensors="np", input_data_format="channels_last")
         grid = tuple(int(x) for x in out["image_grid_thw"][0])
         return np.ascontiguousarray(out["pixel_values"], dtype=np.float32), grid
 
@@ -123,7 +75,7 @@ class TorchImagePreprocessor:
         self._scale = processor.rescale_factor / std
         self._shift = -mean / std
 
-    def grid(self, height: int, width: int) -> tuple[int, int, int]:
+    def grid(self, height: int, width: int) -> Grid:
         return self.geometry.grid(height, width)
 
     def __call__(self, pixels: torch.Tensor) -> torch.Tensor:

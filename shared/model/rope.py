@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from shared.model.geometry import Grid
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -18,7 +19,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def mrope_positions(num_tokens: int, images: Sequence[tuple[int, tuple[int, int, int]]],
+def mrope_positions(num_tokens: int, images: Sequence[tuple[int, Grid]],
                     merge_size: int) -> tuple[torch.Tensor, int]:
     """Positions ``[3, num_tokens]`` for a prompt and the delta that continues them during decode.
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.engine.kernels import fused
+from shared.kernels import fused
 from shared.model.config import TextConfig
 from shared.model.rope import MRotaryEmbedding
 

@@ -77,7 +77,7 @@ def _train_tokenizer(vocab_size: int):
     return tok
 
 
-def _write_tokenizer(path: Path, vocab_size: int) -> None:
+def write_tokenizer(path: Path, vocab_size: int) -> None:
     from transformers import PreTrainedTokenizerFast
 
     fast = PreTrainedTokenizerFast(
@@ -94,7 +94,7 @@ def _write_tokenizer(path: Path, vocab_size: int) -> None:
     (path / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
 
 
-def _image_processor_config(family: str, max_pixels: int) -> dict:
+def image_processor_config(family: str, max_pixels: int) -> dict:
     return {
         "image_processor_type": "Qwen2VLImageProcessor",
         "processor_class": "Qwen2_5_VLProcessor" if family == "qwen2_5_vl" else "Qwen2VLProcessor",
@@ -182,7 +182,7 @@ def write_tiny_checkpoint(path: str | os.PathLike, family: str = "qwen2_5_vl", s
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    _write_tokenizer(path, vocab_size=600)
+    write_tokenizer(path, vocab_size=600)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -193,7 +193,7 @@ def write_tiny_checkpoint(path: str | os.PathLike, family: str = "qwen2_5_vl", s
     model.generation_config.eos_token_id = token_ids["<|im_end|>"]
     model.generation_config.pad_token_id = token_ids["<|endoftext|>"]
     model.save_pretrained(path)
-    (path / "preprocessor_config.json").write_text(json.dumps(_image_processor_config(family, max_pixels), indent=2))
+    (path / "preprocessor_config.json").write_text(json.dumps(image_processor_config(family, max_pixels), indent=2))
     return path
 
 

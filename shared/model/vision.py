@@ -15,12 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.engine.kernels import attention as paged, fused
+from shared.kernels import attention as paged, fused
 from shared.model.config import VisionConfig
+from shared.model.geometry import Grid
 from shared.model.rope import VisionRotaryEmbedding, rotate_half
 from shared.model.text import RMSNorm
-
-Grid = tuple[int, int, int]
 
 
 def _activation(name: str):

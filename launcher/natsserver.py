@@ -15,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from launcher.processes import die_with_parent
+
 
 def nats_server_binary() -> str:
     candidates = [Path(sys.executable).parent / "nats-server", shutil.which("nats-server")]
@@ -47,7 +49,7 @@ class EmbeddedNats:
         self.process = subprocess.Popen(
             [nats_server_binary(), "-c", str(config)],
             stdout=subprocess.DEVNULL, stderr=open(self.workdir / "nats.log", "ab"),
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         self.url = self._wait_for_port(timeout)
         return self.url
@@ -87,11 +89,3 @@ class EmbeddedNats:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-
-def _die_with_parent() -> None:
-    """Child processes get SIGTERM if their parent dies, so a killed launcher leaves no orphan."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

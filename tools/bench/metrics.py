@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from services.bench.client import RequestResult
+from tools.bench.client import RequestResult
 
 PERCENTILES = (50, 90, 99)
 

@@ -33,25 +33,25 @@ def main(argv: list[str] | None = None) -> None:
     from shared.settings import parse_settings
 
     if command == "up":
-        from services.stack import UpSettings, up
+        from launcher.stack import UpSettings, up
 
         sys.exit(up(parse_settings(UpSettings, rest, "epd up")))
     if command == "submit":
         sys.exit(submit(parse_settings(_submit_settings(), rest, "epd submit")))
     if command == "bench" and rest[:1] == ["plot"]:
-        from services.bench.plot import main as plot_main
-        from services.bench.settings import PlotSettings
+        from tools.bench.plot import main as plot_main
+        from tools.bench.settings import PlotSettings
 
         sys.exit(plot_main(parse_settings(PlotSettings, rest[1:], "epd bench plot")))
     if command == "bench":
-        from services.bench.runner import main as bench_main
-        from services.bench.settings import BenchSettings
+        from tools.bench.runner import main as bench_main
+        from tools.bench.settings import BenchSettings
 
         sys.exit(bench_main(parse_settings(BenchSettings, rest, "epd bench")))
     if command == "credentials":
         sys.exit(credentials(rest))
     if command == "plan":
-        from services.bench.plan import PlanSettings, main as plan_main
+        from tools.plan.plan import PlanSettings, main as plan_main
 
         sys.exit(plan_main(parse_settings(PlanSettings, rest, "epd plan")))
     services = {
@@ -80,7 +80,7 @@ def credentials(args: list[str]) -> int:
     """``epd credentials --out DIR [--subject-prefix epd]``: per-role users for a NATS server you run."""
     import argparse
 
-    from shared.nats_auth import StackCredentials
+    from launcher.credentials import StackCredentials
 
     parser = argparse.ArgumentParser(prog="epd credentials", description=(
         "Generate a user per role (encoder, prefill, decode, frontend, aggregated, client, admin) with "

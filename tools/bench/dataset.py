@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.bench.settings import BenchSettings
+from tools.bench.settings import BenchSettings
 
 # Common English words: about one token each for real tokenizers (used when no --tokenizer is given).
 WORDS = ("the of and to in is was for on that with as by at from his her this they which you one all were "

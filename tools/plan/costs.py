@@ -19,6 +19,7 @@ import torch
 
 from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import ImageInput, Sequence
+from shared.model.geometry import Grid, grid_tokens
 
 TEMPLATE_TOKENS = 24  # the chat template around one user turn (system prompt, role markers)
 PER_IMAGE_TOKENS = 2  # <|vision_start|> and <|vision_end|> around each image's placeholders
@@ -105,7 +106,7 @@ def measure_media(settings) -> float:
     """ms for the frontend to decode one image of the workload's size, sent as the workload sends it."""
     import base64
 
-    from services.bench.dataset import data_url, make_image
+    from tools.bench.dataset import data_url, make_image
     from services.frontend.media import decode_image
 
     width, height = settings.image_size
@@ -116,7 +117,7 @@ def measure_media(settings) -> float:
 def measure_vision(settings, config, path, batches: list[int], mode: str) -> tuple[int, float, dict[int, float]]:
     """(tokens per image, CPU preprocess ms, {batch: ViT ms}); with ``mode`` torch, each batch's time
     includes moving its pixels to the device and preprocessing them there, as the encoder does."""
-    from services.bench.dataset import make_image
+    from tools.bench.dataset import make_image
     from shared.model.loader import load_vision_tower
     from shared.model.processor import ImagePreprocessor, TorchImagePreprocessor
 
@@ -143,12 +144,12 @@ def measure_vision(settings, config, path, batches: list[int], mode: str) -> tup
     with torch.inference_mode():
         for batch in batches:
             vit_ms[batch] = timer.ms(lambda: tower(patches(batch), [grid] * batch))
-    tokens = grid[0] * grid[1] * grid[2] // config.vision.merge_size ** 2
+    tokens = grid_tokens(grid, config.vision.merge_size)
     return tokens, preprocess_ms, vit_ms
 
 
 def measure_prefill(engine, config, timer: Timer, input_len: int, images: int, image_tokens: int,
-                    grid: tuple[int, int, int], tag: str) -> float:
+                    grid: Grid, tag: str) -> float:
     device, dtype = engine.runner.device, engine.runner.dtype
     rng = np.random.default_rng(images)
     ids = rng.integers(16, config.text.vocab_size, input_len + TEMPLATE_TOKENS).tolist()
@@ -215,8 +216,8 @@ def measure_costs(settings) -> Costs:
                  media_threads=settings.media_threads)
 
 
-def _grid(settings, path) -> tuple[int, int, int]:
-    from shared.model.processor import ImageGeometry
+def _grid(settings, path) -> Grid:
+    from shared.model.geometry import ImageGeometry
 
     width, height = settings.image_size
     return ImageGeometry.from_checkpoint(path).grid(height, width)

@@ -22,5 +22,5 @@ class _Lazy:
         return getattr(self._loaded, name)
 
 
-fused = _Lazy("shared.engine.kernels.fused")
-attention = _Lazy("shared.engine.kernels.attention")
+fused = _Lazy("shared.kernels.fused")
+attention = _Lazy("shared.kernels.attention")

@@ -28,8 +28,9 @@ from pydantic import Field, model_validator
 
 from shared.bus import service_stats
 from shared.logging import configure_logging, get_logger
-from shared.nats_auth import StackCredentials
-from shared.natsserver import EmbeddedNats, _die_with_parent
+from launcher.credentials import StackCredentials
+from launcher.natsserver import EmbeddedNats
+from launcher.processes import die_with_parent
 from shared.settings import CommonSettings
 
 log = get_logger(__name__)
@@ -140,7 +141,7 @@ class Stack:
             raise ValueError(f"unknown service kind {kind!r}")
         role = self.credentials.env(kind) if self.credentials else {}
         process = subprocess.Popen([sys.executable, "-m", f"services.{kind}", *args],
-                                   env={**self.env, **role, **(env or {})}, preexec_fn=_die_with_parent)
+                                   env={**self.env, **role, **(env or {})}, preexec_fn=die_with_parent)
         self.processes.append((kind, process))
         return process
 

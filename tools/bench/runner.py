@@ -20,10 +20,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from services.bench.client import RequestResult, request_body, send
-from services.bench.dataset import ImagePool, RequestSpec, build_requests
-from services.bench.metrics import by_class, format_summary, summarize
-from services.bench.settings import BenchSettings
+from tools.bench.client import RequestResult, request_body, send
+from tools.bench.dataset import ImagePool, RequestSpec, build_requests
+from tools.bench.metrics import by_class, format_summary, summarize
+from tools.bench.settings import BenchSettings
 
 WARMUP_TOKENS = 16  # a warm-up request exercises every stage; a long output would only add time
 

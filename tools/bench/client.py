@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from services.bench.dataset import RequestSpec
+from tools.bench.dataset import RequestSpec
 
 
 @dataclass

@@ -44,9 +44,9 @@ from typing import Literal
 
 from pydantic import Field
 
-from services.bench.costs import Costs, measure_costs
-from services.bench.queueing import mdc_wait, mg1_wait
-from services.bench.settings import Workload
+from tools.plan.costs import Costs, measure_costs
+from tools.plan.queueing import mdc_wait, mg1_wait
+from tools.bench.settings import Workload
 from shared.engine.settings import EngineSettings
 
 

@@ -1,0 +1,1 @@
+"""The ``epd`` command: launching a stack on one machine (``epd up``), credentials, submitting requests."""

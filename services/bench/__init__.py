@@ -1,1 +1,0 @@
-"""``epd bench`` (load generator for any OpenAI-compatible endpoint), ``epd bench plot`` and ``epd plan``."""

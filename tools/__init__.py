@@ -1,0 +1,1 @@
+"""Tools that measure: ``epd bench`` (a load generator for any OpenAI-compatible server) and ``epd plan``."""
