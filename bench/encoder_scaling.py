@@ -71,7 +71,8 @@ from bench.epd_vs_aggregated import versions  # noqa: E402
 from tools.bench.settings import parse_resolution  # noqa: E402
 from services.frontend.media import content_hash  # noqa: E402
 from launcher.stack import Stack  # noqa: E402
-from shared.bus import Subjects, call, endpoint_data, service_stats  # noqa: E402
+from shared.bus.calls import call, endpoint_data, service_stats  # noqa: E402
+from shared.bus.subjects import Subjects  # noqa: E402
 from shared.dataplane.plane import DataPlane  # noqa: E402
 from shared.messages import pack, unpack  # noqa: E402
 from shared.messages.encode import EncodeJob, EncodeResult  # noqa: E402

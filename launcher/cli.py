@@ -9,9 +9,10 @@ USAGE = """usage: epd <command> [options]
 
 commands:
   up         the whole stack on this machine (embedded NATS unless --nats-url; --topology
-             aggregated|colocated|disaggregated, GPU placement per service)
+             aggregated|colocated|disaggregated, --pd joined|split, GPU placement per kind)
   encoder    a vision encoder
-  prefill    a language-model prefill worker
+  language   a language-model worker that prefills and decodes (E/PD)
+  prefill    a language-model prefill worker (E/P/D: streams KV to decode)
   decode     a language-model decode worker
   aggregated encoder + prefill + decode in one process and one engine (the baseline)
   frontend   the OpenAI-compatible HTTP gateway
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     from shared.settings import parse_settings
 
     if command == "up":
-        from launcher.stack import UpSettings, up
+        from launcher.up import UpSettings, up
 
         sys.exit(up(parse_settings(UpSettings, rest, "epd up")))
     if command == "submit":
@@ -58,6 +59,8 @@ def main(argv: list[str] | None = None) -> None:
         "encoder": ("services.encoder.service", "EncoderService", "services.encoder.settings", "EncoderSettings"),
         "prefill": ("services.prefill.service", "PrefillService", "services.prefill.settings", "PrefillSettings"),
         "decode": ("services.decode.service", "DecodeService", "services.decode.settings", "DecodeSettings"),
+        "language": ("services.language.service", "LanguageService", "services.language.settings",
+                     "LanguageSettings"),
         "aggregated": ("services.aggregated.service", "AggregatedService", "services.aggregated.settings",
                        "AggregatedSettings"),
         "frontend": ("services.frontend.service", "FrontendService", "services.frontend.settings",
@@ -83,7 +86,7 @@ def credentials(args: list[str]) -> int:
     from launcher.credentials import StackCredentials
 
     parser = argparse.ArgumentParser(prog="epd credentials", description=(
-        "Generate a user per role (encoder, prefill, decode, frontend, aggregated, client, admin) with "
+        "Generate a user per role (encoder, prefill, decode, language, aggregated, frontend, client, admin) with "
         "subject permissions limited to its work: DIR/nats-auth.conf goes into the nats-server "
         "configuration (`include`), DIR/<role>.env gives each process its EPD_NATS_USER/EPD_NATS_PASSWORD."))
     parser.add_argument("--out", required=True, help="directory for the files (created; files are mode 0600)")
@@ -128,8 +131,10 @@ def submit(settings) -> int:
     async def run() -> None:
         import nats
 
+        from shared.bus.subjects import Subjects
+
         nc = await nats.connect(name="epd-submit", connect_timeout=5, allow_reconnect=False,
-                                **settings.nats_options())
+                                inbox_prefix=Subjects(prefix).inbox("client"), **settings.nats_options())
         try:
             if settings.durable:
                 job_id = await submit_job(nc, request, prefix, settings.job_id or None)

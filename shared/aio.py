@@ -1,8 +1,13 @@
-"""Small asyncio helpers for handing results from worker threads back to the event loop."""
+"""Small asyncio helpers: results handed back from worker threads, and tracked background tasks."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
+
+from shared.logging import get_logger
+
+log = get_logger(__name__)
 
 
 def settle(future: asyncio.Future, result=None, error: BaseException | None = None) -> None:
@@ -13,3 +18,48 @@ def settle(future: asyncio.Future, result=None, error: BaseException | None = No
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+class TaskSet:
+    """Background tasks a component starts and must not lose: each is tracked until it ends, a failure
+    is logged once with the set's name (an ``expected`` exception type is the caller's business and is
+    not), and ``drain``/``cancel`` end them all. ``idle`` is set whenever no task runs."""
+
+    def __init__(self, name: str, expected: tuple[type[BaseException], ...] = ()):
+        self.name = name
+        self.expected = expected
+        self.tasks: set[asyncio.Task] = set()
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.failures = 0
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def spawn(self, work: Coroutine, name: str | None = None) -> asyncio.Task:
+        task = asyncio.create_task(work, name=name or self.name)
+        self.tasks.add(task)
+        self.idle.clear()
+        task.add_done_callback(self._reap)
+        return task
+
+    def _reap(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        if not self.tasks:
+            self.idle.set()
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is not None and not isinstance(error, self.expected):
+            self.failures += 1
+            log.error("task.failed", tasks=self.name, error=repr(error))
+
+    async def drain(self) -> None:
+        """Wait for every task running now and every one they start meanwhile."""
+        await self.idle.wait()
+
+    async def cancel(self) -> None:
+        tasks = list(self.tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

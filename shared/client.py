@@ -24,9 +24,10 @@ from nats.aio.client import Client
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 from nats.js.api import RetentionPolicy, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
-from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER
 
-from shared.bus import Subjects
+from shared.bus.calls import error_of
+from shared.bus.subjects import Subjects
+from shared.errors import ServiceError
 
 STREAM_HEADER = "Epd-Stream"  # on a chat stream's last message: "end", or "error" beside the error headers
 STREAM_END = "end"
@@ -40,14 +41,15 @@ DUPLICATE_WINDOW = 120.0  # seconds JetStream drops a second message with the sa
 _NAME_UNSAFE = ">*. /\\\t\r\n"
 
 
-class ChatError(Exception):
+class ChatError(ServiceError):
     """The stack answered with an error: ``status`` as over HTTP, ``body`` the OpenAI error body."""
 
     def __init__(self, status: int, message: str, body: dict | None = None):
-        super().__init__(f"{status}: {message}")
-        self.status = status
-        self.message = message
+        super().__init__(status, message)
         self.body = body or {"error": {"message": message, "type": "server_error", "param": None, "code": status}}
+
+    def __str__(self) -> str:
+        return f"{self.status}: {self.message}"
 
 
 def valid_job_id(job_id: str) -> bool:
@@ -83,7 +85,9 @@ class JobStreams:
         return [jobs, results]
 
     async def ensure(self, js, update: bool = False) -> None:
-        """Create the streams if missing; submitters and frontends both call it, in any order.
+        """Create the streams if missing; the launcher, frontends and (on an open server) submitters
+        call it, in any order. On a secured server only the server-side roles may create streams: a
+        submitter that finds none gets a 503 instead of waiting.
 
         ``update``: also bring an existing results stream to this ``result_max_age`` (the frontend
         owns that setting; a submitter leaves whatever is there).
@@ -96,6 +100,9 @@ class JobStreams:
                     await js.add_stream(config)
                 except BadRequestError:  # created meanwhile by someone else (10058: name in use)
                     await js.stream_info(config.name)
+                except NatsTimeout:  # no permission to create it (a secured server): nobody set jobs up
+                    raise ChatError(503, "durable jobs are not set up on this stack yet: start its frontend "
+                                         "(or `epd up`) first") from None
                 continue
             if update and config.max_age is not None and info.config.max_age != config.max_age:
                 await js.update_stream(info.config.evolve(max_age=config.max_age,
@@ -107,11 +114,11 @@ def _stream_safe(prefix: str) -> str:
 
 
 @asynccontextmanager
-async def _connected(nc_or_url: Client | str):
+async def _connected(nc_or_url: Client | str, prefix: str):
     if not isinstance(nc_or_url, str):
         yield nc_or_url
         return
-    nc = await nats.connect(nc_or_url)
+    nc = await nats.connect(nc_or_url, inbox_prefix=Subjects(prefix).inbox("client"))
     try:
         yield nc
     finally:
@@ -120,24 +127,19 @@ async def _connected(nc_or_url: Client | str):
 
 def raise_for_error(headers: dict | None, data: bytes) -> None:
     """Raise ``ChatError`` when a message carries the NATS service API's error headers."""
-    headers = headers or {}
-    if ERROR_CODE_HEADER not in headers:
+    if (error := error_of(headers)) is None:
         return
-    try:
-        status = int(headers[ERROR_CODE_HEADER])
-    except ValueError:
-        status = 500
     try:
         body = json.loads(data) if data else None
     except ValueError:
         body = None
-    raise ChatError(status, headers.get(ERROR_HEADER, "request failed"), body)
+    raise ChatError(error[0], error[1] or "request failed", body)
 
 
 async def chat(nc_or_url: Client | str, request: dict, prefix: str = "epd", timeout: float = 300.0) -> dict:
     """One ChatCompletion (as a dict) for an OpenAI chat request; raises ``ChatError``."""
     body = json.dumps({**request, "stream": False}).encode()
-    async with _connected(nc_or_url) as nc:
+    async with _connected(nc_or_url, prefix) as nc:
         try:
             msg = await nc.request(Subjects(prefix).chat, body, timeout=timeout)
         except NoRespondersError:
@@ -153,7 +155,7 @@ async def chat_stream(nc_or_url: Client | str, request: dict, prefix: str = "epd
     """The ChatCompletionChunks (dicts) of a streamed answer; ``timeout`` bounds the wait for each one."""
     subject = Subjects(prefix).chat
     body = json.dumps({**request, "stream": True}).encode()
-    async with _connected(nc_or_url) as nc:
+    async with _connected(nc_or_url, prefix) as nc:
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox)  # before the request: no chunk can be missed
         try:
@@ -184,7 +186,7 @@ async def submit_job(nc_or_url: Client | str, request: dict, prefix: str = "epd"
         raise ValueError(f"job id {job_id!r} must be 1-128 characters without dots, spaces or wildcards")
     streams = JobStreams(prefix)
     body = json.dumps({"id": job_id, "request": request}).encode()
-    async with _connected(nc_or_url) as nc:
+    async with _connected(nc_or_url, prefix) as nc:
         js = nc.jetstream()
         await streams.ensure(js)
         await js.publish(streams.subjects.jobs, body, headers={MSG_ID_HEADER: job_id}, stream=streams.jobs)
@@ -195,7 +197,7 @@ async def wait_result(nc_or_url: Client | str, job_id: str, prefix: str = "epd",
     """The ChatCompletion (dict) of a job, waiting up to ``timeout`` s for it; raises ``ChatError``."""
     streams = JobStreams(prefix)
     subject = streams.subjects.results(job_id)
-    async with _connected(nc_or_url) as nc:
+    async with _connected(nc_or_url, prefix) as nc:
         js = nc.jetstream()
         await streams.ensure(js)
         live = await nc.subscribe(subject)  # before the look-up: a result stored meanwhile is seen live

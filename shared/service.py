@@ -1,60 +1,69 @@
 """The lifecycle every service shares: start → ready → drain → stop.
 
-A service connects to NATS, registers with the NATS service API (``nats.micro``: name, version,
-endpoints, stats; ``nats micro ls`` lists every instance), serves its queue group, and on SIGTERM or
-SIGINT leaves the queue group first (no new work), lets in-flight work finish, then exits.
+A service connects to NATS (as its role, replies on the role's own inbox), runs ``setup`` (models,
+engine threads, data plane: each resource registers its own release in ``self.resources`` as it is
+taken, so a setup that fails half-way is unwound, and a stop releases everything in reverse order),
+subscribes its endpoints, and only then answers the NATS service API: listed means ready. On SIGTERM
+or SIGINT it leaves its intake queue groups (requests NATS already delivered are still answered),
+waits for in-flight work (``drain``, bounded by ``--drain-seconds``), withdraws from the service API
+and releases its resources.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import signal
-import uuid
+import sys
+from contextlib import AsyncExitStack
 
-import nats.micro
 from nats.aio.client import Client
-from nats.micro.service import Service
 
 from shared import __version__
-from shared.bus import Subjects, connect, leave_endpoints
+from shared.bus.connection import connect
+from shared.bus.directory import service_name
+from shared.bus.service_api import Endpoint, Registration
+from shared.bus.subjects import Subjects
 from shared.logging import configure_logging, get_logger
 
 log = get_logger(__name__)
 
+STATES = ("starting", "ready", "draining", "stopped")
 
-class ServiceBase:
-    """Subclasses set ``kind`` and ``description`` and implement ``setup``; ``drain``/``close``/``stats`` optional."""
+
+class Service:
+    """Subclasses set ``kind`` and ``description``, implement ``setup`` and ``endpoints``; ``intake_endpoints``,
+    ``drain``, ``stats`` and ``metadata`` are optional."""
 
     kind = "service"
     description = ""
+    intake_endpoints: set[str] | None = None  # endpoints left first on SIGTERM; None: all of them
 
     def __init__(self, settings):
         self.settings = settings
         self.subjects = Subjects(settings.subject_prefix)
-        self.instance = uuid.uuid4().hex[:12]
+        self.instance = f"{self.kind}-{secrets.token_hex(6)}"  # the kind first: pingable from the id alone
         self.nc: Client | None = None
-        self.service: Service | None = None
+        self.registration: Registration | None = None
+        self.resources = AsyncExitStack()
         self.stopping = asyncio.Event()
+        self.state = "starting"
 
-    async def setup(self, nc: Client) -> None:
+    # -- what a service provides ------------------------------------------------------------------
+    async def setup(self) -> None:
         """Load models, start workers and the data plane: everything needed before taking work."""
         raise NotImplementedError
 
-    async def serve(self, service: Service) -> None:
-        """Add the endpoints (join the queue groups). Called once setup is done, so a listed service is ready."""
+    def endpoints(self) -> list[Endpoint]:
+        return []
 
-    async def stop_intake(self) -> None:
-        """Stop taking new work: by default leave every queue group (requests already delivered here are
-        still handled). A service whose in-flight work still needs some endpoints (decode: KV chunks and
-        starts) leaves only its intake."""
-        await leave_endpoints(self.service)
+    async def on_ready(self) -> None:
+        """Work that starts once the service is listed (pulling durable jobs, say)."""
 
     async def drain(self) -> None:
-        """Wait for in-flight work; called after ``stop_intake``."""
-
-    async def close(self) -> None:
-        """Release resources (engine threads, data plane)."""
+        """Wait until in-flight work is done (called after leaving the intake queue groups)."""
+        await self.registration.drain()
 
     def stats(self) -> dict:
         """Service-specific figures, served in the NATS service API's stats (``data`` of each endpoint)."""
@@ -67,46 +76,72 @@ class ServiceBase:
             meta["data"] = plane.address  # where this instance's data plane listens (operators, tests)
         return meta
 
+    async def open_plane(self) -> None:
+        """Start this service's data plane (``self.plane``); it stops with the other resources."""
+        await self.plane.start()
+        self.resources.push_async_callback(self.plane.stop)
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready" and self.nc is not None and self.nc.is_connected
+
+    # -- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
-        self.nc = await connect(self.settings, f"epd-{self.kind}-{self.instance}")
-        await self.setup(self.nc)
-        self.service = await nats.micro.add_service(
-            self.nc, name=f"epd-{self.kind}", version=__version__, description=self.description,
-            metadata=self.metadata(), stats_handler=lambda _endpoint: self.stats(),
-        )
-        await self.serve(self.service)
-        await self.nc.flush()
-        log.info("service.ready", kind=self.kind, instance=self.instance, service_id=self.service.id)
+        self.nc = await connect(self.settings, f"epd-{self.instance}", self.kind)
+        self.resources.push_async_callback(self._close_bus)
+        await self.setup()
+        self.registration = Registration(self.nc, service_name(self.kind), self.instance, __version__,
+                                         self.description, self.metadata(), self._listed_stats)
+        for endpoint in self.endpoints():
+            await self.registration.add(endpoint)
+        await self.registration.announce()
+        self.state = "ready"
+        await self.on_ready()
+        log.info("service.ready", kind=self.kind, instance=self.instance)
 
     async def stop(self) -> None:
-        if self.service is not None:
-            await self.stop_intake()  # no new work reaches this instance
-        # Without a bus nothing in flight can finish (no replies, no tokens out): do not wait long for it.
-        grace = self.settings.drain_seconds if self.nc is not None and self.nc.is_connected else 1.0
-        try:
-            await asyncio.wait_for(self.drain(), min(grace, self.settings.drain_seconds))
-        except asyncio.TimeoutError:
-            log.warning("service.drain_timeout", seconds=grace)
-        if self.service is not None:
-            await self.service.stop()
-        await self.close()
-        if self.nc is not None and not self.nc.is_closed:
-            try:  # flush what is pending; a bus that is gone (or reconnecting forever) must not hold the exit
-                if not self.nc.is_connected:
-                    raise ConnectionError("not connected")
-                await asyncio.wait_for(self.nc.drain(), 5.0)
-            except Exception:
-                try:
-                    await self.nc.close()
-                except Exception:  # the socket is already gone: nothing left to close cleanly
-                    pass
+        self.state = "draining"
+        if self.registration is not None:
+            await self.registration.leave(self.intake_endpoints)  # no new work reaches this instance
+            # Without a bus nothing in flight can finish (no replies, no tokens out): do not wait long.
+            grace = self.settings.drain_seconds if self.nc.is_connected else min(1.0, self.settings.drain_seconds)
+            try:
+                await asyncio.wait_for(self.drain(), grace)
+            except asyncio.TimeoutError:
+                log.warning("service.drain_timeout", seconds=grace)
+            await self.registration.leave()
+            await self.registration.withdraw()
+        await self.resources.aclose()
+        self.state = "stopped"
         log.info("service.stopped", kind=self.kind, instance=self.instance)
+
+    def _listed_stats(self) -> dict:
+        # "draining": routers stop choosing this instance before its listing disappears
+        return {**self.stats(), "draining": int(self.state == "draining")}
+
+    async def _close_bus(self) -> None:
+        nc = self.nc
+        if nc is None or nc.is_closed:
+            return
+        try:  # flush what is pending; a bus that is gone (or reconnecting forever) must not hold the exit
+            if not nc.is_connected:
+                raise ConnectionError("not connected")
+            await asyncio.wait_for(nc.drain(), 5.0)
+        except Exception:
+            try:
+                await nc.close()
+            except Exception:  # the socket is already gone: nothing left to close cleanly
+                pass
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:
+            await self.resources.aclose()  # a setup that failed half-way releases what it took
+            raise
         await self.stopping.wait()
         log.info("service.draining", kind=self.kind, instance=self.instance)
         await self.stop()
@@ -124,22 +159,15 @@ async def _end_leftover_tasks(timeout: float = 2.0) -> None:
     _, pending = await asyncio.wait(leftovers, timeout=timeout) if leftovers else (set(), set())
     if pending:
         log.warning("service.tasks_would_not_end", tasks=sorted(t.get_name() for t in pending))
-        import sys
-
         sys.stderr.flush()
         os._exit(0)
 
 
-def run_service(service_cls, settings) -> None:
-    configure_logging(settings.log_level, settings.log_format, f"epd-{service_cls.kind}")
-    asyncio.run(service_cls(settings).run())
-
-
 def service_main(service_cls, settings_cls, argv: list[str] | None = None) -> None:
     """Entry point of ``python -m services.<kind>`` and ``epd <kind>``: flags → settings → run."""
-    import sys
-
     from shared.settings import parse_settings
 
     args = sys.argv[1:] if argv is None else argv
-    run_service(service_cls, parse_settings(settings_cls, args, f"epd {service_cls.kind}"))
+    settings = parse_settings(settings_cls, args, f"epd {service_cls.kind}")
+    configure_logging(settings.log_level, settings.log_format, f"epd-{service_cls.kind}")
+    asyncio.run(service_cls(settings).run())

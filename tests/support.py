@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from launcher.stack import Stack
-from shared.bus import endpoint_data, service_stats  # noqa: F401  (endpoint_data: for the tests)
+from shared.bus.calls import endpoint_data, service_stats  # noqa: F401  (endpoint_data: for the tests)
 
 
 def make_image(seed: int, height: int, width: int) -> Image.Image:
@@ -62,10 +62,17 @@ class Reference:
                       mm_token_type_ids=(ids == self.model.config.image_token_id).int())
         return inputs
 
-    def generate(self, text: str, images: list[Image.Image], max_new_tokens: int) -> list[int]:
+    def generate(self, text: str, images: list[Image.Image], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
+        """Greedy ids; ``ignore_eos``: exactly ``max_new_tokens`` (EOS may be generated, nothing stops it)."""
+        import copy
+
         inputs = self.inputs(text, images)
+        config = copy.deepcopy(self.model.generation_config)
+        config.max_new_tokens, config.do_sample = max_new_tokens, False
+        if ignore_eos:
+            config.eos_token_id = []
         with torch.no_grad():
-            out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+            out = self.model.generate(**inputs, generation_config=config)
         return out[0, inputs["input_ids"].shape[1]:].tolist()
 
     def text(self, ids: list[int]) -> str:

@@ -108,7 +108,7 @@ async def test_services_connect_to_a_tls_server_with_its_ca(tmp_path):
     import shutil
     import subprocess
 
-    from shared.bus import connect
+    from shared.bus.connection import connect
     from shared.settings import CommonSettings
 
     if not shutil.which("openssl"):
@@ -127,7 +127,7 @@ async def test_services_connect_to_a_tls_server_with_its_ca(tmp_path):
     tls = f'tls {{ cert_file: "{tmp_path}/server.pem", key_file: "{tmp_path}/server.key" }}'
     with EmbeddedNats(config_text=tls, jetstream=False) as server:
         url = server.url.replace("nats://", "tls://")
-        nc = await connect(CommonSettings(nats_url=url, nats_tls_ca=str(tmp_path / "ca.pem")), "tls-test")
+        nc = await connect(CommonSettings(nats_url=url, nats_tls_ca=str(tmp_path / "ca.pem")), "tls-test", "encoder")
         assert nc.is_connected
         await nc.close()
         with pytest.raises(Exception):  # without the CA the certificate does not verify

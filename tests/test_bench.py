@@ -15,7 +15,7 @@ from tools.bench.dataset import build_requests
 from tools.plan.queueing import erlang_c, mdc_wait
 from tools.bench.runner import arrival_times
 from tools.bench.settings import BenchSettings
-from launcher.stack import UpSettings
+from launcher.up import UpSettings
 from shared.settings import parse_settings
 from tests.support import chat_messages, make_image
 from tests.test_up import descendants

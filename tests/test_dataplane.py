@@ -187,11 +187,11 @@ async def test_a_holder_that_is_gone_is_a_clear_error(transport):
     [holder] = await started(DataPlane(transport))
     handle = holder.publish(torch.zeros(10))
     await stopped(holder)
-    [consumer] = await started(DataPlane("zmq", pull_timeout=2.0))
+    [consumer] = await started(DataPlane("zmq"))  # the default 60 s pull timeout: it must not be waited out
     started_at = time.monotonic()
     with pytest.raises(DataPlaneError) as gone:
         await consumer.pull(handle)
-    assert gone.value.code in ("unreachable", "timeout") and time.monotonic() - started_at < 10
+    assert gone.value.code == "unreachable" and time.monotonic() - started_at < 5
     await stopped(consumer)
 
 

@@ -22,7 +22,8 @@ from services.encoder.cache import Embedding, EmbeddingCache
 from services.encoder.fingerprint import encoder_fingerprint
 from services.frontend.media import content_hash
 from services.frontend.routing import EncoderInfo, assign
-from shared.bus import Subjects, call
+from shared.bus.calls import call
+from shared.bus.subjects import Subjects
 from shared.dataplane.plane import DataPlane
 from shared.embedding_index import embedding_key
 from shared.messages import pack, unpack

@@ -14,7 +14,8 @@ import nats
 import pytest
 import zmq
 
-from shared.bus import Subjects, gather_replies
+from shared.bus.calls import gather_replies
+from shared.bus.subjects import Subjects
 from tests.support import chat_messages, make_image
 
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from launcher.stack import Stack
-from shared.bus import Subjects, call, endpoint_data, service_stats
+from shared.bus.calls import call, endpoint_data, service_stats
+from shared.bus.subjects import Subjects
 from shared.dataplane.plane import DataPlane
 from shared.engine.sampling import SamplingParams
 from shared.messages import pack, unpack

@@ -1,8 +1,15 @@
-"""Batches images from any number of requests into one variable-length ViT forward, in its own thread.
+"""Batches images from any number of requests into one variable-length ViT forward.
 
 Items are either patches made on CPU, or raw pixels that ``prepare`` turns into patches on the tower's
 device right before the forward (GPU preprocessing: only the 8-bit pixels cross to the GPU, an eighth of
 the bytes of the float32 patches, which repeat every pixel for both temporal frames).
+
+Who runs the forwards:
+- an encoder process: the batcher's own thread (``start``), blocking on its queue;
+- a process that also runs the language model (aggregated): the engine's thread, which calls ``step``
+  between engine steps (``EngineLoop.attach``). One thread then drives the GPU: the ViT waits for at
+  most one engine step instead of contending with it for the interpreter and the device, and each
+  engine step waits for at most one ViT batch (bounded by ``max_images`` / ``max_patches``).
 """
 
 from __future__ import annotations
@@ -10,12 +17,13 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from services.encoder.metrics import BatchSizes, RateMeter
+from services.encoder.metrics import BatchSizes, RateMeter, StageTimes
 from shared.aio import settle
 from shared.logging import get_logger
 from shared.model.geometry import Grid, grid_tokens
@@ -29,6 +37,7 @@ class _Item:
     source: torch.Tensor  # patches [N, patch_dim], or pixels [H, W, 3] uint8 when the batcher prepares them
     grid: Grid
     future: asyncio.Future
+    queued_at: float = field(default_factory=time.monotonic)
 
     @property
     def patches(self) -> int:
@@ -48,59 +57,77 @@ class VisionBatcher:
         self.dtype = next(tower.parameters()).dtype
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._carry: _Item | None = None
-        # A stream of its own: in a process that also runs the language model (aggregated), the ViT's
-        # kernels would otherwise queue in one stream behind (and between) the engine's prefill and
-        # decode steps; here they run beside them. Results are complete before anyone sees them.
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._thread = threading.Thread(target=self._run, name="vision", daemon=True)
+        self._thread: threading.Thread | None = None
+        self.wake: Callable[[], None] = lambda: None  # the engine loop's, once attached to one
         self.batches = 0
         self.images = 0
         self.patches = 0
         self.batch_sizes = BatchSizes(max_images)
         self.images_rate = RateMeter()
+        self.times = StageTimes(("queue", "forward"))
 
     @property
     def queued(self) -> int:
         """Images waiting for a ViT forward (read from the loop while the vision thread takes them)."""
         return self._queue.qsize() + (self._carry is not None)
 
+    def has_work(self) -> bool:
+        return self.queued > 0
+
     def start(self) -> None:
+        """Run forwards in a thread of this batcher's own."""
+        self._thread = threading.Thread(target=self._run, name="vision", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=30)
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=30)
 
     def encode(self, source: torch.Tensor, grid: Grid) -> asyncio.Future:
         """Queue one image (its patches, or its pixels with ``prepare``); the future resolves to its
         embeddings ``[tokens, out_dim]``."""
         future = self.loop.create_future()
         self._queue.put(_Item(source, grid, future))
+        self.wake()
         return future
 
-    def _run(self) -> None:
-        while True:
-            batch = self._collect()
-            if batch is None:
-                return
-            try:
-                if self.stream is None:
-                    outputs = self._forward(batch)
-                else:
-                    with torch.cuda.stream(self.stream):
-                        outputs = self._forward(batch)
-                    self.stream.synchronize()
-            except Exception as err:
-                log.exception("vision.batch_failed", images=len(batch))
-                for item in batch:
-                    self.loop.call_soon_threadsafe(settle, item.future, None, err)
-                continue
-            for item, out in zip(batch, outputs):
-                self.loop.call_soon_threadsafe(settle, item.future, out, None)
+    def step(self) -> None:
+        """One batch of what is queued now, if anything (the engine thread, between its steps)."""
+        batch = self._collect(block=False)
+        if batch:
+            self._forward_and_settle(batch)
 
-    def _collect(self) -> list[_Item] | None:
-        first = self._carry or self._queue.get()
+    def _run(self) -> None:
+        while (batch := self._collect(block=True)) is not None:
+            self._forward_and_settle(batch)
+
+    def _forward_and_settle(self, batch: list[_Item]) -> None:
+        started = time.monotonic()
+        for item in batch:
+            self.times.add("queue", started - item.queued_at)
+        try:
+            outputs = self._forward(batch)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # complete before anyone reads them
+        except Exception as err:
+            log.exception("vision.batch_failed", images=len(batch))
+            for item in batch:
+                self.loop.call_soon_threadsafe(settle, item.future, None, err)
+            return
+        self.times.add("forward", time.monotonic() - started, count=len(batch))
+        for item, out in zip(batch, outputs):
+            self.loop.call_soon_threadsafe(settle, item.future, out, None)
+
+    def _collect(self, block: bool) -> list[_Item] | None:
+        """The next batch: up to ``max_images`` and ``max_patches``; None once stopped (thread mode)."""
+        first = self._carry
         self._carry = None
+        if first is None:
+            try:
+                first = self._queue.get() if block else self._queue.get_nowait()
+            except queue.Empty:
+                return []
         if first is None:
             return None
         batch, patches = [first], first.patches
@@ -127,11 +154,9 @@ class VisionBatcher:
             patches = torch.cat([self.prepare(item.source.to(self.device)) for item in batch])
         grids = [item.grid for item in batch]
         embeds = self.tower(patches, grids)
-        sizes = [grid_tokens(g, self.tower.config.merge_size) for g in grids]
         self.batches += 1
         self.images += len(batch)
         self.patches += patches.shape[0]
         self.batch_sizes.observe(len(batch))
         self.images_rate.add(len(batch))
-        return list(embeds.split(sizes))
-
+        return list(embeds.split([grid_tokens(g, self.tower.config.merge_size) for g in grids]))

@@ -56,3 +56,26 @@ class RateMeter:
     def _prune(self, now: int) -> None:
         for second in [s for s in self._per_second if s <= now - self.window]:
             del self._per_second[second]
+
+
+class StageTimes:
+    """Seconds spent per stage, cumulative (``<stage>_seconds_total`` and ``<stage>_count``, as a
+    Prometheus summary without quantiles): a reader takes differences between two readings."""
+
+    def __init__(self, stages: tuple[str, ...]):
+        self._seconds = dict.fromkeys(stages, 0.0)
+        self._counts = dict.fromkeys(stages, 0)
+        self._lock = threading.Lock()
+
+    def add(self, stage: str, seconds: float, count: int = 1) -> None:
+        with self._lock:
+            self._seconds[stage] += seconds * count  # each of ``count`` items spent ``seconds`` here
+            self._counts[stage] += count
+
+    def stats(self, prefix: str = "") -> dict[str, float]:
+        with self._lock:
+            out: dict[str, float] = {}
+            for stage, seconds in self._seconds.items():
+                out[f"{prefix}{stage}_seconds_total"] = round(seconds, 6)
+                out[f"{prefix}{stage}_count"] = self._counts[stage]
+            return out

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 
 from services.encoder.cache import Embedding
-from shared.bus import ServiceCallError, Subjects, call
+from shared.bus.calls import ServiceCallError, call
+from shared.bus.subjects import Subjects
 from shared.dataplane.plane import DataPlane
 from shared.dataplane.store import DataPlaneError
 from shared.logging import get_logger
@@ -18,10 +19,6 @@ from shared.messages import ProtocolError, pack, unpack
 from shared.messages.encode import EmbeddingFetch, EmbeddingLoan
 
 log = get_logger(__name__)
-
-
-def fetch_subject(subjects: Subjects, instance: str) -> str:
-    return f"{subjects.encode_on(instance)}.fetch"
 
 
 class PeerEncoders:
@@ -36,7 +33,7 @@ class PeerEncoders:
     async def borrow(self, holder: str, key: str) -> Embedding | None:
         """``holder``'s embeddings for ``key``, pulled here; None if it cannot lend them."""
         try:
-            reply = await call(self.nc, fetch_subject(self.subjects, holder), pack(EmbeddingFetch(key=key)),
+            reply = await call(self.nc, self.subjects.encode_fetch(holder), pack(EmbeddingFetch(key=key)),
                                self.timeout, "encoder holding the image")
             loan = unpack(EmbeddingLoan, reply)
             tensor = await asyncio.wait_for(self.plane.pull(loan.embedding), self.timeout)

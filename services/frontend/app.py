@@ -1,81 +1,113 @@
-"""The OpenAI-compatible HTTP API: /v1/chat/completions (streaming and not), /v1/models, /health, /metrics."""
+"""The OpenAI-compatible HTTP API: /v1/chat/completions (streaming and not), /v1/models, /health, /metrics.
+
+Every error is an OpenAI error body with the right status: a body that is not JSON, not UTF-8 or nested
+too deeply is a 400 that says so; an unknown path a 404; anything unexpected a 500 "internal error"
+(the details go to the log).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.frontend.errors import ApiError
-from services.frontend.pipeline import Generation
+from services.frontend.gateway import Gateway
+from services.frontend.generation import Generation
 from services.frontend.protocol import ChatCompletion, ChatCompletionRequest, ErrorResponse, ModelCard, ModelList
-from services.frontend.responses import admit, chunk_json, chunks, complete, include_usage, invalid_request
+from services.frontend.responses import chunk_json, include_usage, invalid_request
+from shared import __version__
 from shared.logging import get_logger
 
 log = get_logger(__name__)
 
-_ERRORS = {status: {"model": ErrorResponse} for status in (400, 413, 429, 503, 504)}
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 404, 413, 429, 503, 504)}
 
 
-def create_app(frontend) -> FastAPI:
-    """``frontend`` is the running FrontendService (pipeline, admission, metrics, model name)."""
-    app = FastAPI(title="epd", version=frontend.version, docs_url=None, redoc_url=None)
+@dataclass(frozen=True)
+class ServedModel:
+    name: str
+    created: int
+    max_model_len: int
 
+
+def create_app(gateway: Gateway, model: ServedModel, ready: Callable[[], bool], metrics: Callable[[], bytes],
+               max_body_bytes: int) -> FastAPI:
+    app = FastAPI(title="epd", version=__version__, docs_url=None, redoc_url=None)
+    _install_error_handlers(app)
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = ready()
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model.name, created=model.created, max_model_len=model.max_model_len)])
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=_ERRORS)
+    async def chat(body: ChatCompletionRequest, request: Request):
+        generation = await _unless_disconnected(gateway.start(body), request)
+        if body.stream:
+            return GenerationStream(generation, _sse(gateway.chunks(generation, include_usage(body))))
+        try:
+            return await _unless_disconnected(gateway.complete(generation), request)
+        finally:
+            generation.close()
+
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, err: ApiError) -> JSONResponse:
         headers = {"Retry-After": "1"} if err.status in (429, 503) else None
         return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_request: Request, err: RequestValidationError) -> JSONResponse:
-        return await _api_error(_request, invalid_request(err.errors()))
+    async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        errors = err.errors()
+        if errors and errors[0].get("type") == "json_invalid":
+            problem = (errors[0].get("ctx") or {}).get("error", "invalid JSON")
+            return await _api_error(request, ApiError(400, f"request body is not valid JSON: {problem}"))
+        return await _api_error(request, invalid_request(errors))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_request: Request, err: StarletteHTTPException) -> JSONResponse:
-        return await _api_error(_request, ApiError(err.status_code, str(err.detail)))
+    async def _http(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        return await _api_error(request, ApiError(err.status_code, _http_message(err)))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_request: Request, err: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, err: Exception) -> JSONResponse:
         log.exception("http.unhandled", error=type(err).__name__)
-        return await _api_error(_request, ApiError(500, "internal error"))
+        return await _api_error(request, ApiError(500, "internal error"))
 
-    app.add_middleware(BodyLimit, limit=frontend.settings.max_body_bytes)
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        ok = frontend.nc is not None and frontend.nc.is_connected
-        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        await frontend.refresh_metrics()
-        return Response(generate_latest(frontend.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models", response_model=ModelList)
-    async def models() -> ModelList:
-        card = ModelCard(id=frontend.model_name, created=frontend.started, max_model_len=frontend.max_model_len)
-        return ModelList(data=[card])
-
-    @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=_ERRORS)
-    async def chat(body: ChatCompletionRequest, request: Request):
-        generation = await _unless_disconnected(admit(frontend, body), request)
-        if body.stream:
-            stream = _sse(frontend, generation, include_usage(body))
-            return StreamingResponse(stream, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        try:
-            return await _unless_disconnected(complete(frontend, generation), request)
-        finally:
-            frontend.admission.release()
-
-    return app
+def _http_message(err: StarletteHTTPException) -> str:
+    """What went wrong, in words a client can act on (FastAPI's own are vague)."""
+    cause = err.__cause__
+    if isinstance(cause, UnicodeDecodeError):
+        return "request body is not valid UTF-8"
+    if isinstance(cause, RecursionError):
+        return "request body JSON is nested too deeply"
+    if isinstance(cause, ValueError):
+        return "request body is not valid JSON"
+    if err.status_code == 404:
+        return "no such endpoint: see /v1/models and /v1/chat/completions"
+    if err.status_code == 405:
+        return "method not allowed on this endpoint"
+    return str(err.detail)
 
 
 class BodyLimit:
@@ -117,11 +149,27 @@ class BodyLimit:
         await response(scope, receive, send)
 
 
+class GenerationStream(StreamingResponse):
+    """The SSE response of a generation, which it closes however the response ends — also when the
+    server cancels it before the body generator ever ran (a generator's own ``finally`` would not run)."""
+
+    def __init__(self, generation: Generation, body: AsyncIterator[str]):
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.generation = generation
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.generation.close()
+
+
 async def _unless_disconnected(work, request: Request):
     """Await ``work`` (admission: encoding, prefill; or collecting a whole answer), abandoning it if the
     client hangs up meanwhile."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.create_task(_wait_disconnect(request))
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
@@ -138,15 +186,13 @@ async def _wait_disconnect(request: Request) -> None:
         await asyncio.sleep(0.25)
 
 
-async def _sse(frontend, generation: Generation, usage: bool) -> AsyncIterator[str]:
+async def _sse(chunks) -> AsyncIterator[str]:
     """Server-sent events: the chunks, then [DONE]; an error after streaming began is an ``error`` event."""
     try:
-        async with aclosing(chunks(frontend, generation, usage)) as stream:
+        async with aclosing(chunks) as stream:
             async for chunk in stream:
                 yield f"data: {chunk_json(chunk)}\n\n"
         yield "data: [DONE]\n\n"
     except ApiError as err:
         yield f"data: {json.dumps(err.body())}\n\n"
         yield "data: [DONE]\n\n"
-    finally:
-        frontend.admission.release()

@@ -20,10 +20,12 @@ from nats.js.errors import NotFoundError
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from services.frontend.errors import ApiError
-from services.frontend.nats_api import error_headers
+from services.frontend.gateway import Gateway
 from services.frontend.protocol import ChatCompletionRequest
-from services.frontend.responses import answer, invalid_request
+from services.frontend.responses import invalid_request
 from services.frontend.settings import FrontendSettings
+from shared.aio import TaskSet
+from shared.bus.calls import error_headers
 from shared.client import JOB_CONSUMER, JOB_ID_HEADER, MSG_ID_HEADER, JobStreams, valid_job_id
 from shared.logging import get_logger
 
@@ -79,12 +81,13 @@ def transient(status: int) -> bool:
 class JobWorker:
     """Pulls jobs while the frontend serves; at most ``job_concurrency`` run at once."""
 
-    def __init__(self, frontend, settings: FrontendSettings):
-        self.frontend = frontend
+    def __init__(self, gateway: Gateway, settings: FrontendSettings):
+        self.gateway = gateway
         self.settings = settings
-        self.streams = JobStreams(frontend.subjects.prefix, settings.result_max_age)
+        self.streams = JobStreams(settings.subject_prefix, settings.result_max_age)
         self.slots = asyncio.Semaphore(settings.job_concurrency)
-        self.tasks: set[asyncio.Task] = set()
+        self.tasks = TaskSet("job")
+        self.js = None
         self.done = self.failed = self.retried = 0
         self._loop_task: asyncio.Task | None = None
         self._stopping = asyncio.Event()
@@ -135,15 +138,7 @@ class JobWorker:
             raise
 
     def _spawn(self, msg) -> None:
-        task = asyncio.create_task(self._run(msg), name="job")
-        self.tasks.add(task)
-        task.add_done_callback(self._finished)
-
-    def _finished(self, task: asyncio.Task) -> None:
-        self.tasks.discard(task)
-        self.slots.release()
-        if not task.cancelled() and task.exception() is not None:
-            log.error("jobs.crashed", error=repr(task.exception()))
+        self.tasks.spawn(self._run(msg)).add_done_callback(lambda _task: self.slots.release())
 
     async def _run(self, msg) -> None:
         if self._stopping.is_set():
@@ -170,7 +165,7 @@ class JobWorker:
         error = job.error
         if error is None:
             try:
-                completion = await answer(self.frontend, job.request)
+                completion = await self.gateway.answer(job.request)
                 await self._store(job.id, completion.model_dump_json().encode(), {})
                 self.done += 1
                 await msg.ack()
@@ -185,7 +180,7 @@ class JobWorker:
             await msg.nak(delay=delay)
             return
         log.info("jobs.failed", job_id=job.id, status=error.status, error=error.message)
-        await self._store(job.id, json.dumps(error.body()).encode(), error_headers(error))
+        await self._store(job.id, json.dumps(error.body()).encode(), error_headers(error.status, error.message))
         self.failed += 1
         await msg.ack()
 
@@ -225,15 +220,14 @@ class JobWorker:
         self._stopping.set()
         if self._loop_task is not None:
             await asyncio.gather(self._loop_task, return_exceptions=True)
-        if self.tasks:
-            await asyncio.gather(*list(self.tasks), return_exceptions=True)
+        await self.tasks.drain()
 
     async def stop(self) -> None:
         self._stopping.set()
-        for task in [self._loop_task, *self.tasks]:
-            if task is not None:
-                task.cancel()
-        await asyncio.gather(*(t for t in [self._loop_task, *self.tasks] if t is not None), return_exceptions=True)
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        await self.tasks.cancel()
 
     def stats(self) -> dict:
         return {"jobs_running": len(self.tasks), "jobs_done": self.done, "jobs_failed": self.failed,

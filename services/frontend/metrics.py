@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from shared.bus.calls import endpoint_data
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -26,52 +27,29 @@ class FrontendMetrics:
         self.in_flight = Gauge("epd_requests_in_flight", "requests admitted and not finished", registry=self.registry)
         self.service_stat = Gauge("epd_service_stat", "figures each service instance reports in its NATS stats",
                                   ["service", "instance", "stat"], registry=self.registry)
+        self.workers = Gauge("epd_workers", "service instances of this stack the NATS service API lists, by kind",
+                             ["kind"], registry=self.registry)
 
-    def observe(self, generation, reason: str) -> None:
-        self.requests.labels(outcome=reason).inc()
-        if generation.first_token_at is not None:
-            self.ttft.observe(generation.first_token_at - generation.created)
-        self.e2e.observe(time.time() - generation.created)
-        for stage, seconds in generation.stages.items():
+    def observe(self, generation) -> None:
+        """Once per generation, when it closes (finished, failed or abandoned)."""
+        timing = generation.timing
+        self.requests.labels(outcome=generation.outcome or "abandoned").inc()
+        if timing.first_token_at is not None:
+            self.ttft.observe(timing.first_token_at - timing.arrived)
+        self.e2e.observe(time.time() - timing.arrived)
+        for stage, seconds in timing.stages.items():
             self.stage.labels(stage=stage).observe(seconds)
         self.prompt_tokens.inc(generation.prompt_tokens)
         self.completion_tokens.inc(generation.completion_tokens)
 
-    def failed(self, status: int) -> None:
-        self.requests.labels(outcome=f"error_{status}").inc()
-
-    def record_service_stats(self, replies: list[bytes]) -> None:
-        """``replies``: NATS service API STATS answers (JSON); numeric ``data`` fields become gauges."""
+    def record_services(self, listing: list[dict], counts: dict[str, int]) -> None:
+        """``listing``: the stack's NATS service API STATS answers; numeric ``data`` fields become gauges."""
         self.service_stat.clear()
-        for raw in replies:
-            try:
-                stats = json.loads(raw)
-            except ValueError:
-                continue
-            name = stats.get("name", "")
-            if not name.startswith("epd-"):
-                continue
-            for endpoint in stats.get("endpoints") or []:
-                for key, value in (endpoint.get("data") or {}).items():
-                    if isinstance(value, (int, float)) and not isinstance(value, bool):
-                        self.service_stat.labels(service=name, instance=stats.get("id", ""), stat=key).set(value)
-
-
-class Admission:
-    """Requests in flight, bounded: a full frontend answers 429 at once instead of queueing."""
-
-    def __init__(self, limit: int, gauge: Gauge):
-        self.limit = limit
-        self.count = 0
-        self.gauge = gauge
-
-    def try_acquire(self) -> bool:
-        if self.count >= self.limit:
-            return False
-        self.count += 1
-        self.gauge.set(self.count)
-        return True
-
-    def release(self) -> None:
-        self.count -= 1
-        self.gauge.set(self.count)
+        self.workers.clear()
+        for kind, n in counts.items():
+            self.workers.labels(kind=kind).set(n)
+        for stats in listing:
+            name, instance = stats.get("name", ""), stats.get("id", "")
+            for key, value in endpoint_data(stats).items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.service_stat.labels(service=name, instance=instance, stat=key).set(value)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -66,6 +66,23 @@ class ChatCompletionRequest(_Strict):
         if stops and any(not s or len(s) > 256 for s in stops):
             raise ValueError("stop strings must be 1 to 256 characters")
         return value
+
+    @model_validator(mode="after")
+    def _unicode(self) -> "ChatCompletionRequest":
+        """JSON escapes can spell lone surrogates (``\\ud800``), which are not text: no tokenizer takes them."""
+        texts = [*self.stop_list()]
+        for message in self.messages:
+            if isinstance(message.content, str):
+                texts.append(message.content)
+            elif message.content:
+                texts.extend(part.text for part in message.content if isinstance(part, TextPart))
+        for text in texts:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("text contains a lone surrogate code point (e.g. \\ud800), which is not "
+                                 "valid Unicode") from None
+        return self
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

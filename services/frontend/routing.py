@@ -1,79 +1,93 @@
-"""Which encoder gets which image.
+"""Which worker gets which piece of a request, from the ``Directory``'s listing.
 
-Live encoders are discovered through the NATS service API (their STATS carry instance id and load,
-their metadata the fingerprint that keys their embedding cache), refreshed in the background. For each
-image, in order:
-
+Images → encoders. For each image, in order:
 1. the encoder the embedding index (JetStream KV) names as holding it, if alive: a hit there skips the
    ViT, and sending it anywhere else would only make that encoder borrow from the holder;
 2. the image's rendezvous-hash favourite among live encoders (the same image keeps landing on the same
    encoder, so its cache serves it even without the index), unless that encoder is busier than the
    least-loaded one by more than ``margin`` images, which then takes it.
-
 Images of one request count as load as they are placed, so a request's new images spread over idle
 encoders; a request that carries the same image twice sends both to one encoder (which encodes it once).
-With no discovery answer, images go to the plain queue group and NATS picks.
+
+Prompts → language-model intake workers (prefill, language, aggregated): the least loaded (prompts
+being admitted, then sequences running), so a worker that died or is saturated is avoided.
+
+A listing is up to a second old, so a burst would pile onto one worker: each router also counts what
+it has sent and not yet seen answered, and takes the larger of that and the listed load.
+
+With nothing listed (discovery not answered yet, or unavailable), work goes to the plain queue group
+and NATS picks — or answers "no responders" when nobody serves it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass
 
-from shared.bus import Subjects, endpoint_data, service_stats
+from shared.bus.directory import Directory, Instance
+from shared.bus.subjects import Subjects
 from shared.embedding_index import EmbeddingIndex, embedding_key
-from shared.logging import get_logger
-
-log = get_logger(__name__)
 
 INDEX_LOOKUP_SECONDS = 0.25  # the index is an optimization: past this, route without it
+ENCODER_KINDS = ("encoder", "aggregated")
+INTAKE_KINDS = ("prefill", "language", "aggregated")
 
 
 @dataclass(frozen=True)
-class EncoderInfo:
-    instance: str
-    load: int  # encode jobs in flight
-    fingerprint: str = ""  # of its embedding cache keys ("" if it has no cache)
+class Target:
+    subject: str
+    instance: str = ""  # "" for a queue group: nobody in particular to watch
 
 
-def rendezvous_score(content_hash: str, instance: str) -> int:
-    return int.from_bytes(hashlib.blake2b(f"{content_hash}/{instance}".encode(), digest_size=8).digest(), "big")
+def rendezvous_score(key: str, instance: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{key}/{instance}".encode(), digest_size=8).digest(), "big")
 
 
-class EncoderDirectory:
-    def __init__(self, nc, subjects: Subjects, interval: float = 1.0):
-        self.nc = nc
+class Outstanding:
+    """Work this frontend sent to each instance and has not seen answered."""
+
+    def __init__(self):
+        self.counts: Counter[str] = Counter()
+
+    @contextmanager
+    def sending(self, instance: str):
+        if not instance:  # a queue group: nobody in particular
+            yield
+            return
+        self.counts[instance] += 1
+        try:
+            yield
+        finally:
+            self.counts[instance] -= 1
+            if self.counts[instance] <= 0:
+                del self.counts[instance]
+
+    def load(self, instance: Instance, listed: str) -> int:
+        return max(int(instance.data.get(listed, 0)), self.counts.get(instance.instance, 0))
+
+
+class EncoderRouter:
+    def __init__(self, nc, directory: Directory, subjects: Subjects, margin: int):
+        self.outstanding = Outstanding()
+        self.directory = directory
         self.subjects = subjects
-        self.interval = interval
-        self.encoders: list[EncoderInfo] = []
+        self.margin = margin
         self.index = EmbeddingIndex(nc, subjects.prefix, create=False, timeout=INDEX_LOOKUP_SECONDS, reopen=2.0)
-        self._task: asyncio.Task | None = None
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._refresh_forever(), name="encoder-directory")
+    async def targets(self, content_hashes: list[str]) -> list[Target]:
+        encoders = self.directory.of(*ENCODER_KINDS)
+        if not encoders:
+            return [Target(self.subjects.encode)] * len(content_hashes)
+        holders = await self.holders(content_hashes, encoders)
+        load = {e.instance: self.outstanding.load(e, "in_flight") for e in encoders}
+        return [Target(self.subjects.encode_on(i), i) for i in assign(content_hashes, load, holders, self.margin)]
 
-    async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-
-    async def refresh(self) -> None:
-        found = []
-        for stats in await service_stats(self.nc, "epd-encoder", wait=0.2):
-            metadata = stats.get("metadata") or {}
-            if metadata.get("prefix") != self.subjects.prefix:
-                continue  # another stack sharing this NATS server
-            data = endpoint_data(stats)
-            instance = metadata.get("instance")
-            if instance:
-                found.append(EncoderInfo(instance, int(data.get("in_flight", 0)), metadata.get("cache_fingerprint", "")))
-        self.encoders = sorted(found, key=lambda e: e.instance)
-
-    async def holders(self, content_hashes: list[str]) -> list[str | None]:
+    async def holders(self, content_hashes: list[str], encoders: list[Instance]) -> list[str | None]:
         """For each image, the live encoder the embedding index says holds it (None: unknown)."""
-        encoders = self.encoders
-        fingerprints = sorted({e.fingerprint for e in encoders if e.fingerprint})
+        fingerprints = sorted({e.metadata.get("cache_fingerprint", "") for e in encoders} - {""})
         if not fingerprints or not content_hashes:
             return [None] * len(content_hashes)
         alive = {e.instance for e in encoders}
@@ -91,23 +105,11 @@ class EncoderDirectory:
         except asyncio.TimeoutError:
             return [None] * len(content_hashes)
 
-    async def _refresh_forever(self) -> None:
-        while True:
-            try:
-                if self.nc.is_connected:
-                    await self.refresh()
-            except Exception as err:  # discovery is an optimization: keep serving through the queue group
-                log.warning("encoder_directory.refresh_failed", error=str(err))
-            await asyncio.sleep(self.interval)
 
-
-def assign(content_hashes: list[str], encoders: list[EncoderInfo], subjects: Subjects,
-           holders: list[str | None] | None = None, margin: int = 0) -> list[str]:
-    """The subject each image's encode job goes to (see the module's docstring for the policy)."""
-    if not encoders:
-        return [subjects.encode] * len(content_hashes)
-    holders = holders or [None] * len(content_hashes)
-    load = {e.instance: e.load for e in encoders}
+def assign(content_hashes: list[str], load: dict[str, int], holders: list[str | None],
+           margin: int = 0) -> list[str]:
+    """The encoder instance each image goes to, given each live encoder's load (images in flight)."""
+    load = dict(load)
     placed: dict[str, str] = {}  # content hash → instance, for an image repeated within the request
     chosen = []
     for content_hash, holder in zip(content_hashes, holders):
@@ -116,7 +118,7 @@ def assign(content_hashes: list[str], encoders: list[EncoderInfo], subjects: Sub
             pick = _by_load(content_hash, load, margin)
             load[pick] += 1  # a cache hit at its holder costs no ViT time: only new work counts
         placed[content_hash] = pick
-        chosen.append(subjects.encode_on(pick))
+        chosen.append(pick)
     return chosen
 
 
@@ -124,3 +126,19 @@ def _by_load(content_hash: str, load: dict[str, int], margin: int) -> str:
     favourite = max(load, key=lambda inst: rendezvous_score(content_hash, inst))
     least = min(load, key=lambda inst: (load[inst], inst))
     return favourite if load[favourite] <= load[least] + margin else least
+
+
+class IntakeRouter:
+    def __init__(self, directory: Directory, subjects: Subjects):
+        self.outstanding = Outstanding()
+        self.directory = directory
+        self.subjects = subjects
+
+    def target(self, exclude: set[str] = frozenset()) -> Target:
+        """The least-loaded live intake worker not in ``exclude``, or the queue group."""
+        workers = [w for w in self.directory.of(*INTAKE_KINDS) if w.instance not in exclude]
+        if not workers:
+            return Target(self.subjects.prefill)
+        best = min(workers, key=lambda w: (self.outstanding.load(w, "prompts_in_flight"),
+                                           int(w.data.get("running", 0)), w.instance))
+        return Target(self.subjects.prefill_on(best.instance), best.instance)

@@ -34,6 +34,7 @@ class DataPlane:
         self._server = self._make_server()
         self._clients: dict[str, TransportClient] = {}
         self._sweeper: asyncio.Task | None = None
+        self._empty: asyncio.Event | None = None
 
     @classmethod
     def from_settings(cls, settings) -> "DataPlane":
@@ -45,6 +46,9 @@ class DataPlane:
         return self._server.address
 
     async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._empty = asyncio.Event()
+        self.store.on_empty = lambda: loop.call_soon_threadsafe(self._empty.set)
         await self._server.start()
         self._sweeper = asyncio.create_task(self._sweep(), name="dataplane-sweeper")
 
@@ -83,6 +87,15 @@ class DataPlane:
             return await self._client(handle.transport).pull(handle, self.pull_timeout, target, out)
         except TimeoutError:
             raise DataPlaneError("timeout", f"no answer from the holder within {self.pull_timeout:g}s") from None
+
+    async def handed_out(self) -> None:
+        """Until everything published here has been pulled, released or let lapse (a draining holder
+        keeps serving what its consumers were promised)."""
+        while len(self.store):
+            self._empty.clear()
+            if not len(self.store):
+                return
+            await self._empty.wait()
 
     def stats(self) -> dict:
         return self.store.stats()

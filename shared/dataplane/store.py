@@ -51,6 +51,7 @@ class TensorStore:
         self.pulls = 0
         self.expired = 0
         self.refused = 0  # publishes turned away because the store was full
+        self.on_empty = lambda: None  # called (any thread, lock released) when the last tensor is freed
 
     @property
     def bytes_held(self) -> int:
@@ -103,6 +104,7 @@ class TensorStore:
             entry.remaining -= 1
             if entry.remaining <= 0:
                 self._drop_locked(key)
+        self._notify()
 
     def ack(self, key: str, token: str) -> None:
         """A remote consumer confirms it holds the bytes: ``done``, if it proves it was given the handle."""
@@ -115,6 +117,7 @@ class TensorStore:
     def release(self, key: str) -> None:
         with self._lock:
             self._drop_locked(key)
+        self._notify()
 
     def stats(self) -> dict:
         return {"bytes_held": self._bytes, "tensors": len(self._entries), "served": self.served,
@@ -122,7 +125,13 @@ class TensorStore:
 
     def sweep(self) -> int:
         with self._lock:
-            return self._sweep_locked()
+            swept = self._sweep_locked()
+        self._notify()
+        return swept
+
+    def _notify(self) -> None:
+        if not self._entries:
+            self.on_empty()
 
     def _sweep_locked(self) -> int:
         now = time.time()

@@ -111,19 +111,31 @@ class ZmqServer:
 
 
 class _Peer:
-    """One DEALER connection to one holder, shared by all pulls to it; replies matched by request id."""
+    """One DEALER connection to one holder, shared by all pulls to it; replies matched by request id.
+
+    ZMQ hides a vanished peer (it reconnects forever, and a pull would wait out its timeout): a socket
+    monitor reports the holder closing the connection or refusing it, and every pull waiting on it
+    fails at once as ``unreachable`` (holders never come back at the same address).
+    """
 
     def __init__(self, context: zmq.asyncio.Context, address: str):
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.RECONNECT_STOP, zmq.RECONNECT_STOP_CONN_REFUSED)
+        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED |
+                                                      zmq.EVENT_CLOSED)
         self.socket.connect(address)
+        self.dead = False
         # request id → (waiter, handle); an entry outlives a caller that gave up, so its late reply is
         # still acknowledged (the holder frees the tensor then, not at lease expiry).
         self.pending: dict[bytes, tuple[asyncio.Future, TensorHandle]] = {}
         self.ids = itertools.count()
         self.reader = asyncio.create_task(self._read(), name=f"zmq-peer-{address}")
+        self.watcher = asyncio.create_task(self._watch(), name=f"zmq-peer-monitor-{address}")
 
     async def pull(self, handle: TensorHandle, timeout: float) -> torch.Tensor:
+        if self.dead:
+            raise DataPlaneError("unreachable", "the holder is gone")
         self._forget_expired()
         request_id = next(self.ids).to_bytes(8, "little")
         future = asyncio.get_running_loop().create_future()
@@ -154,6 +166,13 @@ class _Peer:
             else:
                 future.set_result(result)
 
+    async def _watch(self) -> None:
+        await self.monitor.recv_multipart()  # the first event: disconnected, or connection refused
+        self.dead = True
+        for future, _ in self.pending.values():
+            if not future.done():
+                future.set_exception(DataPlaneError("unreachable", "the holder closed the connection or is gone"))
+
     async def _next_reply(self):
         while True:
             frames = await self.socket.recv_multipart(copy=False)
@@ -178,11 +197,14 @@ class _Peer:
             del self.pending[rid]
 
     async def close(self) -> None:
-        self.reader.cancel()
-        await asyncio.gather(self.reader, return_exceptions=True)
+        for task in (self.reader, self.watcher):
+            task.cancel()
+        await asyncio.gather(self.reader, self.watcher, return_exceptions=True)
         for future, _ in self.pending.values():
             if not future.done():
                 future.set_exception(DataPlaneError("unreachable", "data plane closed"))
+        self.socket.disable_monitor()
+        self.monitor.close(0)
         self.socket.close(0)
 
 
@@ -198,6 +220,9 @@ class ZmqClient:
         if out is not None:
             wire.check_out(out, handle)
         peer = self._peers.get(handle.address)
+        if peer is not None and peer.dead:
+            await peer.close()
+            peer = None
         if peer is None:
             peer = self._peers[handle.address] = _Peer(self.context, handle.address)
         tensor = await peer.pull(handle, timeout)  # lands in ZMQ's own buffer: one copy into ``out``

@@ -3,7 +3,9 @@
 The asyncio side never touches the engine: it submits commands (``call``), which run between steps
 in the engine thread, and receives each step's outputs through ``on_outputs`` on the event loop.
 Device work and host syncs happen only in this thread, so the event loop stays free for NATS and the
-data plane.
+data plane. Other device work of the process (the aggregated worker's ViT) can be ``attach``ed: it runs
+in this thread too, one batch between two engine steps, so the two never contend for the device or
+the interpreter.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from shared.logging import get_logger
 
 log = get_logger(__name__)
 
+_WAKE = object()  # a command that only ends the idle wait
+
 
 class EngineLoop:
     def __init__(self, engine: Engine, on_outputs: Callable[[list[StepOutput]], None],
@@ -32,7 +36,18 @@ class EngineLoop:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._side = None  # has_work() / step(): other device work run between engine steps
         self.steps = 0
+
+    def attach(self, side) -> None:
+        """Run ``side.step()`` between engine steps whenever ``side.has_work()``; ``side.wake`` is set to
+        wake this thread when new side work arrives while the engine idles. Call before ``start``."""
+        self._side = side
+        side.wake = self.wake
+
+    def wake(self) -> None:
+        """Any thread: end the engine thread's idle wait now."""
+        self._commands.put(_WAKE)
 
     def start(self) -> None:
         self._thread.start()
@@ -48,10 +63,17 @@ class EngineLoop:
         self._commands.put((fn, future))
         return future
 
+    def _has_side_work(self) -> bool:
+        return self._side is not None and self._side.has_work()
+
     def _run(self) -> None:
         while not self._stop:
-            self._run_commands(block=not self.engine.has_work())
-            if self._stop or not self.engine.has_work():
+            self._run_commands(block=not (self.engine.has_work() or self._has_side_work()))
+            if self._stop:
+                continue
+            if self._has_side_work():
+                self._side.step()  # fails its own items, never the engine
+            if not self.engine.has_work():
                 continue
             try:
                 outputs = self.engine.step(self.on_layer_done)
@@ -69,16 +91,22 @@ class EngineLoop:
         except queue.Empty:
             return
         while item is not None:
+            if item is _WAKE:
+                item = self._next_command()
+                continue
             fn, future = item
             try:
                 result, error = fn(self.engine), None
             except Exception as err:
                 result, error = None, err
             self.loop.call_soon_threadsafe(settle, future, result, error)
-            try:
-                item = self._commands.get_nowait()
-            except queue.Empty:
-                return
+            item = self._next_command()
+
+    def _next_command(self):
+        try:
+            return self._commands.get_nowait()
+        except queue.Empty:
+            return None
 
     def _fail_everything(self, message: str) -> None:
         ids = self.engine.request_ids()

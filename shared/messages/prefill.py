@@ -13,6 +13,9 @@ from shared.model.geometry import Grid
 
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_IMAGES = 1024
+# A prefill worker could not pull a job's image embeddings (their encoder stopped or died, or the lease
+# ran out): the frontend encodes the images again and resubmits instead of failing the request.
+EMBEDDINGS_GONE = 410
 
 
 class ImageSlot(Message, frozen=True, kw_only=True):

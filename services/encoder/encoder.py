@@ -1,0 +1,205 @@
+"""The vision half of a process: decoded pixels in, embeddings held on the data plane for prefill to pull.
+
+``Encoder`` is what the encoder service serves, and what the aggregated worker runs beside its engine
+(there its ViT forwards run in the engine's thread, see ``batcher``). It answers three requests:
+
+1. ``encode`` (the queue group, and this instance's own subject for routed images): pull the pixels,
+   find the embeddings cheapest first (``EmbeddingSource``: cache, a concurrent job, a peer encoder,
+   the ViT), publish a one-pull handle, reply with it and the patch grid;
+2. ``fetch``: lend an image this encoder holds to another encoder;
+3. a ``Cancel`` broadcast: the request's jobs here stop (an encoding other requests share goes on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AsyncExitStack
+
+import torch
+
+from services.encoder.batcher import VisionBatcher
+from services.encoder.cache import Embedding, EmbeddingCache
+from services.encoder.embeddings import EmbeddingSource
+from services.encoder.fingerprint import encoder_fingerprint
+from services.encoder.metrics import StageTimes
+from services.encoder.peers import PeerEncoders
+from services.encoder.settings import EncoderSettings
+from shared.bus.publisher import listen_for_cancels
+from shared.bus.service_api import Endpoint, Request
+from shared.bus.subjects import QUEUE, Subjects
+from shared.dataplane.handle import TensorHandle
+from shared.dataplane.plane import DataPlane
+from shared.dataplane.store import DataPlaneError
+from shared.embedding_index import EmbeddingIndex, embedding_key
+from shared.errors import ServiceError
+from shared.logging import get_logger
+from shared.messages import pack, unpack
+from shared.messages.encode import EmbeddingFetch, EmbeddingLoan, EncodeJob, EncodeResult
+from shared.model.config import ModelConfig
+from shared.model.loader import load_vision_tower
+from shared.model.processor import ImagePreprocessor, TorchImagePreprocessor, preprocess_mode
+
+log = get_logger(__name__)
+
+MIN_CONTENT_HASH = 16  # characters: shorter "hashes" would make unrelated images share cache entries
+
+
+class Encoder:
+    def __init__(self, settings: EncoderSettings, subjects: Subjects, instance: str, plane: DataPlane):
+        self.settings = settings
+        self.subjects = subjects
+        self.instance = instance
+        self.plane = plane
+        self.cache = EmbeddingCache(settings.encoder_cache_mb << 20)
+        self.batcher: VisionBatcher | None = None
+        self.embeddings: EmbeddingSource | None = None
+        self.fingerprint = ""
+        self.preprocess_mode = ""
+        self.on_device: TorchImagePreprocessor | None = None  # pixels → patches on the tower's device
+        self._cpu_preprocess: ImagePreprocessor | None = None  # or the checkpoint's processor on CPU threads
+        self._pool: ThreadPoolExecutor | None = None
+        self.times = StageTimes(("pull", "encode"))
+        self.jobs: dict[str, set[asyncio.Task]] = {}  # request id → its encode jobs running here
+        self._encode_endpoints: list[Endpoint] = []
+
+    async def start(self, nc, resources: AsyncExitStack, own_thread: bool = True) -> None:
+        """Load the tower and start batching; ``own_thread=False``: the caller's engine loop runs the
+        forwards (``attach`` it there). Everything taken is released through ``resources``."""
+        s = self.settings
+        path = s.model_path()
+        config = ModelConfig.from_checkpoint(path)
+        tower = await asyncio.to_thread(load_vision_tower, path, config, s.torch_device(), s.torch_dtype(),
+                                        s.load_format)
+        self.preprocess_mode = preprocess_mode(s.preprocess, s.torch_device())
+        if self.preprocess_mode == "torch":
+            self.on_device = TorchImagePreprocessor(path, s.torch_dtype())  # run by the batcher, before the forward
+        else:
+            self._cpu_preprocess = ImagePreprocessor(path)
+            self._pool = ThreadPoolExecutor(s.preprocess_threads, thread_name_prefix="preprocess")
+            resources.callback(self._pool.shutdown, wait=False, cancel_futures=True)
+        self.fingerprint = await asyncio.to_thread(encoder_fingerprint, path, s.load_format, str(s.torch_dtype()),
+                                                   self.preprocess_mode)
+        self.batcher = VisionBatcher(tower, asyncio.get_running_loop(), s.max_batch_images, s.max_batch_patches,
+                                     prepare=self.on_device)
+        if own_thread:
+            self.batcher.start()
+            resources.push_async_callback(asyncio.to_thread, self.batcher.stop)
+        index = None
+        if s.cache_index and s.encoder_cache_mb > 0:
+            index = EmbeddingIndex(nc, self.subjects.prefix, ttl=s.cache_index_ttl)
+            await index.open()
+        peers = PeerEncoders(nc, self.subjects, self.plane, s.peer_fetch_timeout)
+        self.embeddings = EmbeddingSource(self.cache, index, peers, self.instance)
+        resources.push_async_callback(self.embeddings.close)
+        subscription = await listen_for_cancels(nc, self.subjects, self.cancel)
+        resources.push_async_callback(subscription.unsubscribe)
+
+    def endpoints(self) -> list[Endpoint]:
+        limit = self.settings.max_concurrent_jobs
+        self._encode_endpoints = [
+            Endpoint("encode", self.subjects.encode, QUEUE["encoder"], self.handle_encode, limit),
+            # this instance's own subject: the frontend routes images here for cache affinity and spread
+            Endpoint("encode-direct", self.subjects.encode_on(self.instance), QUEUE["encoder"], self.handle_encode,
+                     limit),
+        ]
+        fetch = Endpoint("fetch", self.subjects.encode_fetch(self.instance), QUEUE["encoder"], self.handle_fetch,
+                         limit)
+        return [*self._encode_endpoints, fetch]
+
+    def metadata(self) -> dict[str, str]:
+        # The frontend builds index keys with it, to find which encoder holds an image.
+        return {"cache_fingerprint": self.fingerprint, "preprocess": self.preprocess_mode}
+
+    # -- 1. encode --------------------------------------------------------------------------------
+    async def handle_encode(self, request: Request) -> bytes:
+        job = unpack(EncodeJob, request.data)
+        self._check(job)
+        key = embedding_key(job.content_hash, self.fingerprint)
+        task = asyncio.current_task()
+        self.jobs.setdefault(job.request_id, set()).add(task)
+        try:
+            embedding, origin = await self.embeddings.obtain(key, lambda: self._encode(job.image))
+        finally:
+            tasks = self.jobs.get(job.request_id, set())
+            tasks.discard(task)
+            if not tasks:
+                self.jobs.pop(job.request_id, None)
+        return pack(EncodeResult(embedding=self._publish(embedding), grid=embedding.grid, encoder_id=self.instance,
+                                 cached=origin != "computed"))
+
+    def _check(self, job: EncodeJob) -> None:
+        image = job.image
+        if image.dtype != "uint8" or len(image.shape) != 3 or image.shape[2] != 3:
+            raise ServiceError(400, "image must be uint8 pixels of shape [height, width, 3]")
+        if image.shape[0] * image.shape[1] > self.settings.max_image_pixels:
+            raise ServiceError(400, "image has too many pixels")
+        if len(job.content_hash) < MIN_CONTENT_HASH:
+            raise ServiceError(400, f"content_hash must be a hash of the image ({MIN_CONTENT_HASH}+ characters)")
+
+    async def _encode(self, image: TensorHandle) -> Embedding:
+        started = time.monotonic()
+        try:
+            pixels = await self.plane.pull(image)
+        except DataPlaneError as err:
+            raise ServiceError(502 if err.code != "expired" else 504, f"could not fetch the image: {err.message}")
+        pulled = time.monotonic()
+        self.times.add("pull", pulled - started)
+        if self.on_device is not None:  # preprocessed on the tower's device, by the batcher
+            grid = self.on_device.grid(pixels.shape[0], pixels.shape[1])
+            tensor = await self.batcher.encode(pixels, grid)
+        else:
+            loop = asyncio.get_running_loop()
+            patches, grid = await loop.run_in_executor(self._pool, self._cpu_preprocess, pixels.numpy())
+            tensor = await self.batcher.encode(torch.from_numpy(patches), grid)
+        self.times.add("encode", time.monotonic() - pulled)
+        return Embedding(tensor, grid)
+
+    def _publish(self, embedding: Embedding) -> TensorHandle:
+        """A new one-pull handle: the cache keeps the tensor, so every job gets its own handle to it."""
+        try:
+            return self.plane.publish(embedding.tensor, consumers=1)
+        except DataPlaneError as err:  # full: consumers are not pulling; refuse rather than grow
+            raise ServiceError(503, f"encoder busy: {err.message}")
+
+    # -- 2. fetch ---------------------------------------------------------------------------------
+    async def handle_fetch(self, request: Request) -> bytes:
+        """Another encoder borrows an image's embeddings this one holds (or is encoding right now)."""
+        fetch = unpack(EmbeddingFetch, request.data)
+        embedding = await self.embeddings.lend(fetch.key)
+        if embedding is None:
+            raise ServiceError(404, "this encoder does not hold that image")
+        return pack(EmbeddingLoan(embedding=self._publish(embedding), grid=embedding.grid))
+
+    # -- 3. cancel --------------------------------------------------------------------------------
+    def cancel(self, request_id: str) -> None:
+        """The request is gone: stop its jobs here (what finishes still lands in the cache)."""
+        for task in list(self.jobs.pop(request_id, ())):
+            task.cancel()
+
+    def stats(self) -> dict:
+        b, e, c = self.batcher, self.embeddings, self.cache
+        return {
+            "images": b.images if b else 0,  # images through the ViT (cache hits are not)
+            "images_per_s": b.images_rate.rate() if b else 0.0,  # through the ViT, last 10 s
+            "batches": b.batches if b else 0,
+            "patches": b.patches if b else 0,
+            **(b.batch_sizes.stats() if b else {}),
+            **(b.times.stats("vit_") if b else {}),  # waiting for a forward, and the forward itself
+            **self.times.stats("job_"),  # pulling pixels; preprocessing + ViT as the job saw it
+            "queue_depth": b.queued if b else 0,
+            "in_flight": sum(e.in_flight for e in self._encode_endpoints),
+            "bytes_held": self.plane.store.bytes_held,  # data plane: embeddings waiting for their pull
+            "cache_hits": c.hits,
+            "cache_misses": c.misses,
+            "cache_evictions": c.evictions,
+            "cache_entries": len(c),
+            "cache_bytes": c.bytes_held,
+            "cache_capacity_bytes": c.max_bytes,
+            "cache_joined": e.joined if e else 0,  # served by a concurrent job's encoding of the same image
+            "cache_borrowed": e.peers.borrowed if e else 0,  # pulled from the encoder holding it
+            "cache_lent": e.lent if e else 0,  # given to encoders that asked
+            "cache_borrow_failures": e.peers.failures if e else 0,
+            "index_errors": e.index.errors if e and e.index else 0,
+        }

@@ -1,0 +1,71 @@
+"""A request's images → embedding handles: pixels published once on the frontend's data plane, one
+``EncodeJob`` per image to the encoder the router picks, all in parallel.
+
+A failed attempt — a server error, a timeout, the encoder gone — goes again to the queue group (NATS
+picks a live encoder), up to ``--encode-attempts`` tries. Nobody serving the queue group at all is a
+503 at once. The pixels stay published until every image is encoded: an encode may be retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from services.frontend.calls import call_watched
+from services.frontend.errors import ApiError
+from services.frontend.media import DecodedImage
+from services.frontend.routing import EncoderRouter, Target
+from shared.bus.calls import ServiceCallError
+from shared.bus.directory import Directory
+from shared.bus.subjects import Subjects
+from shared.dataplane.plane import DataPlane
+from shared.logging import get_logger
+from shared.messages import pack, unpack
+from shared.messages.encode import EncodeJob, EncodeResult
+
+log = get_logger(__name__)
+
+
+class EncodeFanout:
+    def __init__(self, nc, subjects: Subjects, plane: DataPlane, directory: Directory, settings):
+        self.nc = nc
+        self.subjects = subjects
+        self.plane = plane
+        self.directory = directory
+        self.settings = settings
+        self.router = EncoderRouter(nc, directory, subjects, settings.encoder_load_margin)
+        self.encoded_images = 0
+
+    async def encode(self, request_id: str, images: list[DecodedImage]) -> list[EncodeResult]:
+        if not images:
+            return []
+        s = self.settings
+        lease = s.encode_timeout * s.encode_attempts + 30
+        handles = [self.plane.publish(torch.from_numpy(i.pixels), consumers=None, lease=lease) for i in images]
+        try:
+            jobs = [EncodeJob(request_id=request_id, image=h, content_hash=i.content_hash)
+                    for h, i in zip(handles, images)]
+            targets = await self.router.targets([i.content_hash for i in images])
+            return list(await asyncio.gather(*(self._encode_one(job, t) for job, t in zip(jobs, targets))))
+        finally:
+            for handle in handles:
+                self.plane.release(handle)
+
+    async def _encode_one(self, job: EncodeJob, target: Target) -> EncodeResult:
+        attempts = self.settings.encode_attempts
+        for attempt in range(1, attempts + 1):
+            try:
+                with self.router.outstanding.sending(target.instance):
+                    reply = await call_watched(self.nc, self.directory, target, pack(job),
+                                               self.settings.encode_timeout, "encoder")
+                self.encoded_images += 1
+                return unpack(EncodeResult, reply)
+            except ServiceCallError as err:
+                direct = bool(target.instance)
+                retry = err.status >= 500 and (direct or not err.no_responders) and attempt < attempts
+                log.warning("encode.failed", request_id=job.request_id, status=err.status, retry=retry)
+                if not retry:
+                    raise ApiError(err.status, "image encoding failed: " + err.message) from None
+                target = Target(self.subjects.encode)
+        raise AssertionError("unreachable")

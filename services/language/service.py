@@ -1,0 +1,59 @@
+"""The joined language worker (E/PD): language model only, fed by the encoder tier; it prefills a prompt
+and keeps decoding it in the same engine, streaming every token — no KV hand-off, no third process on
+the GPU. It answers the prefill subjects, so the frontend treats it as a prefill worker that never hands
+off."""
+
+from __future__ import annotations
+
+from services.language.intake import PromptIntake, intake_endpoints
+from services.language.settings import LanguageSettings
+from services.language.worker import LanguageWorker, Tracked
+from shared.bus.service_api import Endpoint, Request
+from shared.dataplane.plane import DataPlane
+from shared.messages import pack, unpack
+from shared.messages.prefill import PrefillAccepted, PrefillJob
+from shared.service import Service
+
+
+class LanguageService(Service):
+    kind = "language"
+    description = "Language model, prefill and decode in one engine: prompts + image embeddings in, tokens out"
+    role = "both"
+
+    def __init__(self, settings: LanguageSettings):
+        super().__init__(settings)
+        self.plane = DataPlane.from_settings(settings)
+        self.worker = LanguageWorker(settings, self.role, self.subjects, self.instance)
+        self.intake: PromptIntake | None = None
+
+    async def setup(self) -> None:
+        await self.open_plane()
+        await self.start_worker()
+        engine = self.worker.engine
+        self.intake = PromptIntake(self.worker.config, self.plane, engine.runner.device, engine.max_model_len)
+
+    async def start_worker(self) -> None:
+        await self.worker.start(self.nc, self.resources)
+
+    def endpoints(self) -> list[Endpoint]:
+        return intake_endpoints(self.subjects, self.instance, self.handle_prompt, self.settings.max_concurrent_prompts)
+
+    async def handle_prompt(self, request: Request) -> bytes:
+        job = unpack(PrefillJob, request.data)
+        self.worker.refuse_cancelled(job.request_id)
+        seq = await self.intake.sequence(job)
+        self.worker.refuse_cancelled(job.request_id)  # cancelled while its embeddings came
+        await self.worker.add_prompt(seq, Tracked(job.stream, self.instance))
+        return pack(PrefillAccepted(prefill_id=self.instance))
+
+    async def drain(self) -> None:
+        await self.registration.drain()
+        await self.worker.drained()
+
+    def stats(self) -> dict:
+        intake = self.intake
+        return {"instance": self.instance, **self.worker.stats(),
+                "prompts": intake.prompts if intake else 0, "prompt_tokens": intake.prompt_tokens if intake else 0,
+                "prompts_in_flight": sum(e.in_flight for e in self.registration.endpoints if e.name.startswith("prefill"))
+                if self.registration else 0,
+                "errors": sum(e.errors for e in self.registration.endpoints) if self.registration else 0}

@@ -1,0 +1,154 @@
+"""What every language-model service runs: one ``LanguageWorker``.
+
+It owns the engine (built for the service's role, stepped by its own thread through ``EngineLoop``), the
+requests it is responsible for, and what happens to them:
+
+- tokens: each engine output of a tracked request becomes a ``TokenEvent`` on the request's stream
+  subject (in order, through one ``Publisher``), naming the worker responsible for what follows;
+- cancels: a ``Cancel`` broadcast drops the request from the engine and from here (late work for it is
+  refused for a while: ``CancelRegistry``);
+- failures: a failed engine step ends each of its requests with an error event, never a silent drop;
+- drain: ``drained()`` returns once no tracked request is left.
+
+Roles differ only in what they do with a request's outputs and end, which the service passes when it
+tracks the request (``Tracked``): decode and joined workers stream every token; prefill hands off after
+the first. Prefill, decode, language and aggregated are thin compositions of this and their intake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+
+from shared.bus.publisher import CancelRegistry, Publisher, listen_for_cancels
+from shared.bus.subjects import Subjects
+from shared.engine.builder import build_engine
+from shared.engine.engine import StepOutput
+from shared.engine.loop import EngineLoop
+from shared.engine.sequence import Sequence
+from shared.errors import ServiceError
+from shared.logging import get_logger
+from shared.messages import pack
+from shared.messages.stream import TokenEvent, error_event
+
+log = get_logger(__name__)
+
+
+@dataclass
+class Tracked:
+    """A request this worker is responsible for."""
+
+    stream: str  # subject its events go to
+    responsible: str  # instance named in its token events (the frontend watches that one)
+    on_output: Callable[[StepOutput], None] | None = None  # instead of publishing each token (prefill)
+    on_end: Callable[[str], None] | None = None  # once it leaves this worker, with the reason
+
+
+class LanguageWorker:
+    def __init__(self, settings, role: str, subjects: Subjects, instance: str, on_layer_done=None):
+        self.settings = settings
+        self.role = role
+        self.subjects = subjects
+        self.instance = instance
+        self.on_layer_done = on_layer_done
+        self.requests: dict[str, Tracked] = {}
+        self.cancelled = CancelRegistry()
+        self.on_cancel: list[Callable[[str], None]] = []  # the service's own bookkeeping (reservations)
+        self.engine = None
+        self.config = None
+        self.loop: EngineLoop | None = None
+        self.publisher: Publisher | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.tokens = 0
+        self.failed = 0
+
+    async def start(self, nc, resources: AsyncExitStack, side=None) -> None:
+        """Build the engine (in a thread: loading takes a while) and start stepping it; ``side``: other
+        device work to run between engine steps (the aggregated worker's ViT batcher)."""
+        self.engine, self.config = await asyncio.to_thread(build_engine, self.settings, self.role)
+        self.loop = EngineLoop(self.engine, self.on_outputs, self.on_failure, asyncio.get_running_loop(),
+                               on_layer_done=self.on_layer_done)
+        if side is not None:
+            self.loop.attach(side)
+        self.loop.start()
+        resources.push_async_callback(asyncio.to_thread, self.loop.stop)
+        self.publisher = Publisher(nc)
+        resources.push_async_callback(self.publisher.close)
+        subscription = await listen_for_cancels(nc, self.subjects, self.cancel)
+        resources.push_async_callback(subscription.unsubscribe)
+
+    # -- requests ---------------------------------------------------------------------------------
+    def track(self, request_id: str, tracked: Tracked) -> None:
+        self.requests[request_id] = tracked
+        self._idle.clear()
+
+    def end(self, request_id: str, reason: str) -> Tracked | None:
+        """The request leaves this worker (finished, handed off, cancelled, failed)."""
+        tracked = self.requests.pop(request_id, None)
+        if tracked is not None and tracked.on_end is not None:
+            tracked.on_end(reason)
+        if not self.requests:
+            self._idle.set()
+        return tracked
+
+    async def add_prompt(self, seq: Sequence, tracked: Tracked) -> None:
+        """Track ``seq`` and queue its prompt; a prompt the engine refuses is a 400."""
+        self.track(seq.request_id, tracked)
+        try:
+            await self.loop.call(lambda engine: engine.add_prompt(seq))
+        except ValueError as err:
+            self.end(seq.request_id, "refused")
+            raise ServiceError(400, str(err)) from None
+
+    async def drained(self) -> None:
+        await self._idle.wait()
+
+    # -- engine → streams (event loop) ------------------------------------------------------------
+    def on_outputs(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            tracked = self.requests.get(out.seq.request_id)
+            if tracked is None:
+                continue  # cancelled while the step ran
+            if tracked.on_output is not None:
+                tracked.on_output(out)
+                continue
+            self.publish_token(out, tracked)
+            if out.finish_reason is not None:
+                self.end(out.seq.request_id, out.finish_reason)
+
+    def publish_token(self, out: StepOutput, tracked: Tracked) -> None:
+        self.tokens += 1
+        event = TokenEvent(request_id=out.seq.request_id, index=out.index, token_ids=[out.token],
+                           finish_reason=out.finish_reason, worker=tracked.responsible)
+        self.publisher.publish(tracked.stream, pack(event))
+
+    def fail(self, request_id: str, status: int, message: str) -> None:
+        """End the request with an error event (the frontend resumes it elsewhere on a 5xx)."""
+        tracked = self.end(request_id, "failed")
+        if tracked is not None:
+            self.failed += 1
+            self.publisher.publish(tracked.stream, pack(error_event(request_id, status, message, self.instance)))
+
+    def on_failure(self, request_ids: list[str], message: str) -> None:
+        for request_id in request_ids:
+            self.fail(request_id, 500, f"{self.role} failed")
+
+    # -- cancels ----------------------------------------------------------------------------------
+    def cancel(self, request_id: str) -> None:
+        """Every worker hears every cancel; the engine ignores ids it does not hold."""
+        self.cancelled.add(request_id)
+        self.end(request_id, "cancelled")
+        for hook in self.on_cancel:
+            hook(request_id)
+        self.loop.call(lambda engine: engine.abort(request_id))  # its blocks (or reservation), now
+
+    def refuse_cancelled(self, request_id: str) -> None:
+        if request_id in self.cancelled:
+            raise ServiceError(499, "request was cancelled")
+
+    def stats(self) -> dict:
+        return {**(self.engine.block_stats() if self.engine else {}), "running": len(self.requests),
+                "tokens": self.tokens, "requests_failed": self.failed}

@@ -1,0 +1,146 @@
+"""Which service instances of a stack exist and what they report: one poller of the NATS service API.
+
+Every instance answers ``$SRV.STATS`` with its metadata (instance id, subject prefix, pid, addresses)
+and its own figures (load, cache fingerprint, …). One ``Directory`` per process polls it every
+``interval`` seconds; the frontend routes from it, its metrics export it, ``/health`` and ``epd up``
+read readiness from it.
+
+Liveness is asked of NATS itself, not of a listing: ``watching(instance)`` gives an event set once
+the instance is gone. One loop pings every watched instance (however many requests wait on it) at its
+own service API subject, and only NATS's "no responders" — nobody subscribed any more: the process's
+connection is closed, or the service stopped — counts as evidence, twice, a reconnect apart. A slow
+worker answers late, and late is not dead: waits stay bounded by the callers' own timeouts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from nats.aio.client import Client
+
+from shared.bus.calls import endpoint_data, ping, service_stats
+from shared.logging import get_logger
+
+log = get_logger(__name__)
+
+GONE_CONFIRM_SECONDS = 1.0  # a second "nobody subscribed" this much later: longer than a reconnect
+PING_INTERVAL = 0.5
+
+
+def service_name(kind: str) -> str:
+    return f"epd-{kind}"
+
+
+def kind_of(instance: str) -> str:
+    """Instance ids are ``<kind>-<random>``, so a worker named in a token event can be pinged."""
+    return instance.rsplit("-", 1)[0]
+
+
+@dataclass
+class _Watch:
+    holders: int = 0
+    absent_since: float | None = None  # first "no responders" of the current run
+    gone: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass(frozen=True)
+class Instance:
+    kind: str  # encoder, prefill, decode, language, aggregated, frontend
+    instance: str
+    metadata: dict = field(default_factory=dict)
+    data: dict = field(default_factory=dict)  # the service's own figures (endpoint data)
+
+
+class Directory:
+    def __init__(self, nc: Client, prefix: str, interval: float = 1.0, wait: float = 0.3):
+        self.nc = nc
+        self.prefix = prefix
+        self.interval = interval
+        self.wait = wait
+        self.instances: list[Instance] = []
+        self.raw: list[dict] = []  # the last STATS answers of this stack, for metrics
+        self.refreshed = asyncio.Event()  # set after the first listing
+        self._watched: dict[str, _Watch] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._refresh_forever(), name="directory"),
+                       asyncio.create_task(self._ping_forever(), name="liveness")]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def of(self, *kinds: str) -> list[Instance]:
+        """Listed instances of ``kinds`` that take new work (not draining)."""
+        return [i for i in self.instances if i.kind in kinds and not i.data.get("draining")]
+
+    def counts(self) -> dict[str, int]:
+        found: dict[str, int] = {}
+        for item in self.instances:
+            found[item.kind] = found.get(item.kind, 0) + 1
+        return found
+
+    async def refresh(self) -> list[Instance]:
+        mine = [s for s in await service_stats(self.nc, wait=self.wait)
+                if (s.get("metadata") or {}).get("prefix") == self.prefix and str(s.get("name", "")).startswith("epd-")]
+        self.raw = mine
+        self.instances = sorted((Instance(s["name"][4:], s.get("id", ""), s.get("metadata") or {}, endpoint_data(s))
+                                 for s in mine), key=lambda i: i.instance)
+        self.refreshed.set()
+        return self.instances
+
+    def watch(self, instance: str) -> asyncio.Event:
+        """An event set once ``instance`` is gone; ``unwatch`` it when no longer waiting on it."""
+        watch = self._watched.get(instance)
+        if watch is None:
+            watch = self._watched[instance] = _Watch()
+        watch.holders += 1
+        return watch.gone
+
+    def unwatch(self, instance: str) -> None:
+        watch = self._watched.get(instance)
+        if watch is not None:
+            watch.holders -= 1
+            if watch.holders <= 0:
+                del self._watched[instance]
+
+    @contextmanager
+    def watching(self, instance: str):
+        """``watch`` for as long as the block runs."""
+        try:
+            yield self.watch(instance)
+        finally:
+            self.unwatch(instance)
+
+    async def _ping_forever(self) -> None:
+        while True:
+            await asyncio.sleep(PING_INTERVAL)
+            watched = [(i, w) for i, w in self._watched.items() if not w.gone.is_set()]
+            if watched and self.nc.is_connected:
+                await asyncio.gather(*(self._check(i, w) for i, w in watched), return_exceptions=True)
+
+    async def _check(self, instance: str, watch: "_Watch") -> None:
+        answered = await ping(self.nc, service_name(kind_of(instance)), instance, self.wait)
+        now = time.monotonic()
+        if answered is not False:
+            watch.absent_since = None
+        elif watch.absent_since is None:
+            watch.absent_since = now
+        elif now - watch.absent_since >= GONE_CONFIRM_SECONDS:
+            log.warning("directory.instance_gone", instance=instance)
+            watch.gone.set()
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                if self.nc.is_connected:
+                    await self.refresh()
+            except Exception as err:  # discovery is an optimization: callers fall back to queue groups
+                log.warning("directory.refresh_failed", error=str(err))
+            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
