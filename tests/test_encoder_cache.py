@@ -21,7 +21,8 @@ from PIL import Image
 from services.encoder.cache import Embedding, EmbeddingCache
 from services.encoder.fingerprint import encoder_fingerprint
 from services.frontend.media import content_hash
-from services.frontend.routing import EncoderInfo, assign
+from services.frontend.routing import EncoderRouter, Target, assign
+from shared.bus.directory import Directory
 from shared.bus.calls import call
 from shared.bus.subjects import Subjects
 from shared.dataplane.plane import DataPlane
@@ -78,21 +79,29 @@ def test_cache_is_lru_bounded_in_bytes():
 
 
 def test_routing_prefers_the_live_holder_then_spreads_new_images():
-    subjects = Subjects("p")
-    encoders = [EncoderInfo("a", 0), EncoderInfo("b", 0)]
+    idle = {"a": 0, "b": 0}
     # A known holder gets its image even when busy; a dead holder is ignored.
-    busy = [EncoderInfo("a", 9), EncoderInfo("b", 0)]
-    assert assign(["h1"], busy, subjects, ["a"]) == [subjects.encode_on("a")]
-    assert assign(["h1"], busy, subjects, ["gone"]) == [subjects.encode_on("b")]
+    busy = {"a": 9, "b": 0}
+    assert assign(["h1"], busy, ["a"]) == ["a"]
+    assert assign(["h1"], busy, ["gone"]) == ["b"]
     # New images of one request spread over idle encoders; a repeated image stays with its first copy.
-    targets = assign([f"img{i}" for i in range(4)] + ["img0"], encoders, subjects)
-    assert {targets.count(subjects.encode_on(x)) for x in "ab"} <= {2, 3} and targets[4] == targets[0]
+    targets = assign([f"img{i}" for i in range(4)] + ["img0"], idle, [None] * 5)
+    assert {targets.count(x) for x in "ab"} <= {2, 3} and targets[4] == targets[0]
     # A margin keeps an image on its favourite although another encoder is a little less busy.
-    favourite = assign(["x"], encoders, subjects)[0]
-    loaded = [EncoderInfo(e.instance, 2 if subjects.encode_on(e.instance) == favourite else 0) for e in encoders]
-    assert assign(["x"], loaded, subjects, margin=2) == [favourite]
-    assert assign(["x"], loaded, subjects, margin=1) != [favourite]
-    assert assign(["x", "y"], [], subjects) == [subjects.encode] * 2  # no discovery: the queue group
+    favourite = assign(["x"], idle, [None])[0]
+    loaded = {e: 2 if e == favourite else 0 for e in idle}
+    assert assign(["x"], loaded, [None], margin=2) == [favourite]
+    assert assign(["x"], loaded, [None], margin=1) != [favourite]
+
+
+async def test_with_nothing_listed_images_go_to_the_queue_group(nats_url):
+    """Before discovery has answered (or without it), NATS picks — and answers when nobody serves."""
+    nc = await nats.connect(nats_url)
+    try:
+        router = EncoderRouter(nc, Directory(nc, "empty"), Subjects("empty"), margin=0)
+        assert await router.targets(["x", "y"]) == [Target("empty.encode")] * 2
+    finally:
+        await nc.close()
 
 
 # -- a stack of two encoders whose processes the tests tell apart ------------------------------------------
