@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -38,8 +38,8 @@ class ServedModel:
     max_model_len: int
 
 
-def create_app(gateway: Gateway, model: ServedModel, ready: Callable[[], bool], metrics: Callable[[], bytes],
-               max_body_bytes: int) -> FastAPI:
+def create_app(gateway: Gateway, model: ServedModel, ready: Callable[[], bool],
+               metrics: Callable[[], Awaitable[bytes]], max_body_bytes: int) -> FastAPI:
     app = FastAPI(title="epd", version=__version__, docs_url=None, redoc_url=None)
     _install_error_handlers(app)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
@@ -51,7 +51,7 @@ def create_app(gateway: Gateway, model: ServedModel, ready: Callable[[], bool], 
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(await metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:

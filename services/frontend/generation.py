@@ -109,14 +109,15 @@ class Generation:
             out.append(Finished(self.outcome, self.prompt_tokens, self.completion_tokens))
         return out
 
-    def close(self) -> None:
-        """Free the slot and the stream; tell the workers to stop unless they finished. Idempotent, and
-        synchronous so that a cancelled response (whose cleanup cannot await) still runs it whole."""
+    def close(self, reason: str = "request ended early") -> None:
+        """Free the slot and the stream; tell the workers to stop unless they finished (``reason`` says
+        why, in the cancel). Idempotent, and synchronous so that a cancelled response (whose cleanup
+        cannot await) still runs it whole."""
         if self._closed:
             return
         self._closed = True
         self.slot.release()
         if not self._done or self._cut_short:
             self.pipeline.cancel_soon(self.stream.attempt or self.request_id,
-                                      "stop string" if self._cut_short else "request ended early")
+                                      "stop string" if self._cut_short else reason)
         self.pipeline.finished(self)

@@ -85,7 +85,10 @@ class Pipeline:
                 timing.stages.update(media=loaded - timing.arrived, encode=time.time() - loaded)
             # -- 3. prefill --------------------------------------------------------------------------
             await self.submit(generation, request_id, prompt, results, sampling)
-        except BaseException:  # an error, or the client left before the answer started
+        except asyncio.CancelledError:  # the client left before the answer started
+            generation.close("client gone")
+            raise
+        except BaseException:
             generation.close()
             raise
         return generation

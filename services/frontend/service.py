@@ -111,7 +111,9 @@ class FrontendService(Service):
         image sent before that would find no encoder)."""
         return self.ready and self.directory.refreshed.is_set()
 
-    def _metrics(self) -> bytes:
+    async def _metrics(self) -> bytes:
+        if self.nc.is_connected:
+            await self.directory.refresh()  # what the services report now, not up to a second ago
         self.metrics.record_services(self.directory.raw, self.directory.counts())
         return generate_latest(self.metrics.registry)
 
