@@ -35,6 +35,7 @@ class BlockManager:
         self._parked: OrderedDict[int, None] = OrderedDict()  # indexed blocks nobody holds, oldest first
         self._block_of: dict[str, int] = {}  # chain hash → the block holding that KV
         self._hash_of: dict[int, str] = {}
+        self.num_evicted = 0  # cached blocks reused for other KV since start
 
     @property
     def num_free(self) -> int:
@@ -110,6 +111,7 @@ class BlockManager:
             else:
                 block, _ = self._parked.popitem(last=False)
                 del self._block_of[self._hash_of.pop(block)]  # evicted: its KV is about to be overwritten
+                self.num_evicted += 1
             self._refs[block] = 1
             taken.append(block)
         return taken

@@ -136,6 +136,7 @@ class Engine:
         cached ones nobody holds (``kv_blocks_cached``): they are evicted when room is needed."""
         return {"kv_blocks_free": self.blocks.num_free, "kv_blocks_used": self.blocks.num_used,
                 "kv_blocks_total": self.blocks.num_blocks, "kv_blocks_cached": self.blocks.num_parked,
+                "kv_blocks_evicted": self.blocks.num_evicted,
                 "prompt_tokens": self.prompt_tokens, "cached_prompt_tokens": self.cached_prompt_tokens}
 
     def request_ids(self) -> list[str]:
