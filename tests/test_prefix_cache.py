@@ -103,9 +103,10 @@ def test_a_different_image_at_the_same_place_hits_nothing_past_it(model_parts, r
 
 
 def test_eviction_under_a_small_pool_stays_exact(model_parts, requests_with_reference):
-    """A pool of 24 blocks (about four prompts) for eight prompts asked three times, two at a time:
-    cached blocks are evicted to make room and hits still come; every output is HF's."""
-    engine = make_engine(model_parts, num_blocks=25, max_batched_tokens=32)
+    """A pool of 12 blocks (two sequences) for eight prompts asked three times, two at a time: cached
+    blocks are evicted to make room, hits past the shared system prompt still come (the longest-parked
+    blocks go first), and every output is HF's."""
+    engine = make_engine(model_parts, num_blocks=13, max_batched_tokens=32)
     order = [i for k in range(3) for i in (list(range(8)) if k != 1 else [7, 0, 6, 1, 5, 2, 4, 3])]
     seqs = [sequence(f"{n}-{i}", requests_with_reference[i]) for n, i in enumerate(order)]
     for pair in range(0, len(seqs), 2):
@@ -114,8 +115,8 @@ def test_eviction_under_a_small_pool_stays_exact(model_parts, requests_with_refe
         run_to_completion(engine)
     for seq, i in zip(seqs, order):
         assert seq.output_ids == requests_with_reference[i][3], seq.request_id
-    assert engine.blocks.num_evicted > 0, "nothing was evicted"
-    assert engine.cached_prompt_tokens > 0
+    assert engine.blocks.num_evicted > 20, "little was evicted"
+    assert any(seq.num_cached > 16 for seq in seqs), "no hit past the system prompt"
     assert engine.blocks.num_used == 0 and engine.blocks.num_free == engine.blocks.num_blocks
 
 
