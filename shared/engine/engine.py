@@ -156,11 +156,7 @@ class Engine:
         if plan.kind == "decode":
             tokens = self.runner.decode(plan.seqs)
         else:
-            hook = None
-            if on_layer_done is not None:
-                spans = [self._new_kv(c) for c in plan.chunks if not c.seq.decoding]
-                hook = lambda layer: on_layer_done(layer, spans)  # noqa: E731
-            tokens = self.runner.prefill(plan.chunks, hook)
+            tokens = self.runner.prefill(plan.chunks, self._layer_hook(plan.chunks, on_layer_done))
         outputs = []
         for chunk, token in zip(plan.chunks, tokens):
             self._computed(chunk)
@@ -169,9 +165,16 @@ class Engine:
         return outputs
 
     @staticmethod
-    def _new_kv(chunk: Chunk) -> KVSpan:
-        first = chunk.start == chunk.seq.num_cached  # the cached prefix has not been named yet
-        return KVSpan(chunk.seq, 0 if first else chunk.start, chunk.end)
+    def _layer_hook(chunks: list[Chunk], on_layer_done: LayerHook | None) -> Callable[[int], None] | None:
+        """``on_layer_done`` bound to the step's prompt spans (decode rows' KV never leaves)."""
+        if on_layer_done is None:
+            return None
+        spans = []
+        for chunk in chunks:
+            if not chunk.seq.decoding:
+                first = chunk.start == chunk.seq.num_cached  # the cached prefix has not been named yet
+                spans.append(KVSpan(chunk.seq, 0 if first else chunk.start, chunk.end))
+        return lambda layer: on_layer_done(layer, spans)
 
     def _computed(self, chunk: Chunk) -> None:
         seq = chunk.seq
