@@ -7,6 +7,10 @@ Measures, for Qwen2.5-VL-7B shapes with random bf16 weights (timing does not dep
   decode1     decode step at batch 1 (128-token context): CUDA-graph replay and a whole engine step
   decode64    decode step at batch 64 with 2,048-token contexts, against weights + KV bytes / bandwidth
   prefill     prefill of the four-1080p-image prompt (10,903 tokens), against FLOPs / matmul rate
+  chunked     that prefill at several step budgets (chunked prefill) against unchunked; a mixed step
+              (64 decode rows at 2k context + a prompt chunk) against a pure decode step and the chunk
+              alone; the repeated prompt served by the prefix cache; prefill attention after a prefix:
+              the paged Triton kernel against gathering the KV for SDPA, and both on a chunk with no prefix
   memory      1,000 requests through the engine: KV pool and allocator do not grow
   hf          HF generate() decode step (t(65 tokens) - t(1 token)) / 64, 128-token prompt
   vit         vision tower, 1 and 4 x 1080p (and 8), ours against HF's
@@ -42,7 +46,8 @@ from shared.model.config import ModelConfig  # noqa: E402
 from shared.model.loader import load_language_model, load_vision_tower  # noqa: E402
 from shared.model.presets import PRESETS  # noqa: E402
 
-SECTIONS = ["ceilings", "check", "decode1", "decode64", "prefill", "memory", "hf", "vit", "preprocess", "profile"]
+SECTIONS = ["ceilings", "check", "decode1", "decode64", "prefill", "chunked", "memory", "hf", "vit", "preprocess",
+            "profile"]
 RESULTS: dict = {}
 
 
@@ -120,7 +125,7 @@ def build_lm(ctx):
     cache = KVCache(cfg.text, blocks, 16, ctx["dtype"], dev)
     runner = ModelRunner(lm, cache, cfg.vision.merge_size)
     ctx["engine"] = Engine(runner, (2,), ctx["max_len"], "both", max_num_seqs=ctx["max_batch"],
-                           max_batched_tokens=16384)
+                           max_batched_tokens=16384, prefix_caching=False)  # repeated prompts compute each time
     if dev.type == "cuda":
         runner.capture_graphs(ctx["max_batch"], ctx["max_len"])
     ctx["weights_bytes"] = lm_bytes(lm) - lm.embed_tokens.weight.numel() * lm.embed_tokens.weight.element_size() \
@@ -150,7 +155,7 @@ def _forced_logits(engine: Engine, prompt: list[int], forced: list[int]) -> list
 def check(ctx):
     """Our GPU path (graphs, and eager) and the torch path in bf16, each against an fp32 reference,
     teacher-forced so every variant sees the same tokens."""
-    from shared.engine import kernels
+    from shared import kernels
     from shared.engine.attention import TorchAttention
 
     build_lm(ctx)
@@ -318,7 +323,8 @@ def _prefill_prompt(ctx):
 def _run_prefill(engine: Engine, tokens, images) -> None:
     seq = new_seq("prefill", list(tokens), 1, images=images)
     engine.add_prompt(seq)
-    engine.step()
+    while engine.has_work():  # one step, or one per chunk
+        engine.step()
 
 
 def prefill(ctx):
@@ -334,6 +340,144 @@ def prefill(ctx):
     RESULTS["prefill"] = {"tokens": t, "ms": ms, "TFLOP": flops / 1e12, "compute_floor_ms": floor,
                           "ratio_to_floor": ms / floor if floor else None}
     log(f"prefill {t} tokens: {ms:.1f} ms, {flops / 1e12:.0f} TFLOP, floor {floor:.1f} ms ({ms / max(floor, 1e-9):.2f}x)")
+
+
+def _engine_like(ctx, **options) -> Engine:
+    """Another engine on the built runner (its graphs, its KV pool): one engine holds sequences at a time."""
+    return Engine(ctx["engine"].runner, (2,), ctx["max_len"], "both", max_num_seqs=ctx["max_batch"], **options)
+
+
+def _synced_ms(ctx, fn) -> float:
+    t = time.perf_counter()
+    fn()
+    if ctx["device"].type == "cuda":
+        torch.cuda.synchronize()  # steps that sample nothing (a chunk mid-prompt) return before the GPU is done
+    return (time.perf_counter() - t) * 1e3
+
+
+def chunked(ctx):
+    build_lm(ctx)
+    out = {"budgets": _prefill_at_budgets(ctx), "mixed": _mixed_steps(ctx), "prefix_hit": _prefix_hit(ctx)}
+    out["attention"] = _prefill_attention_kernels(ctx)
+    RESULTS["chunked"] = out
+
+
+def _prefill_at_budgets(ctx) -> dict:
+    """Time to the first token of the 10,903-token prompt when prefilled in chunks of each budget."""
+    tokens, images = _prefill_prompt(ctx)
+    budgets = (1024, 2048, 4096, 8192, 16384) if ctx["big"] else (16, 32, 64, 128)
+    runs = {"unchunked": _engine_like(ctx, max_batched_tokens=len(tokens), chunked_prefill=False, prefix_caching=False)}
+    runs.update({str(b): _engine_like(ctx, max_batched_tokens=b, prefix_caching=False) for b in budgets})
+    result = {}
+    for name, engine in runs.items():
+        ms = ctx["timer"].ms(lambda: _run_prefill(engine, tokens, images), repeat=3, warmup=1)
+        result[name] = {"ms": ms, "tokens_per_s": len(tokens) / (ms / 1e3)}
+    base = result["unchunked"]["ms"]
+    for name, row in result.items():
+        row["vs_unchunked"] = base / row["ms"]
+        log(f"chunked prefill {len(tokens)} tokens, budget {name}: {row['ms']:.1f} ms, "
+            f"{row['tokens_per_s']:.0f} tokens/s ({row['vs_unchunked']:.2f}x unchunked)")
+    return result
+
+
+def _mixed_steps(ctx) -> dict:
+    """Decode rows at 2k context: a pure decode step (graph replay), the same rows with a prompt chunk
+    riding along (one eager step), and that chunk alone (after an equal prefix)."""
+    cfg = ctx["config"]
+    rows, context = (64, 2048) if ctx["big"] else (8, 64)
+    chunk_sizes = (256, 1024, 2048, 4096) if ctx["big"] else (16, 32)
+    result = {}
+    for chunk in chunk_sizes:
+        engine = _engine_like(ctx, max_batched_tokens=rows + chunk, prefix_caching=False)
+        seqs = _reserve_with_random_kv(engine, cfg, rows, context, ctx["dtype"], ctx["device"])
+        decode_ms = statistics.median(_synced_ms(ctx, engine.step) for _ in range(10))
+        prompt = new_seq("mixed", [11] * (chunk * 4 + 1), 1)
+        engine.add_prompt(prompt)
+        engine.step()  # first chunk (no prefix); the next ones read a prefix like a continuing prompt
+        mixed_ms = statistics.median(_synced_ms(ctx, engine.step) for _ in range(2))
+        for seq in seqs + [prompt]:
+            engine.abort(seq.request_id)
+        alone = _engine_like(ctx, max_batched_tokens=chunk, prefix_caching=False)
+        prompt = new_seq("alone", [11] * (chunk * 4 + 1), 1)
+        alone.add_prompt(prompt)
+        alone.step()
+        chunk_ms = statistics.median(_synced_ms(ctx, alone.step) for _ in range(2))
+        alone.abort(prompt.request_id)
+        result[chunk] = {"decode_step_ms": decode_ms, "mixed_step_ms": mixed_ms, "chunk_alone_ms": chunk_ms,
+                         "decode_rows_in_mixed_ms": mixed_ms - chunk_ms}
+        log(f"mixed step: {rows} decode rows @{context} + {chunk}-token chunk {mixed_ms:.2f} ms; pure decode "
+            f"{decode_ms:.2f} ms, chunk alone {chunk_ms:.2f} ms (rows add {mixed_ms - chunk_ms:.2f} ms)")
+    return {"rows": rows, "context": context, "by_chunk": result}
+
+
+def _reserve_with_random_kv(engine: Engine, cfg, rows: int, context: int, dtype, device) -> list[Sequence]:
+    seqs = []
+    for i in range(rows):
+        seq = Sequence(f"rows-{i}", [7] * context, context - 1, SamplingParams(temperature=0, max_tokens=10_000,
+                                                                                ignore_eos=True),
+                       num_computed=context - 1)
+        engine.reserve(seq)
+        engine.write_kv(seq.request_id, torch.randn(cfg.text.num_layers, 2, context - 1, cfg.text.num_kv_heads,
+                                                    cfg.text.head_dim, dtype=dtype, device=device))
+        engine.activate(seq.request_id)
+        seqs.append(seq)
+    engine.step()  # settle: every row has generated once
+    return seqs
+
+
+def _prefix_hit(ctx) -> dict:
+    """The image prompt twice (images named by content hash): computed, then from the prefix cache."""
+    tokens, images = _prefill_prompt(ctx)
+    for i, image in enumerate(images):
+        image.content_hash = f"bench-image-{i}"
+    engine = _engine_like(ctx, max_batched_tokens=16384 if ctx["big"] else 128)
+    cold = _synced_ms(ctx, lambda: _run_prefill(engine, tokens, images))
+    hit = statistics.median(_synced_ms(ctx, lambda: _run_prefill(engine, tokens, images)) for _ in range(3))
+    log(f"prefix cache: {len(tokens)}-token prompt {cold:.1f} ms computed, {hit:.1f} ms from the cache "
+        f"({engine.cached_prompt_tokens} cached tokens over 4 runs)")
+    return {"tokens": len(tokens), "computed_ms": cold, "cached_ms": hit, "cached_tokens": engine.cached_prompt_tokens}
+
+
+def _prefill_attention_kernels(ctx) -> dict:
+    """One layer's prefill attention for a chunk after a prefix (paged kernel vs gather + SDPA with a
+    lower-right causal mask) and for a chunk with no prefix (the kernel vs SDPA, which the GPU path uses)."""
+    if ctx["device"].type != "cuda":
+        return {"skipped": "no GPU (tests/test_kernels.py checks the kernel in Triton's interpreter)"}
+    from torch.nn.attention.bias import causal_lower_right
+
+    from shared.engine.attention import causal_attention
+    from shared.kernels.attention import paged_prefill_attention
+
+    cfg, dev, dtype, timer = ctx["config"], ctx["device"], ctx["dtype"], ctx["timer"]
+    heads, kv_heads, dim, bs = cfg.text.num_heads, cfg.text.num_kv_heads, cfg.text.head_dim, 16
+    result = {}
+    for prefix, chunk in ((0, 2048), (2048, 2048), (8192, 2048), (8192, 512)):
+        ctx_len = prefix + chunk
+        blocks = (ctx_len + bs - 1) // bs
+        k_cache = torch.randn(blocks + 1, bs, kv_heads, dim, device=dev, dtype=dtype)
+        v_cache = torch.randn_like(k_cache)
+        table = torch.randperm(blocks, device=dev).add(1).to(torch.int32)[None]
+        q = torch.randn(chunk, heads, dim, device=dev, dtype=dtype)
+        cu = torch.tensor([0, chunk], dtype=torch.int32, device=dev)
+        lens = torch.tensor([ctx_len], dtype=torch.int32, device=dev)
+        slots = (table[0].long()[:, None] * bs + torch.arange(bs, device=dev)).flatten()[:ctx_len]
+        kernel = timer.ms(lambda: paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, dim ** -0.5, chunk))
+
+        def gathered():
+            k, v = k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots]
+            if prefix == 0:
+                return causal_attention(q, k, v)
+            qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+            ks, vs = ks.repeat_interleave(heads // kv_heads, 1), vs.repeat_interleave(heads // kv_heads, 1)
+            return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=causal_lower_right(chunk, ctx_len))
+
+        sdpa = timer.ms(gathered)
+        flops = 4 * chunk * (prefix + chunk / 2) * heads * dim
+        result[f"prefix{prefix}_chunk{chunk}"] = {"triton_ms": kernel, "gather_sdpa_ms": sdpa,
+                                                  "triton_TFLOPs": flops / kernel / 1e9}
+        log(f"prefill attention, chunk {chunk} after {prefix}: paged Triton {kernel:.3f} ms "
+            f"({flops / kernel / 1e9:.0f} TFLOP/s), gather + SDPA {sdpa:.3f} ms")
+    return result
 
 
 def memory(ctx):

@@ -2,80 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from shared.engine.engine import Engine
-from shared.engine.kv_cache import KVCache
-from shared.engine.runner import ModelRunner
 from shared.engine.sampling import SamplingParams
-from shared.engine.sequence import ImageInput, Sequence
-from shared.model.config import ModelConfig
-from shared.model.loader import load_language_model, load_vision_tower
+from shared.engine.sequence import Sequence
+from tests.engine_support import (make_engine, model_parts, requests_with_reference, run_to_completion,  # noqa: F401
+                                  sequence)
 from tests.support import make_image
-
-PROMPTS = [
-    ("Hello! How are you today?", []),
-    ("Describe the image in one sentence.", [(1, 100, 150)]),
-    ("What colour is the square?", [(2, 60, 200), (3, 90, 90)]),
-    ("The quick brown fox jumps over the lazy dog.", []),
-    ("A photo of a cat sitting on a red chair next to a window.", [(4, 56, 56)]),
-    ("Numbers: 0 1 2 3", [(5, 140, 70), (6, 80, 80), (7, 30, 300)]),
-    ("Encoder, prefill and decode run as separate services.", []),
-    ("Café, naïve, über", [(8, 120, 90)]),
-]
-
-
-@pytest.fixture(scope="module")
-def model_parts(tiny_model):
-    config = ModelConfig.from_checkpoint(tiny_model)
-    return config, load_language_model(tiny_model, config), load_vision_tower(tiny_model, config)
-
-
-@pytest.fixture(scope="module")
-def requests_with_reference(reference, model_parts):
-    """Each prompt as an engine Sequence factory, plus HF's greedy continuation of it."""
-    config, _, tower = model_parts
-    built = []
-    for i, (text, specs) in enumerate(PROMPTS):
-        images = [make_image(*spec) for spec in specs]
-        max_tokens = 6 + 3 * i
-        expected = reference.generate(text, images, max_tokens)
-        inputs = reference.inputs(text, images)
-        ids = inputs["input_ids"][0].tolist()
-        image_inputs = []
-        if images:
-            grids = [tuple(int(x) for x in g) for g in inputs["image_grid_thw"]]
-            embeds = tower(inputs["pixel_values"], grids).split([t * h * w // 4 for t, h, w in grids])
-            starts = [j for j, t in enumerate(ids) if t == config.image_token_id and
-                      (j == 0 or ids[j - 1] != config.image_token_id)]
-            image_inputs = [ImageInput(o, g, e) for o, g, e in zip(starts, grids, embeds)]
-        built.append((ids, image_inputs, max_tokens, expected))
-    return built
-
-
-def make_engine(model_parts, num_blocks=256, block_size=16, max_num_seqs=256, role="both") -> Engine:
-    config, lm, _ = model_parts
-    cache = KVCache(config.text, num_blocks, block_size, torch.float32, "cpu")
-    runner = ModelRunner(lm, cache, config.vision.merge_size)
-    return Engine(runner, config.eos_token_ids, max_model_len=(num_blocks - 1) * block_size, role=role,
-                  max_num_seqs=max_num_seqs)
-
-
-def sequence(i: int, request) -> Sequence:
-    ids, images, max_tokens, _ = request
-    return Sequence(f"r{i}", list(ids), len(ids), SamplingParams(temperature=0, max_tokens=max_tokens),
-                    images=images)
-
-
-def run_to_completion(engine: Engine, joiners: dict[int, list[Sequence]] | None = None) -> int:
-    steps = 0
-    while engine.has_work() or (joiners and any(k >= steps for k in joiners)):
-        for seq in (joiners or {}).pop(steps, []):
-            engine.add_prompt(seq)
-        engine.step()
-        steps += 1
-    return steps
 
 
 def test_single_request(model_parts, requests_with_reference):
@@ -157,9 +90,11 @@ def test_prefill_role_streams_kv_that_decode_continues(model_parts, requests_wit
     decode.reserve(moved)  # room first, before any KV exists
     landed = []
 
-    def on_layer_done(layer, seqs):
-        assert seqs == [seq]
-        decode.write_kv(moved.request_id, prefill.read_kv(seq, slice(layer, layer + 1)), slice(layer, layer + 1))
+    def on_layer_done(layer, spans):
+        (span,) = spans
+        assert span.seq is seq and (span.start, span.end) == (0, len(seq))
+        kv = prefill.read_kv(seq, slice(layer, layer + 1), span.start, span.end)
+        decode.write_kv(moved.request_id, kv, slice(layer, layer + 1), span.start)
         landed.append(layer)
 
     prefill.add_prompt(seq)
@@ -175,24 +110,34 @@ def test_prefill_role_streams_kv_that_decode_continues(model_parts, requests_wit
 
 def test_short_prompts_start_first_and_passed_over_prompts_are_not_starved():
     """Shortest waiting prompt first (a text prompt does not wait behind an image prompt); one passed
-    over for longer than the window goes first; window 0 is first come, first served."""
+    over for longer than the window goes first; window 0 is first come, first served. Whole prompts
+    (no chunking): the image prompt gets a step of its own; chunked: it fills the rest of the budget."""
     from shared.engine.block_manager import BlockManager
     from shared.engine.scheduler import Scheduler
 
     def prompt(rid: str, tokens: int) -> Sequence:
         return Sequence(rid, [1] * tokens, tokens, SamplingParams(max_tokens=4))
 
-    def first_prefills(window: float, passed_over_for: float = 0.0) -> list[list[str]]:
+    def first_prefills(window: float, passed_over_for: float = 0.0, chunked: bool = False) -> list[list[str]]:
         scheduler = Scheduler(BlockManager(1024, 16), max_num_seqs=8, max_batched_tokens=1000, swapper=None,
-                              priority_window=window)
+                              priority_window=window, chunked=chunked)
         for rid, tokens in (("images", 900), ("text-a", 60), ("text-b", 50)):
             scheduler.add_waiting(prompt(rid, tokens))
         scheduler.waiting[0].arrival -= passed_over_for
-        return [[s.request_id for s in scheduler.schedule().seqs] for _ in range(2)]
+        steps = []
+        for _ in range(2):
+            chunks = [c for c in scheduler.schedule().chunks if not c.seq.decoding]
+            steps.append([f"{c.seq.request_id}:{c.num_tokens}" for c in chunks])
+            for c in chunks:  # what the engine does after the step
+                c.seq.num_computed = c.end
+        return steps
 
-    assert first_prefills(window=2.0) == [["text-b", "text-a"], ["images"]]
-    assert first_prefills(window=2.0, passed_over_for=3.0) == [["images", "text-b"], ["text-a"]]
-    assert first_prefills(window=0.0) == [["images", "text-a"], ["text-b"]]
+    assert first_prefills(window=2.0) == [["text-b:50", "text-a:60"], ["images:900"]]
+    assert first_prefills(window=2.0, passed_over_for=3.0) == [["images:900", "text-b:50"], ["text-a:60"]]
+    assert first_prefills(window=0.0) == [["images:900", "text-a:60"], ["text-b:50"]]
+    assert first_prefills(window=2.0, chunked=True) == [["text-b:50", "text-a:60", "images:890"], ["images:10"]]
+    assert first_prefills(window=2.0, passed_over_for=3.0, chunked=True) == [["images:900", "text-b:50", "text-a:50"],
+                                                                           ["text-a:10"]]
 
 
 def test_batched_vision_equals_one_image_at_a_time(model_parts, tiny_model):

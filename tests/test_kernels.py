@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
-from shared.kernels.attention import paged_decode_attention  # noqa: E402
+from shared.kernels.attention import paged_decode_attention, paged_prefill_attention  # noqa: E402
 from shared.kernels.fused import add_rms_norm, rms_norm, rope_store, silu_mul  # noqa: E402
 from shared.model.rope import apply_rotary  # noqa: E402
 from shared.model.text import RMSNorm  # noqa: E402
@@ -46,6 +46,46 @@ def test_paged_decode_attention_matches_dense(heads, kv_heads, splits):
         v = v_cache.flatten(0, 1)[slots].transpose(0, 1)
         ref = F.scaled_dot_product_attention(q[i, :, None], k, v, enable_gqa=True)[:, 0]
         close(out[i], ref)
+
+
+@pytest.mark.parametrize("heads,kv_heads,skip_fresh", [(4, 2, False), (8, 2, True), (4, 4, False), (12, 4, False)])
+def test_paged_prefill_attention_matches_causal_sdpa_over_the_prefix(heads, kv_heads, skip_fresh):
+    """Chunks of packed queries after prefixes of every kind (none, inside a block, many blocks, a
+    decode-like single token), KV read through scattered block tables; chunks before ``first_chunk``
+    and, with ``skip_fresh``, chunks with no prefix are left untouched. Group 3 pads to 4 rows."""
+    from shared.engine.attention import causal_attention
+
+    torch.manual_seed(heads + kv_heads)
+    dim, block_size, blocks = 16, 16, 64
+    chunks = [(9, 1), (0, 1), (5, 3), (0, 37), (40, 70), (17, 1), (32, 16)]  # (prefix, new tokens)
+    k_cache = torch.randn(blocks, block_size, kv_heads, dim, device=DEVICE)
+    v_cache = torch.randn_like(k_cache)
+    perm = (torch.randperm(blocks - 1) + 1).tolist()
+    tables, cursor = [], 0
+    for prefix, n in chunks:
+        need = math.ceil((prefix + n) / block_size)
+        tables.append(perm[cursor:cursor + need])
+        cursor += need
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
+    cu = [0]
+    for _, n in chunks:
+        cu.append(cu[-1] + n)
+    q = torch.randn(cu[-1], heads, dim, device=DEVICE)
+    untouched = torch.full_like(q, 7.0)
+    out = paged_prefill_attention(q, k_cache, v_cache, block_tables, torch.tensor(cu, dtype=torch.int32, device=DEVICE),
+                                  torch.tensor([p + n for p, n in chunks], dtype=torch.int32, device=DEVICE),
+                                  dim ** -0.5, max(n for _, n in chunks[1:]), first_chunk=1, skip_fresh=skip_fresh,
+                                  out=untouched.clone())
+    for i, (prefix, n) in enumerate(chunks):
+        rows = slice(cu[i], cu[i + 1])
+        if i == 0 or (skip_fresh and prefix == 0):
+            assert torch.equal(out[rows], untouched[rows]), i
+            continue
+        slots = torch.tensor([tables[i][j // block_size] * block_size + j % block_size for j in range(prefix + n)],
+                             device=DEVICE)
+        ref = causal_attention(q[rows], k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots], prefix)
+        close(out[rows], ref)
 
 
 def test_norms_and_activation():

@@ -37,10 +37,12 @@ def build_engine(settings: EngineSettings, role: str) -> tuple[Engine, ModelConf
     blocks = kv_pool_blocks(settings, config, device, dtype)
     cache = KVCache(config.text, blocks, settings.block_size, dtype, device)
     log.info("engine.kv_pool", role=role, blocks=blocks, block_size=settings.block_size,
-             mib=round(cache.nbytes / 2**20, 1), max_model_len=max_len)
+             mib=round(cache.nbytes / 2**20, 1), max_model_len=max_len, step_tokens=settings.step_token_budget(device),
+             chunked_prefill=settings.chunked_prefill, prefix_caching=settings.prefix_caching)
     runner = ModelRunner(model, cache, config.vision.merge_size)
-    engine = Engine(runner, config.eos_token_ids, max_len, role, settings.max_num_seqs, settings.max_batched_tokens,
-                    settings.prefill_priority_window)
+    engine = Engine(runner, config.eos_token_ids, max_len, role, settings.max_num_seqs,
+                    settings.step_token_budget(device), settings.prefill_priority_window,
+                    chunked_prefill=settings.chunked_prefill, prefix_caching=settings.prefix_caching)
     if device.type == "cuda" and role != "prefill" and not settings.enforce_eager:
         runner.capture_graphs(settings.max_num_seqs, max_len)
     return engine, config

@@ -1,20 +1,27 @@
 """The engine: scheduler + model runner + KV pool, stepped by one thread.
 
 Roles share the code: ``prefill`` computes prompts and hands each sequence out after its first token
-(its KV leaves layer group by layer group through the ``on_layer_done`` hook, while the prompt is still
-being computed); ``decode`` takes sequences whose KV arrives from elsewhere and generates; ``both`` does
-the whole life of a request (the aggregated topology).
+(its KV leaves layer group by layer group through the ``on_layer_done`` hook, chunk by chunk, while the
+prompt is still being computed); ``decode`` takes sequences whose KV arrives from elsewhere and
+generates; ``both`` does the whole life of a request (the aggregated topology).
+
+Prefix caching (roles prefill and both): each prompt's full blocks get chain hashes
+(``shared.engine.prefix``, the function the frontend routes with); a prompt starts after the longest
+prefix whose blocks are still in the pool, and every block a sequence computes in full is kept for the
+prompts that follow until the pool needs the room.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from shared.engine.block_manager import BlockManager, blocks_for
+from shared.engine.prefix import block_hashes
 from shared.engine.runner import ModelRunner
-from shared.engine.scheduler import Scheduler
+from shared.engine.scheduler import Chunk, Scheduler
 from shared.engine.sequence import Sequence, Status
 
 ROLES = ("prefill", "decode", "both")
@@ -29,15 +36,31 @@ class StepOutput:
     token: int
     index: int  # position of ``token`` among the sequence's output tokens
     finish_reason: str | None  # None: more tokens follow (or, for role prefill, the sequence is handed off)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (usage.prompt_tokens_details)
+
+
+@dataclass
+class KVSpan:
+    """Prompt tokens ``[start, end)`` of ``seq`` whose KV a layer holds now and no earlier call named:
+    what role prefill streams out. A sequence's first span starts at 0, its cached prefix included."""
+
+    seq: Sequence
+    start: int
+    end: int
+
+
+LayerHook = Callable[[int, list[KVSpan]], None]  # (layer, spans), in the engine thread, after each layer
 
 
 class Engine:
     def __init__(self, runner: ModelRunner, eos_token_ids: tuple[int, ...], max_model_len: int, role: str = "both",
-                 max_num_seqs: int = 256, max_batched_tokens: int = 8192, priority_window: float = 2.0):
+                 max_num_seqs: int = 256, max_batched_tokens: int = 8192, priority_window: float = 2.0,
+                 chunked_prefill: bool = True, prefix_caching: bool = True):
         if role not in ROLES:
             raise ValueError(f"engine role must be one of {ROLES}")
         cache = runner.cache
-        self.blocks = BlockManager(cache.num_blocks, cache.block_size)
+        # a decode worker never looks a prompt up: its prompts' KV arrives whole from prefill
+        self.blocks = BlockManager(cache.num_blocks, cache.block_size, caching=prefix_caching and role != "decode")
         if blocks_for(max_model_len, cache.block_size) > self.blocks.num_blocks:
             raise ValueError(f"the KV pool ({self.blocks.num_blocks} blocks of {cache.block_size}) cannot hold one "
                              f"sequence of max_model_len={max_model_len} tokens; give it more memory")
@@ -45,16 +68,20 @@ class Engine:
         self.role = role
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max(max_batched_tokens, max_model_len), self,
-                                   priority_window)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_batched_tokens, self, priority_window,
+                                   chunked=chunked_prefill)
         self.reserved: dict[str, Sequence] = {}
         self._by_id: dict[str, Sequence] = {}
+        self.prompt_tokens = 0  # prompt tokens admitted, and how many of them the prefix cache served
+        self.cached_prompt_tokens = 0
 
     # -- admission -----------------------------------------------------------------------------------
     def add_prompt(self, seq: Sequence) -> None:
         """Queue a prompt for prefill (roles prefill and both)."""
         if len(seq) >= self.max_model_len:
             raise ValueError(f"prompt of {len(seq)} tokens does not fit max_model_len={self.max_model_len}")
+        if self.blocks.caching:
+            seq.block_hashes = block_hashes(seq.token_ids, [i.span for i in seq.images], self.blocks.block_size)
         self._by_id[seq.request_id] = seq
         self.scheduler.add_waiting(seq)
 
@@ -69,17 +96,22 @@ class Engine:
         self.reserved[seq.request_id] = seq
         self._by_id[seq.request_id] = seq
 
-    def write_kv(self, request_id: str, kv: torch.Tensor, layers: slice = slice(None)) -> None:
-        """Land transferred KV (``[layers, 2, num_computed, kv_heads, head_dim]``) in a reservation."""
+    def write_kv(self, request_id: str, kv: torch.Tensor, layers: slice = slice(None), start: int = 0) -> None:
+        """Land transferred KV ``[layers, 2, tokens, kv_heads, head_dim]`` of tokens ``[start, start +
+        tokens)`` in a reservation (chunks of a prompt may arrive in any order)."""
         seq = self.reserved[request_id]
-        self.runner.cache.scatter(self._slots(seq), kv, layers)
+        end = start + kv.shape[2]
+        if start < 0 or end > seq.num_computed:
+            raise ValueError(f"KV of tokens {start}..{end} does not fit a reservation of {seq.num_computed}")
+        self.runner.cache.scatter(self._slots(seq, start, end), kv, layers)
 
-    def read_kv(self, seq: Sequence, layers: slice = slice(None)) -> torch.Tensor:
-        """A copy of ``seq``'s computed KV for ``layers`` (what prefill streams out)."""
-        return self.runner.cache.gather(self._slots(seq), layers)
+    def read_kv(self, seq: Sequence, layers: slice = slice(None), start: int = 0, end: int | None = None) -> torch.Tensor:
+        """A copy of the KV of ``seq``'s tokens ``[start, end)`` (default: all computed) for ``layers``.
+        In the layer hook, pass the span's bounds: the step's tokens do not count as computed yet."""
+        return self.runner.cache.gather(self._slots(seq, start, seq.num_computed if end is None else end), layers)
 
-    def _slots(self, seq: Sequence) -> torch.Tensor:
-        return torch.tensor(self.runner.cache.slots(seq.block_table, 0, seq.num_computed or len(seq)))
+    def _slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+        return torch.tensor(self.runner.cache.slots(seq.block_table, start, end), dtype=torch.long)
 
     def activate(self, request_id: str) -> None:
         """The reserved sequence's KV is complete: it joins the running batch at the next step."""
@@ -100,9 +132,12 @@ class Engine:
         return len(self.scheduler) > 0
 
     def block_stats(self) -> dict[str, int]:
-        """The KV pool's figures, as services report them in their NATS stats."""
+        """The KV pool's figures, as services report them in their NATS stats. Free blocks include the
+        cached ones nobody holds (``kv_blocks_cached``): they are evicted when room is needed."""
         return {"kv_blocks_free": self.blocks.num_free, "kv_blocks_used": self.blocks.num_used,
-                "kv_blocks_total": self.blocks.num_blocks}
+                "kv_blocks_total": self.blocks.num_blocks, "kv_blocks_cached": self.blocks.num_parked,
+                "kv_blocks_evicted": self.blocks.num_evicted,
+                "prompt_tokens": self.prompt_tokens, "cached_prompt_tokens": self.cached_prompt_tokens}
 
     def request_ids(self) -> list[str]:
         return list(self._by_id)
@@ -111,26 +146,65 @@ class Engine:
     def num_active(self) -> int:
         return len(self.scheduler) + len(self.reserved)
 
-    def step(self, on_layer_done=None) -> list[StepOutput]:
-        """One prefill or decode step. ``on_layer_done(layer, seqs)`` is called during a prefill after
-        each layer's KV is in the cache (role prefill streams it out from there)."""
+    def step(self, on_layer_done: LayerHook | None = None) -> list[StepOutput]:
+        """One step: prompt chunks (with decode rows riding along) or a decode step of every running
+        sequence. During a step with prompt chunks, ``on_layer_done(layer, spans)`` is called after each
+        layer's KV is in the cache (role prefill streams the spans out from there)."""
         plan = self.scheduler.schedule()
         if plan.kind == "idle":
             return []
-        if plan.kind == "prefill":
-            tokens = self.runner.prefill(plan.seqs, on_layer_done)
-        else:
+        if plan.kind == "decode":
             tokens = self.runner.decode(plan.seqs)
-        return [self._advance(seq, token, plan.kind) for seq, token in zip(plan.seqs, tokens)]
+        else:
+            tokens = self.runner.prefill(plan.chunks, self._layer_hook(plan.chunks, on_layer_done))
+        outputs = []
+        for chunk, token in zip(plan.chunks, tokens):
+            self._computed(chunk)
+            if token is not None:
+                outputs.append(self._advance(chunk.seq, token))
+        return outputs
 
-    def _advance(self, seq: Sequence, token: int, kind: str) -> StepOutput:
+    @staticmethod
+    def _layer_hook(chunks: list[Chunk], on_layer_done: LayerHook | None) -> Callable[[int], None] | None:
+        """``on_layer_done`` bound to the step's prompt spans (decode rows' KV never leaves)."""
+        if on_layer_done is None:
+            return None
+        spans = []
+        for chunk in chunks:
+            if not chunk.seq.decoding:
+                first = chunk.start == chunk.seq.num_cached  # the cached prefix has not been named yet
+                spans.append(KVSpan(chunk.seq, 0 if first else chunk.start, chunk.end))
+        return lambda layer: on_layer_done(layer, spans)
+
+    def _computed(self, chunk: Chunk) -> None:
+        seq = chunk.seq
+        if chunk.start == seq.num_cached and not seq.decoding:
+            self.prompt_tokens += seq.prompt_len
+            self.cached_prompt_tokens += seq.num_cached
+        seq.num_computed = chunk.end
+        if seq.decoding:
+            seq.positions = None  # the prompt's positions are no longer needed
+        if self.blocks.caching and chunk.start // self.blocks.block_size < chunk.end // self.blocks.block_size:
+            self._extend_hashes(seq)  # only when the step filled a block
+            self.blocks.index(seq)
+
+    def _extend_hashes(self, seq: Sequence) -> None:
+        """Hashes for blocks filled past the prompt's (generated tokens), so a follow-up turn hits them."""
+        full = seq.num_computed // self.blocks.block_size
+        if len(seq.block_hashes) < full:
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            seq.block_hashes += block_hashes(seq.token_ids[:full * self.blocks.block_size],
+                                             [i.span for i in seq.images], self.blocks.block_size,
+                                             start_block=len(seq.block_hashes), parent=parent)
+
+    def _advance(self, seq: Sequence, token: int) -> StepOutput:
         seq.token_ids.append(token)
         reason = self._stop_reason(seq, token)
         if reason is not None:
             seq.finish_reason = reason
-        if reason is not None or (kind == "prefill" and self.role == "prefill"):
+        if reason is not None or self.role == "prefill":
             self._release(seq)  # finished, or handed off: its KV already left through the layer hook
-        return StepOutput(seq, token, seq.output_offset + seq.num_output - 1, reason)
+        return StepOutput(seq, token, seq.output_offset + seq.num_output - 1, reason, seq.num_cached)
 
     def _release(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
@@ -152,7 +226,7 @@ class Engine:
         seq.status = Status.SWAPPED
 
     def swap_in(self, seq: Sequence) -> None:
-        self.blocks.allocate(seq, seq.num_computed)
-        self.runner.cache.scatter(self._slots(seq), seq.swapped_kv)
+        self.blocks.allocate(seq, len(seq))  # a prompt's every token, or the context and the next token
+        self.runner.cache.scatter(self._slots(seq, 0, seq.num_computed), seq.swapped_kv)
         seq.swapped_kv = None
         seq.status = Status.RUNNING

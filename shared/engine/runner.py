@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from shared.engine.attention import ForwardBatch, make_backend
 from shared.engine.inputs import DecodeInputs, table_width
 from shared.engine.kv_cache import KVCache
 from shared.engine.sampling import Sampler
+from shared.engine.scheduler import Chunk
 from shared.engine.sequence import Sequence
 from shared.model.rope import mrope_positions
 from shared.model.text import LanguageModel
@@ -35,35 +38,64 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.backend, self.inputs)
         self.graphs.capture()
 
-    # -- prefill -------------------------------------------------------------------------------------
-    def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
+    # -- prefill: prompt chunks, decode rows riding along ----------------------------------------------
+    def prepare_prefill(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
+        """Packed input embeddings ``[T, hidden]``, positions ``[3, T]`` and the batch layout of ``chunks``."""
         ids, positions, slots, cu = [], [], [], [0]
-        for seq in seqs:
-            ids.extend(seq.token_ids)
-            pos, seq.rope_delta = mrope_positions(len(seq), [(i.offset, i.grid) for i in seq.images],
-                                                  self.merge_size)
-            positions.append(pos)
-            slots.extend(self.cache.slots(seq.block_table, 0, len(seq)))
-            cu.append(cu[-1] + len(seq))
+        for chunk in chunks:
+            seq = chunk.seq
+            ids.extend(seq.token_ids[chunk.start:chunk.end])
+            positions.append(self._positions(seq, chunk.start, chunk.end))
+            slots.extend(self.cache.slots(seq.block_table, chunk.start, chunk.end))
+            cu.append(cu[-1] + chunk.num_tokens)
         embeds = self.model.embed(torch.tensor(ids, device=self.device))
-        for seq, start in zip(seqs, cu):
-            for image in seq.images:
-                row = start + image.offset
-                embeds[row:row + image.embeds.shape[0]] = image.embeds.to(self.device, self.dtype)
-        batch = ForwardBatch(is_prefill=True, slot_mapping=torch.tensor(slots, device=self.device), cu_seqlens=cu)
+        hidden = embeds.shape[1]
+        for row, rows in image_rows(chunks, cu):
+            embeds[row:row + rows.shape[0]] = rows[:, :hidden].to(self.device, self.dtype)
+        batch = self._prefill_batch(chunks, cu, torch.tensor(slots, device=self.device))
         return embeds, torch.cat(positions, dim=1).to(self.device), batch
 
+    def _positions(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+        if start >= seq.prompt_len:  # generated tokens are text: one position on every axis
+            return (torch.arange(start, end) + seq.rope_delta).expand(3, -1)
+        if seq.positions is None:  # the whole prompt's, once: later chunks slice them
+            seq.positions, seq.rope_delta = mrope_positions(seq.prompt_len, [(i.offset, i.grid) for i in seq.images],
+                                                            self.merge_size)
+        return seq.positions[:, start:end]
+
+    def _prefill_batch(self, chunks: list[Chunk], cu: list[int], slots: torch.Tensor) -> ForwardBatch:
+        prefix = [chunk.start for chunk in chunks]
+        num_decode = sum(1 for _ in itertools.takewhile(lambda c: c.seq.decoding, chunks))
+        batch = ForwardBatch(is_prefill=True, slot_mapping=slots, cu_seqlens=cu, prefix_lens=prefix,
+                             num_decode=num_decode)
+        if any(prefix):  # some chunk attends over KV already in the cache: the kernels read it via the tables
+            batch.tables = [chunk.seq.block_table for chunk in chunks]
+            width = max(len(table) for table in batch.tables)
+            padded = [table + [0] * (width - len(table)) for table in batch.tables]
+            batch.block_tables = torch.tensor(padded, dtype=torch.int32, device=self.device)
+            batch.context_lens = torch.tensor([chunk.end for chunk in chunks], dtype=torch.int32, device=self.device)
+            batch.cu_seqlens_q = torch.tensor(cu, dtype=torch.int32, device=self.device)
+            batch.max_query_len = max(chunk.num_tokens for chunk in chunks[num_decode:]) if num_decode < len(chunks) else 0
+            batch.num_splits = self._splits(num_decode) if num_decode else 1
+        return batch
+
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence], on_layer_done=None) -> list[int]:
-        embeds, positions, batch = self.prepare_prefill(seqs)
-        if on_layer_done is not None:
-            batch.on_layer_done = lambda layer: on_layer_done(layer, seqs)
+    def prefill(self, chunks: list[Chunk], on_layer_done=None) -> list[int | None]:
+        """Run a step of chunks; a sampled token for each chunk that completes its sequence, else None.
+        ``on_layer_done(layer)`` is called after each layer's KV is in the cache."""
+        embeds, positions, batch = self.prepare_prefill(chunks)
+        batch.on_layer_done = on_layer_done
         hidden = self.model(embeds, positions, batch, self.backend)
-        last = torch.tensor(batch.cu_seqlens[1:], device=self.device) - 1
-        logits = self.model.logits(hidden[last])
-        for seq in seqs:
-            seq.num_computed = len(seq)
-        return self.sampler.sample(logits, [s.sampling for s in seqs], [s.output_offset + s.num_output for s in seqs])
+        complete = [i for i, chunk in enumerate(chunks) if chunk.end == len(chunk.seq)]
+        tokens: list[int | None] = [None] * len(chunks)
+        if complete:
+            last = torch.tensor([batch.cu_seqlens[i + 1] - 1 for i in complete], device=self.device)
+            seqs = [chunks[i].seq for i in complete]
+            sampled = self.sampler.sample(self.model.logits(hidden[last]), [s.sampling for s in seqs],
+                                          [s.output_offset + s.num_output for s in seqs])
+            for i, token in zip(complete, sampled):
+                tokens[i] = token
+        return tokens
 
     # -- decode --------------------------------------------------------------------------------------
     def stage_decode(self, seqs: list[Sequence]) -> int:
@@ -86,8 +118,6 @@ class ModelRunner:
             batch = ForwardBatch(is_prefill=False, slot_mapping=slots, context_lens=lens, block_tables=tables,
                                  num_splits=self._splits(rows))
             logits = self.model.logits(self.model(self.model.embed(ids), positions.expand(3, -1), batch, self.backend))
-        for seq in seqs:
-            seq.num_computed = len(seq)
         return self.sampler.sample(logits, [s.sampling for s in seqs], [s.output_offset + s.num_output for s in seqs])
 
     def _splits(self, batch: int) -> int:
@@ -97,3 +127,15 @@ class ModelRunner:
 
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         return default_splits(batch, self.model.config.num_kv_heads, sms)
+
+
+def image_rows(chunks: list[Chunk], cu: list[int]) -> list[tuple[int, torch.Tensor]]:
+    """The image embedding rows the chunks cover: (first row in the packed batch, the rows of that image
+    for the chunk with all their columns). A chunk that splits an image takes the rows it covers."""
+    pieces = []
+    for chunk, base in zip(chunks, cu):
+        for image in chunk.seq.images:
+            first, last = max(chunk.start, image.offset), min(chunk.end, image.offset + image.num_tokens)
+            if first < last:
+                pieces.append((base + first - chunk.start, image.embeds[first - image.offset:last - image.offset]))
+    return pieces

@@ -2,16 +2,30 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import TYPE_CHECKING
+
+from pydantic import Field, field_validator
 
 from shared.settings import CommonSettings
+
+if TYPE_CHECKING:
+    import torch
+
+GPU_STEP_TOKENS = 8192  # to confirm on the H200: bench/gpu_engine.py --sections chunked
+CPU_STEP_TOKENS = 512
 
 
 class EngineSettings(CommonSettings):
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
     max_model_len: int = Field(0, ge=0, description="longest sequence (prompt + output); 0: the model's limit")
     max_num_seqs: int = Field(256, ge=1, description="sequences in one batch at most")
-    max_batched_tokens: int = Field(16384, ge=16, description="prompt tokens in one prefill step at most")
+    max_batched_tokens: int = Field(0, ge=0, description="tokens one step computes at most: prompt chunks plus one "
+                                                         "per decoding sequence; 0: 8192 on GPU, 512 on CPU")
+    chunked_prefill: bool = Field(True, description="split prompts longer than the step budget into chunks, decode "
+                                                    "rows riding along in every step; --no-chunked-prefill: prompts "
+                                                    "whole, in steps of their own")
+    prefix_caching: bool = Field(True, description="reuse the KV of a prompt's longest cached prefix (text, and "
+                                                   "images by content hash); --no-prefix-caching: compute every prompt")
     prefill_priority_window: float = Field(2.0, ge=0, description="waiting prompts start shortest first (text "
                                                                   "before multi-image prompts), but one passed over "
                                                                   "for this many seconds goes first; 0: first come, "
@@ -20,3 +34,15 @@ class EngineSettings(CommonSettings):
                                                   "on GPU, 256 MiB on CPU")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="share of GPU memory this process may use")
     enforce_eager: bool = Field(False, description="never capture CUDA graphs for decode (debugging)")
+
+    @field_validator("max_batched_tokens")
+    @classmethod
+    def _budget(cls, value: int) -> int:
+        if 0 < value < 16:
+            raise ValueError("max_batched_tokens must be 0 (the device's default) or at least 16")
+        return value
+
+    def step_token_budget(self, device: "torch.device") -> int:
+        """Tokens per step: the setting, or the device's default (GPU: large enough that chunking
+        costs little prefill throughput; CPU: small enough that the CPU test suite chunks image prompts)."""
+        return self.max_batched_tokens or (GPU_STEP_TOKENS if device.type == "cuda" else CPU_STEP_TOKENS)

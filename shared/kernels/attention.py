@@ -1,10 +1,18 @@
-"""Paged decode attention (flash-decoding over KV blocks), for grouped-query attention.
+"""Attention kernels over the paged KV pool, for grouped-query attention, and the ViT's windows.
 
-One program per (sequence, KV head, split of the context): it loads the query rows of the KV head's
-query group once, walks its share of the sequence's blocks through the block table, and keeps an
-online softmax; a second kernel merges the splits. KV is read straight from the paged pool (no
-gather), each KV head's keys once for its whole query group. Shapes are fixed per launch, with the
-split count a compile-time constant, so the step can be captured in a CUDA graph.
+Paged decode (flash-decoding over KV blocks): one program per (sequence, KV head, split of the
+context): it loads the query rows of the KV head's query group once, walks its share of the sequence's
+blocks through the block table, and keeps an online softmax; a second kernel merges the splits. KV is
+read straight from the paged pool (no gather), each KV head's keys once for its whole query group.
+Shapes are fixed per launch, with the split count a compile-time constant, so the step can be captured
+in a CUDA graph.
+
+Paged prefill (varlen, causal, after a prefix): one program per (chunk, KV head, tile of the chunk's
+queries); the tile's queries of the whole query group form one matrix, and the keys — the prefix's and
+the chunk's own, already written to the pool — stream through the block table up to the tile's last
+position, with an online softmax. Chunk ``i`` holds packed queries ``cu_seqlens_q[i] …
+cu_seqlens_q[i+1]``, the last of its ``context_lens[i]`` tokens, so query ``t`` sits at position
+``context_lens[i] - len + t`` and sees keys up to it.
 """
 
 from __future__ import annotations
@@ -149,5 +157,94 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     _segment_kernel[(cu_seqlens.numel() - 1, heads)](
         q, k, v, out, cu_seqlens, dim ** -0.5, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         HEAD_DIM=dim, DIM_PAD=max(16, triton.next_power_of_2(dim)), MAX_LEN=max(16, triton.next_power_of_2(max_len)),
+    )
+    return out
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, block_tables, cu_seqlens_q, context_lens, scale,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_bt,
+                    first_chunk, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    SKIP_FRESH: tl.constexpr):
+    chunk = tl.program_id(0) + first_chunk
+    kv_head = tl.program_id(1)
+    tile = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q + chunk)
+    q_len = tl.load(cu_seqlens_q + chunk + 1) - q_start
+    ctx = tl.load(context_lens + chunk)
+    prefix = ctx - q_len
+
+    # rows: BLOCK_M query tokens x GROUP_PAD heads of this KV head's group
+    r = tl.arange(0, BLOCK_M * GROUP_PAD)
+    token = tile * BLOCK_M + r // GROUP_PAD
+    g = r % GROUP_PAD
+    row_ok = (token < q_len) & (g < GROUP)
+    d = tl.arange(0, HEAD_DIM)
+    head = kv_head * GROUP + g
+    q = tl.load(q_ptr + (q_start + token)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    position = prefix + token
+
+    # keys up to the tile's last query; none for a tile past the chunk or a chunk SDPA does instead
+    end = tl.minimum(ctx, prefix + (tile + 1) * BLOCK_M)
+    active = tile * BLOCK_M < q_len
+    if SKIP_FRESH:
+        active = active & (prefix > 0)
+    end = tl.where(active, end, 0)
+
+    m = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_M * GROUP_PAD, HEAD_DIM], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    for key_start in range(0, end, BLOCK_N):
+        key = key_start + n
+        key_ok = key < end
+        block = tl.load(block_tables + chunk * stride_bt + key // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        offsets = block[:, None] * stride_kb + (key % BLOCK_SIZE)[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
+        k = tl.load(k_cache + offsets, mask=key_ok[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k)) * scale
+        visible = key_ok[None, :] & (key[None, :] <= position[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        # key 0 is visible to every row, so each row's maximum is finite from the first tile on
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache + offsets, mask=key_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(out_ptr + (q_start + token)[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=(row_ok & active)[:, None])
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                            scale: float, max_query_len: int, first_chunk: int = 0, skip_fresh: bool = False,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of packed chunks over their whole context in the paged pool (new tokens' KV
+    already written). ``q`` ``[T, heads, D]``; caches ``[blocks, block_size, kv_heads, D]``;
+    ``block_tables`` ``[chunks, width]``, ``cu_seqlens_q`` ``[chunks + 1]``, ``context_lens`` ``[chunks]``,
+    int32. Chunks before ``first_chunk`` are left alone (decode rows, done by the decode kernel), and so
+    are chunks with no prefix when ``skip_fresh``. ``max_query_len``: the longest chunk computed here."""
+    tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    # 128 query rows (tokens x heads of a group) per program: each key tile loaded serves them all
+    block_m = max(1, 128 // group_pad)
+    out = torch.empty_like(q) if out is None else out
+    chunks = cu_seqlens_q.numel() - 1 - first_chunk
+    if chunks <= 0 or max_query_len <= 0:
+        return out
+    grid = (chunks, num_kv_heads, triton.cdiv(max_query_len, block_m))
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens, scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), block_tables.stride(0), first_chunk,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m,
+        BLOCK_N=64, SKIP_FRESH=skip_fresh, num_warps=8,
     )
     return out
