@@ -19,7 +19,7 @@ from shared.engine.sequence import Sequence
 class Reservation:
     seq: Sequence  # prompt-length placeholder until the start fills in the real tokens
     stream: str
-    landed: set[int] = field(default_factory=set)  # layers whose KV is in the blocks
+    landed: dict[int, int] = field(default_factory=dict)  # layer → tokens of its KV in the blocks
     complete: asyncio.Event = field(default_factory=asyncio.Event)
     timer: asyncio.TimerHandle | None = None
 
@@ -59,6 +59,14 @@ class Reservations:
         if current.timer is not None:
             current.timer.cancel()
         return current
+
+    def land(self, reservation: Reservation, layers: range, tokens: int, num_layers: int) -> None:
+        """``tokens`` more tokens of ``layers`` are in the blocks; complete once every layer holds them all
+        (prefill sends each range once)."""
+        for layer in layers:
+            reservation.landed[layer] = reservation.landed.get(layer, 0) + tokens
+        if all(reservation.landed.get(i, 0) == reservation.seq.num_computed for i in range(num_layers)):
+            reservation.complete.set()
 
     def remaining(self, reservation: Reservation) -> float:
         """Seconds left before ``reservation`` expires."""

@@ -81,10 +81,13 @@ class DecodeService(Service):
             raise ServiceError(404, "no reservation for this request (expired or cancelled)")
         text = self.worker.config.text
         layers = range(chunk.first_layer, chunk.last_layer)
-        expected = [len(layers), 2, reservation.seq.num_computed, text.num_kv_heads, text.head_dim]
-        if chunk.last_layer > text.num_layers or list(chunk.kv.shape) != expected:
+        tokens = chunk.kv.shape[2] if len(chunk.kv.shape) == 5 else 0
+        expected = [len(layers), 2, tokens, text.num_kv_heads, text.head_dim]
+        if chunk.last_layer > text.num_layers or list(chunk.kv.shape) != expected or tokens < 1 \
+                or chunk.first_token + tokens > reservation.seq.num_computed:
             raise ServiceError(400, f"KV chunk of shape {chunk.kv.shape} for layers {chunk.first_layer}.."
-                                    f"{chunk.last_layer} does not match this model ({expected})")
+                                    f"{chunk.last_layer}, tokens from {chunk.first_token}, does not match this "
+                                    f"model and reservation")
         try:
             kv = await self.plane.pull(chunk.kv, device=self.worker.engine.runner.device)
         except DataPlaneError as err:
@@ -92,10 +95,8 @@ class DecodeService(Service):
         if self.reservations.get(chunk.request_id) is not reservation:
             raise ServiceError(404, "the reservation ended while the chunk was in flight")
         target = slice(chunk.first_layer, chunk.last_layer)
-        await self.worker.loop.call(lambda engine: engine.write_kv(chunk.request_id, kv, target))
-        reservation.landed.update(layers)
-        if len(reservation.landed) == text.num_layers:
-            reservation.complete.set()
+        await self.worker.loop.call(lambda engine: engine.write_kv(chunk.request_id, kv, target, chunk.first_token))
+        self.reservations.land(reservation, layers, tokens, text.num_layers)
         return b""
 
     # -- 3. start ---------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ class Finished:
     reason: str
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens a worker's prefix cache served
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Generation:
         self.timing = timing
         self.detok = IncrementalDetokenizer(pipeline.tokenizer, stop)
         self.generated: list[int] = []
+        self.cached_tokens = 0
         self.resumes = 0
         self.outcome = ""  # how it ended: a finish reason, or error_<status>
         self._done = False  # the stream ended normally
@@ -92,6 +94,7 @@ class Generation:
 
     def _consume(self, event: TokenEvent) -> list[TextDelta | Finished]:
         if self.timing.first_token_at is None:
+            self.cached_tokens = event.cached_tokens
             self.timing.first_token_at = time.time()
             self.timing.stages["first_token"] = self.timing.first_token_at - self.timing.submitted
         self.generated += event.token_ids
@@ -106,7 +109,7 @@ class Generation:
             self._cut_short = self.detok.stopped and event.finish_reason is None
             self._done = True
             self.outcome = "stop" if self.detok.stopped else event.finish_reason
-            out.append(Finished(self.outcome, self.prompt_tokens, self.completion_tokens))
+            out.append(Finished(self.outcome, self.prompt_tokens, self.completion_tokens, self.cached_tokens))
         return out
 
     def close(self, reason: str = "request ended early") -> None:

@@ -24,7 +24,7 @@ from services.frontend.calls import WorkerGone, call_watched
 from services.frontend.encoding import EncodeFanout
 from services.frontend.errors import ApiError
 from services.frontend.generation import Generation, Timing
-from services.frontend.media import MediaLoader
+from services.frontend.media import DecodedImage, MediaLoader
 from services.frontend.prompt import Prompt, PromptBuilder, image_urls
 from services.frontend.protocol import ChatCompletionRequest
 from services.frontend.routing import IntakeRouter
@@ -111,7 +111,8 @@ class Pipeline:
     # -- 3. prefill -------------------------------------------------------------------------------
     async def submit(self, generation: Generation, attempt: str, prompt: Prompt, results: list[EncodeResult],
                      sampling: SamplingParams, output_offset: int = 0) -> None:
-        job = self.prefill_job(attempt, prompt, results, sampling, generation.stream.subject, output_offset)
+        job = self.prefill_job(attempt, prompt, generation.images, results, sampling, generation.stream.subject,
+                               output_offset)
         tried: set[str] = set()
         encodes = 1
         generation.timing.submitted = time.time()
@@ -134,20 +135,20 @@ class Pipeline:
                 if err.status == EMBEDDINGS_GONE and encodes < self.settings.encode_attempts and generation.images:
                     encodes += 1  # their encoder went away before prefill pulled them: encode again
                     results = await self.encoding.encode(attempt, generation.images)
-                    job = self.prefill_job(attempt, prompt, results, sampling, job.stream, output_offset)
+                    job = self.prefill_job(attempt, prompt, generation.images, results, sampling, job.stream, output_offset)
                     continue
                 if err.status == 504:
                     self.cancel_soon(attempt, "prefill timeout")
                 raise ApiError(503 if err.status == EMBEDDINGS_GONE else err.status, err.message) from None
 
-    def prefill_job(self, request_id: str, prompt: Prompt, results: list[EncodeResult], sampling: SamplingParams,
-                    stream: str, output_offset: int = 0) -> PrefillJob:
+    def prefill_job(self, request_id: str, prompt: Prompt, images: list[DecodedImage], results: list[EncodeResult],
+                    sampling: SamplingParams, stream: str, output_offset: int = 0) -> PrefillJob:
         slots = []
-        for offset, grid, result in zip(prompt.image_offsets, prompt.image_grids, results):
+        for offset, grid, image, result in zip(prompt.image_offsets, prompt.image_grids, images, results):
             if tuple(result.grid) != tuple(grid):
                 log.error("encode.grid_mismatch", frontend=grid, encoder=tuple(result.grid))
                 raise ApiError(500, "internal error: an image was encoded at another size than counted")
-            slots.append(ImageSlot(offset=offset, grid=grid, embedding=result.embedding))
+            slots.append(ImageSlot(offset=offset, grid=grid, embedding=result.embedding, content_hash=image.content_hash))
         return PrefillJob(request_id=request_id, token_ids=prompt.token_ids, images=slots, sampling=sampling,
                           stream=stream, output_offset=output_offset)
 

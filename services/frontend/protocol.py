@@ -90,10 +90,15 @@ class ChatCompletionRequest(_Strict):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # served from a worker's prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class AssistantMessage(BaseModel):

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from services.frontend.errors import ApiError
-from services.frontend.protocol import ChatCompletionChunk, ChatCompletionRequest, Usage
+from services.frontend.protocol import ChatCompletionChunk, ChatCompletionRequest, PromptTokensDetails, Usage
 
 if TYPE_CHECKING:
     from services.frontend.generation import Finished
@@ -49,4 +49,5 @@ def include_usage(request: ChatCompletionRequest) -> bool:
 
 def usage(finish: "Finished") -> Usage:
     return Usage(prompt_tokens=finish.prompt_tokens, completion_tokens=finish.completion_tokens,
-                 total_tokens=finish.prompt_tokens + finish.completion_tokens)
+                 total_tokens=finish.prompt_tokens + finish.completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=finish.cached_tokens))

@@ -73,7 +73,7 @@ class PromptIntake:
         embeds = await self._pull(job)
         self.prompts += 1
         self.prompt_tokens += len(job.token_ids)
-        images = [ImageInput(s.offset, tuple(s.grid), e) for s, e in zip(job.images, embeds)]
+        images = [ImageInput(s.offset, tuple(s.grid), e, s.content_hash) for s, e in zip(job.images, embeds)]
         return Sequence(job.request_id, list(job.token_ids), len(job.token_ids), job.sampling, images=images,
                         output_offset=job.output_offset)
 

@@ -122,7 +122,7 @@ class LanguageWorker:
     def publish_token(self, out: StepOutput, tracked: Tracked) -> None:
         self.tokens += 1
         event = TokenEvent(request_id=out.seq.request_id, index=out.index, token_ids=[out.token],
-                           finish_reason=out.finish_reason, worker=tracked.responsible)
+                           finish_reason=out.finish_reason, worker=tracked.responsible, cached_tokens=out.cached_tokens)
         self.publisher.publish(tracked.stream, pack(event))
 
     def fail(self, request_id: str, status: int, message: str) -> None:

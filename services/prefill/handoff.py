@@ -5,9 +5,11 @@ numbered the same on both sides).
 1. ``reserve``: a decode worker with room holds blocks for the prompt. While every decode worker is
    full the request waits here, asking again with back-off (the queue group may pick another worker
    each time), for up to ``--decode-wait`` seconds: overload queues requests instead of failing them.
-2. ``on_layer_done`` (engine thread, during the prefill): after each group of ``--kv-chunk-layers``
-   layers, those layers' KV is copied out, published, and a ``KVChunk`` sent to the reserving worker —
-   the transfer overlaps the remaining layers' compute.
+2. ``on_layer_done`` (engine thread, during a step with prompt chunks): after each group of
+   ``--kv-chunk-layers`` layers, those layers' KV of the tokens this step computed (a ``KVSpan``; the
+   first span of a prompt starts at 0 and carries its cached prefix) is copied out, published, and a
+   ``KVChunk`` sent to the reserving worker — the transfer overlaps the remaining layers' and chunks'
+   compute.
 3. ``first_token``: the first token goes straight to the stream, naming the decode worker as
    responsible; once every chunk is delivered, ``DecodeStart`` sends the prompt, the token and the
    sampling. A request that ends here (its first token was its last, it failed, it was refused)
@@ -26,8 +28,7 @@ from services.language.worker import LanguageWorker, Tracked
 from shared.aio import TaskSet
 from shared.bus.calls import ServiceCallError, call
 from shared.dataplane.plane import DataPlane
-from shared.engine.engine import StepOutput
-from shared.engine.sequence import Sequence
+from shared.engine.engine import KVSpan, StepOutput
 from shared.errors import ServiceError
 from shared.logging import get_logger
 from shared.messages import pack, unpack
@@ -102,23 +103,24 @@ class Handoffs:
         await self.nc.publish(self.subjects.cancel, pack(Cancel(request_id=request_id, reason="prefill gave up")))
 
     # -- 2. KV streaming (engine thread → event loop) ---------------------------------------------
-    def on_layer_done(self, layer: int, seqs: list[Sequence]) -> None:
-        """Engine thread, during a prefill: at the end of each layer group, copy the group's KV out."""
+    def on_layer_done(self, layer: int, spans: list[KVSpan]) -> None:
+        """Engine thread: at the end of each layer group, copy the group's KV of this step's tokens out."""
         group = self.settings.kv_chunk_layers
         layers = self.worker.config.text.num_layers
         if (layer + 1) % group and layer + 1 != layers:
             return
         first = layer // group * group
-        for seq in seqs:
-            kv = self.worker.engine.read_kv(seq, slice(first, layer + 1))
-            self.worker.loop.loop.call_soon_threadsafe(self._send_chunk, seq.request_id, first, layer + 1, kv)
+        for span in spans:
+            kv = self.worker.engine.read_kv(span.seq, slice(first, layer + 1), span.start, span.end)
+            self.worker.loop.loop.call_soon_threadsafe(self._send_chunk, span.seq.request_id, first, layer + 1,
+                                                       span.start, kv)
 
-    def _send_chunk(self, request_id: str, first: int, last: int, kv: torch.Tensor) -> None:
+    def _send_chunk(self, request_id: str, first: int, last: int, first_token: int, kv: torch.Tensor) -> None:
         handoff = self.active.get(request_id)
         if handoff is None:
             return  # cancelled meanwhile
         handle = self.plane.publish(kv, consumers=1)
-        chunk = KVChunk(request_id=request_id, first_layer=first, last_layer=last, kv=handle)
+        chunk = KVChunk(request_id=request_id, first_layer=first, last_layer=last, first_token=first_token, kv=handle)
         task = self.tasks.spawn(call(self.nc, self.subjects.decode_kv(handoff.decode_id), pack(chunk),
                                      self.settings.handoff_timeout, "decode worker"))
         task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or self.plane.release(handle))

@@ -23,7 +23,7 @@ class PrefillService(Service):
         super().__init__(settings)
         self.plane = DataPlane.from_settings(settings)
         self.worker = LanguageWorker(settings, "prefill", self.subjects, self.instance,
-                                     on_layer_done=lambda layer, seqs: self.handoffs.on_layer_done(layer, seqs))
+                                     on_layer_done=lambda layer, spans: self.handoffs.on_layer_done(layer, spans))
         self.handoffs: Handoffs | None = None
         self.intake: PromptIntake | None = None
 

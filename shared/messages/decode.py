@@ -2,10 +2,11 @@
 
 1. ``KVReserve`` (queue group): a decode worker with room reserves blocks for the prompt's KV and
    answers ``KVReservation`` with its instance id; from then on prefill talks to that instance only.
-2. ``KVChunk`` (one per group of layers, sent while later layers are still being computed): a handle
-   to those layers' KV; the worker pulls it into the reserved blocks.
+2. ``KVChunk`` (one per group of layers and prompt chunk, sent while later layers and chunks are still
+   being computed): a handle to those layers' KV of a range of tokens; the worker pulls it into the
+   reserved blocks. Chunks may arrive in any order.
 3. ``DecodeStart``: the prompt, its first token and sampling; the worker admits the sequence into its
-   running batch once every layer has landed. A reservation that is not started in time is freed.
+   running batch once every layer holds every token. A reservation that is not started in time is freed.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ class KVChunk(Message, frozen=True, kw_only=True):
     request_id: RequestId
     first_layer: Annotated[int, Meta(ge=0)]
     last_layer: Annotated[int, Meta(ge=1)]  # exclusive
-    kv: TensorHandle  # [last_layer - first_layer, 2, num_tokens, kv_heads, head_dim]
+    first_token: Annotated[int, Meta(ge=0)] = 0  # the chunk holds tokens first_token .. first_token + tokens
+    kv: TensorHandle  # [last_layer - first_layer, 2, tokens, kv_heads, head_dim]
 
 
 class DecodeStart(Message, frozen=True, kw_only=True):

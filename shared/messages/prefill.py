@@ -22,6 +22,7 @@ class ImageSlot(Message, frozen=True, kw_only=True):
     offset: Annotated[int, Meta(ge=0)]  # first placeholder token of this image in token_ids
     grid: Grid
     embedding: TensorHandle
+    content_hash: Annotated[str, Meta(max_length=128)] = ""  # names the image's KV blocks in prefix caches
 
 
 class PrefillJob(Message, frozen=True, kw_only=True):

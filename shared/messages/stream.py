@@ -22,6 +22,7 @@ class TokenEvent(Message, frozen=True, kw_only=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort"; set on the last event only
     error: ErrorInfo | None = None  # the request failed; no more events follow
     worker: str = ""  # instance that produced the event: the frontend watches it is still alive
+    cached_tokens: int = 0  # prompt tokens the worker took from its prefix cache (on an attempt's first event)
 
 
 def error_event(request_id: str, status: int, message: str, worker: str) -> TokenEvent:
