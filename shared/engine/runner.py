@@ -9,6 +9,7 @@ from shared.engine.inputs import DecodeInputs, table_width
 from shared.engine.kv_cache import KVCache
 from shared.engine.sampling import Sampler
 from shared.engine.sequence import Sequence
+from shared.model import deepstack
 from shared.model.rope import mrope_positions
 from shared.model.text import LanguageModel
 
@@ -36,7 +37,8 @@ class ModelRunner:
         self.graphs.capture()
 
     # -- prefill -------------------------------------------------------------------------------------
-    def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
+    def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch,
+                                                             deepstack.Deepstack | None]:
         ids, positions, slots, cu = [], [], [], [0]
         for seq in seqs:
             ids.extend(seq.token_ids)
@@ -46,19 +48,24 @@ class ModelRunner:
             slots.extend(self.cache.slots(seq.block_table, 0, len(seq)))
             cu.append(cu[-1] + len(seq))
         embeds = self.model.embed(torch.tensor(ids, device=self.device))
+        rows, levels = [], []  # Qwen3-VL: image rows carry deepstack levels after the input embedding
         for seq, start in zip(seqs, cu):
             for image in seq.images:
                 row = start + image.offset
-                embeds[row:row + image.embeds.shape[0]] = image.embeds.to(self.device, self.dtype)
+                main, extra = deepstack.split_rows(image.embeds.to(self.device, self.dtype), embeds.shape[1])
+                embeds[row:row + main.shape[0]] = main
+                rows.append(torch.arange(row, row + main.shape[0], device=self.device))
+                levels.append(extra)
         batch = ForwardBatch(is_prefill=True, slot_mapping=torch.tensor(slots, device=self.device), cu_seqlens=cu)
-        return embeds, torch.cat(positions, dim=1).to(self.device), batch
+        return embeds, torch.cat(positions, dim=1).to(self.device), batch, deepstack.collect(rows, levels)
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence], on_layer_done=None) -> list[int]:
-        embeds, positions, batch = self.prepare_prefill(seqs)
+        embeds, positions, batch, levels = self.prepare_prefill(seqs)
         if on_layer_done is not None:
             batch.on_layer_done = lambda layer: on_layer_done(layer, seqs)
-        hidden = self.model(embeds, positions, batch, self.backend)
+        extra = {} if levels is None else {"deepstack": levels}
+        hidden = self.model(embeds, positions, batch, self.backend, **extra)
         last = torch.tensor(batch.cu_seqlens[1:], device=self.device) - 1
         logits = self.model.logits(hidden[last])
         for seq in seqs:

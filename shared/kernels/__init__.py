@@ -24,3 +24,4 @@ class _Lazy:
 
 fused = _Lazy("shared.kernels.fused")
 attention = _Lazy("shared.kernels.attention")
+moe = _Lazy("shared.kernels.moe")
