@@ -50,7 +50,7 @@ def validate_prompt(job: PrefillJob, config: ModelConfig) -> None:
             raise HandlerError(400, "image slots overlap or run past the prompt")
         if any(tok != config.image_token_id for tok in job.token_ids[slot.offset:slot.offset + n]):
             raise HandlerError(400, "image slot does not cover a run of image placeholder tokens")
-        if list(slot.embedding.shape) != [n, config.text.hidden_size]:
+        if list(slot.embedding.shape) != [n, config.embedding_width]:  # Qwen3-VL: deepstack levels too
             raise HandlerError(400, "image embedding shape does not match its grid")
         covered += n
         end = slot.offset + n
