@@ -36,7 +36,8 @@ def split_rows(embeds: torch.Tensor, hidden: int) -> tuple[torch.Tensor, list[to
     levels (views, nothing copied)."""
     if embeds.shape[1] % hidden:
         raise ValueError(f"image embeddings of width {embeds.shape[1]} are not a multiple of hidden={hidden}")
-    return embeds[:, :hidden], list(embeds[:, hidden:].split(hidden, dim=1))
+    levels = embeds[:, hidden:].split(hidden, dim=1) if embeds.shape[1] > hidden else ()  # split() of 0 columns: 1
+    return embeds[:, :hidden], list(levels)
 
 
 def collect(rows: list[torch.Tensor], levels: list[list[torch.Tensor]]) -> Deepstack | None:

@@ -26,11 +26,6 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(config.num_experts, 2 * self.intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(config.num_experts, hidden, self.intermediate))
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and moe_kernels.available:
-            return moe_kernels.fused_experts(x, self.gate_up_proj, self.down_proj, ids, weights)
-        return self.reference(x, weights, ids)
-
     def reference(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         for expert in ids.unique().tolist():
@@ -49,9 +44,8 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(hidden, config.num_experts, bias=False)  # the router
         self.experts = Experts(config, hidden)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Routing weights (the model's dtype) and expert ids, both ``[T, top_k]``."""
-        logits = self.gate(x)
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits ``[T, E]`` → routing weights (the model's dtype) and expert ids, both ``[T, top_k]``."""
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -59,8 +53,13 @@ class SparseMoeBlock(nn.Module):
         return weights.to(logits.dtype), ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.route(x)
-        return self.experts(x, weights, ids)
+        logits = self.gate(x)
+        if x.is_cuda and moe_kernels.available:  # routing, sorting and both GEMMs in Triton kernels
+            experts = self.experts
+            return moe_kernels.moe(x, logits, experts.gate_up_proj, experts.down_proj, self.top_k,
+                                   self.norm_topk_prob)[0]
+        weights, ids = self.route(logits)
+        return self.experts.reference(x, weights, ids)
 
     def checkpoint_layout(self, local: str, tensor: torch.Tensor) -> torch.Tensor:
         """The published Qwen3-VL-MoE checkpoints store experts as ``[E, in, out]``; transformers 5 (and

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shared.kernels import qk_norm
 from shared.model.config import TextConfig
 from shared.model.deepstack import Deepstack
 from shared.model.moe import SparseMoeBlock
@@ -51,9 +52,13 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, backend) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if q.is_cuda and qk_norm.available:  # both norms in place, one launch
+            qk_norm.qk_norm_(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        else:
+            q, k = self.q_norm(q), self.k_norm(k)
         out = backend.forward(self.layer, q, k, v, cos, sin, batch)  # rotary, cache write, attention
         return self.o_proj(out.reshape(-1, self.q_size))
 

@@ -1,5 +1,6 @@
-"""The MoE grouped-GEMM kernel (GPU path) against a plain loop over experts; on CPU it runs in Triton's
-interpreter, so this checks the kernel source the GPU compiles. Kept tiny: the interpreter is slow."""
+"""Qwen3-VL's kernels (GPU path): MoE routing, sorting and grouped GEMMs against a plain loop over
+experts, QK-norm against the norms. On CPU they run in Triton's interpreter, so this checks the
+kernel source the GPU compiles. Kept tiny: the interpreter is slow."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
-from shared.kernels.moe import KernelConfig, align_by_expert, fused_experts, kernel_config  # noqa: E402
+from shared.kernels.moe import KernelConfig, align, count, fused_experts, kernel_config, moe, route  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TINY = KernelConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1)
@@ -51,7 +52,7 @@ def test_grouped_gemm_equals_plain_loop(tokens, experts, routed, top_k, hidden, 
 
 def test_alignment_groups_assignments_by_expert_in_whole_blocks():
     ids, _ = routing(tokens=9, experts=5, top_k=2, seed=3)
-    layout = align_by_expert(ids, num_experts=5, block_m=4)
+    layout = align(ids, count(ids, 5), num_experts=5, block_m=4)
     flat = ids.reshape(-1).cpu()
     sorted_ids = layout.sorted_ids.cpu()
     used = int(layout.num_padded)
@@ -81,8 +82,31 @@ def test_the_moe_block_reference_path_agrees_with_the_kernel():
     for p in block.parameters():
         p.data.normal_(0, 0.2)
     x = torch.randn(7, 32, device=DEVICE)
-    weights, ids = block.route(x)
+    logits = block.gate(x)
+    weights, ids = block.route(logits)
     torch.testing.assert_close(weights.sum(1), torch.ones(7, device=DEVICE))
-    expected = block.experts.reference(x, weights, ids)
-    got = fused_experts(x, block.experts.gate_up_proj, block.experts.down_proj, ids, weights, TINY)
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    kernel_weights, kernel_ids, counts = route(logits, 2, renormalize=True)
+    assert torch.equal(kernel_ids.long(), ids)
+    torch.testing.assert_close(kernel_weights, weights)
+    assert counts.tolist() == torch.bincount(ids.flatten(), minlength=6).tolist()
+    got, _ = moe(x, logits, block.experts.gate_up_proj, block.experts.down_proj, 2, renormalize=True)
+    torch.testing.assert_close(got, block.experts.reference(x, weights, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_qk_norm_in_place_equals_the_norms():
+    """Qwen3's QK-norm kernel, on q and k as the strided views of the fused projection they are."""
+    from shared.kernels.qk_norm import qk_norm_
+    from shared.model.text import RMSNorm
+
+    torch.manual_seed(1)
+    heads, kv_heads, dim = 4, 2, 32
+    qkv = torch.randn(5, (heads + 2 * kv_heads) * dim, device=DEVICE)
+    q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k = q.view(-1, heads, dim), k.view(-1, kv_heads, dim)
+    q_norm, k_norm = RMSNorm(dim, 1e-6).to(DEVICE), RMSNorm(dim, 1e-6).to(DEVICE)
+    q_norm.weight.data.normal_()
+    k_norm.weight.data.normal_()
+    expected_q, expected_k = q_norm(q.clone()), k_norm(k.clone())
+    qk_norm_(q, k, q_norm.weight, k_norm.weight, 1e-6)
+    torch.testing.assert_close(q, expected_q)
+    torch.testing.assert_close(k, expected_k)
