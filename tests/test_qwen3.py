@@ -102,7 +102,8 @@ def test_geometry_and_preprocessing_match_the_checkpoints_processor(qwen3):
     """Patch 16, merge 2, ``size`` limits: the frontend's token count is the grid the processor makes;
     the torch preprocessor gives the PIL processor's patches to one 8-bit step."""
     _, path, _, _, _, _ = qwen3
-    geometry, pil, on_device = ImageGeometry.from_checkpoint(path), ImagePreprocessor(path), TorchImagePreprocessor(path)
+    geometry = ImageGeometry.from_checkpoint(path)
+    pil, on_device = ImagePreprocessor(path), TorchImagePreprocessor(path)
     assert (geometry.patch_size, geometry.min_pixels, geometry.max_pixels) == (16, 32 * 32 * 4, 32 * 32 * 64)
     step = 1 / 255 / min(pil._processor.image_std)
     for seed, height, width in [(1, 600, 900), (2, 20, 30), (3, 100, 150), (4, 64, 64), (5, 300, 200)]:
@@ -149,7 +150,8 @@ def test_vision_tower_with_deepstack_matches_hf(qwen3):
     grids = [tuple(int(x) for x in g) for g in pixels["image_grid_thw"]]
     with torch.no_grad():
         ours = tower(pixels["pixel_values"], grids)
-        hf = reference.model.model.get_image_features(pixels["pixel_values"], pixels["image_grid_thw"], return_dict=True)
+        hf = reference.model.model.get_image_features(pixels["pixel_values"], pixels["image_grid_thw"],
+                                                      return_dict=True)
     expected = torch.cat([torch.cat(hf.pooler_output), *(torch.cat(f) for f in hf.deepstack_features)], dim=-1)
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
 

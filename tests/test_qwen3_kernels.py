@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
-from shared.kernels.moe import KernelConfig, align, count, fused_experts, kernel_config, moe, route  # noqa: E402
+from shared.kernels.moe import KernelConfig, fused_experts, kernel_config, moe  # noqa: E402
+from shared.kernels.moe_routing import align, route_and_align  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TINY = KernelConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1)
@@ -50,19 +51,35 @@ def test_grouped_gemm_equals_plain_loop(tokens, experts, routed, top_k, hidden, 
     torch.testing.assert_close(got, plain_loop(x, gate_up, down, ids, weights), rtol=1e-4, atol=1e-4)
 
 
-def test_alignment_groups_assignments_by_expert_in_whole_blocks():
-    ids, _ = routing(tokens=9, experts=5, top_k=2, seed=3)
-    layout = align(ids, count(ids, 5), num_experts=5, block_m=4)
+def check_layout(layout, ids, block_m):
+    """Every assignment once, one expert per block (none empty), padding everywhere else."""
     flat = ids.reshape(-1).cpu()
     sorted_ids = layout.sorted_ids.cpu()
     used = int(layout.num_padded)
-    assert used % 4 == 0 and used <= sorted_ids.numel()
-    assert sorted(sorted_ids[sorted_ids < flat.numel()].tolist()) == list(range(flat.numel()))  # each once
-    for block, expert in enumerate(layout.block_experts.cpu()[:used // 4].tolist()):
-        rows = sorted_ids[block * 4:(block + 1) * 4]
+    assert used % block_m == 0 and used <= sorted_ids.numel()
+    assert sorted(sorted_ids[sorted_ids < flat.numel()].tolist()) == list(range(flat.numel()))
+    for block, expert in enumerate(layout.block_experts.cpu()[:used // block_m].tolist()):
+        rows = sorted_ids[block * block_m:(block + 1) * block_m]
         real = rows[rows < flat.numel()]
-        assert real.numel() > 0 and (flat[real] == expert).all()  # one expert per block, none empty
-    assert (sorted_ids[used:] == flat.numel()).all()  # the rest is padding
+        assert real.numel() > 0 and (flat[real] == expert).all()
+    assert (sorted_ids[used:] == flat.numel()).all()
+
+
+def test_alignment_groups_assignments_by_expert_in_whole_blocks():
+    ids, _ = routing(tokens=9, experts=5, top_k=2, seed=3)
+    check_layout(align(ids, num_experts=5, block_m=4), ids, 4)
+
+
+@pytest.mark.parametrize("one_program", [True, False], ids=["one-program", "route-then-align"])
+def test_routing_equals_torch_and_aligns(one_program):
+    """Softmax, top-k and renormalization as the reference computes them, on both paths."""
+    torch.manual_seed(2)
+    logits = torch.randn(11, 6, device=DEVICE)
+    weights, ids, layout = route_and_align(logits, 3, renormalize=True, block_m=4, one_program=one_program)
+    top, expected_ids = torch.softmax(logits, -1).topk(3, dim=-1)
+    assert torch.equal(ids.long(), expected_ids)
+    torch.testing.assert_close(weights, top / top.sum(-1, keepdim=True))
+    check_layout(layout, ids, 4)
 
 
 def test_tile_choice_follows_rows_per_expert():
@@ -85,10 +102,6 @@ def test_the_moe_block_reference_path_agrees_with_the_kernel():
     logits = block.gate(x)
     weights, ids = block.route(logits)
     torch.testing.assert_close(weights.sum(1), torch.ones(7, device=DEVICE))
-    kernel_weights, kernel_ids, counts = route(logits, 2, renormalize=True)
-    assert torch.equal(kernel_ids.long(), ids)
-    torch.testing.assert_close(kernel_weights, weights)
-    assert counts.tolist() == torch.bincount(ids.flatten(), minlength=6).tolist()
     got, _ = moe(x, logits, block.experts.gate_up_proj, block.experts.down_proj, 2, renormalize=True)
     torch.testing.assert_close(got, block.experts.reference(x, weights, ids), rtol=1e-4, atol=1e-4)
 
