@@ -84,3 +84,27 @@ def test_the_aggregated_process_serves_the_same(family_model, nats_url):
             assert ask(running.client(), case)[0] == expected(reference, case)[0], case
     finally:
         running.stop()
+
+
+def test_plan_sizes_embeddings_with_their_deepstack_levels(family_model, tmp_path):
+    """`epd plan` on Qwen3-VL: costs measured with the model's own embedding rows (deepstack included)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from shared.model.config import ModelConfig
+
+    family, path, _ = family_model
+    if family != "qwen3_vl_moe":
+        pytest.skip("one plan is enough: the MoE one")
+    out = tmp_path / "plan.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
+    done = subprocess.run([sys.executable, "-m", "launcher.cli", "plan", "--model", str(path), "--image-count", "2",
+                           "--image-resolution", "128x128", "--input-len", "16", "--output-len", "8",
+                           "--request-rate", "0.1", "--gpus", "2", "--max-model-len", "512", "--decode-batch", "2",
+                           "--out", str(out)], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "recommended:" in done.stdout
+    config = ModelConfig.from_checkpoint(path)
+    assert json.loads(out.read_text())["embedding_bytes"] == config.embedding_width * 4  # float32 on CPU
