@@ -197,3 +197,38 @@ def test_prefill_to_decode_hand_off(qwen3, requests_with_reference):
     decode.activate(moved.request_id)
     run_to_completion(decode)
     assert moved.output_ids == request[3]
+
+
+# -- presets -------------------------------------------------------------------------------------------
+def _parameters(config: ModelConfig) -> tuple[float, float]:
+    """(all, active per token) language-model parameters, in billions."""
+    t = config.text
+    attention = t.hidden_size * 2 * (t.num_heads + t.num_kv_heads) * t.head_dim
+    if t.moe:
+        expert = 3 * t.hidden_size * t.moe.intermediate_size
+        every, active = t.moe.num_experts * expert, t.moe.top_k * expert
+    else:
+        every = active = 3 * t.hidden_size * t.intermediate_size
+    table = t.vocab_size * t.hidden_size * (1 if t.tie_word_embeddings else 2)
+    return ((t.num_layers * (attention + every) + table) / 1e9, (t.num_layers * (attention + active) + table) / 1e9)
+
+
+@pytest.mark.parametrize("name,total,active,deepstack", [
+    ("qwen3-vl-2b", 1.7, 1.7, (5, 11, 17)),
+    ("qwen3-vl-8b", 8.2, 8.2, (8, 16, 24)),
+    ("qwen3-vl-30b-a3b", 30.5, 3.3, (8, 16, 24)),
+    ("qwen3-vl-235b-a22b", 235.1, 22.1, (8, 16, 24)),
+])
+def test_presets_have_the_published_shapes(tmp_path, name, total, active, deepstack):
+    from shared.model.presets import materialize_preset
+
+    path = materialize_preset(name, tmp_path)
+    config = ModelConfig.from_checkpoint(path)
+    assert config.family == ("qwen3_vl_moe" if "-a" in name else "qwen3_vl")
+    assert _parameters(config) == pytest.approx((total, active), abs=0.1)
+    assert config.vision.patch_size == 16 and config.vision.deepstack_layers == deepstack
+    assert config.text.mrope_interleaved and config.text.head_dim == 128
+    geometry = ImageGeometry.from_checkpoint(path)
+    assert (geometry.min_pixels, geometry.max_pixels) == (65536, 16777216)
+    assert geometry.num_tokens(1080, 1920) == 2040
+    assert ImagePreprocessor(path)._processor.size["longest_edge"] == 16777216  # the same limits in HF's reader

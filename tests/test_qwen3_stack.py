@@ -1,14 +1,19 @@
 """Qwen3-VL, dense and MoE, through the whole stack: the official openai client against real services
 (two encoders, a prefill and a decode worker; the aggregated process for MoE) gives HF generate()'s
 greedy output. Deepstack levels ride in the embedding rows across encoders, the data plane and the
-prefill → decode hand-off."""
+prefill → decode hand-off. `epd plan` sizes the embeddings with them."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from shared.model.config import ModelConfig
 from shared.model.tiny import write_tiny_checkpoint
 from tests.support import Reference, RunningStack, chat_messages, make_image
 
@@ -88,13 +93,6 @@ def test_the_aggregated_process_serves_the_same(family_model, nats_url):
 
 def test_plan_sizes_embeddings_with_their_deepstack_levels(family_model, tmp_path):
     """`epd plan` on Qwen3-VL: costs measured with the model's own embedding rows (deepstack included)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from shared.model.config import ModelConfig
-
     family, path, _ = family_model
     if family != "qwen3_vl_moe":
         pytest.skip("one plan is enough: the MoE one")
