@@ -4,6 +4,10 @@ kernel source the GPU compiles. Kept tiny: the interpreter is slow."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -123,3 +127,14 @@ def test_qk_norm_in_place_equals_the_norms():
     qk_norm_(q, k, q_norm.weight, k_norm.weight, 1e-6)
     torch.testing.assert_close(q, expected_q)
     torch.testing.assert_close(k, expected_k)
+
+
+def test_kernels_compile_for_hopper():
+    """The same kernels through Triton's real compiler for sm_90 (no GPU needed), in a process of its own
+    (this one runs Triton in interpreter mode)."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, "-m", "tests.hopper_compile"], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count(" ok") == 8
