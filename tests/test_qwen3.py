@@ -232,3 +232,22 @@ def test_presets_have_the_published_shapes(tmp_path, name, total, active, deepst
     assert (geometry.min_pixels, geometry.max_pixels) == (65536, 16777216)
     assert geometry.num_tokens(1080, 1920) == 2040
     assert ImagePreprocessor(path)._processor.size["longest_edge"] == 16777216  # the same limits in HF's reader
+
+
+@pytest.mark.parametrize("name", ["qwen3-vl-8b", "qwen3-vl-30b-a3b"])
+def test_preset_modules_have_hfs_parameters(tmp_path, name):
+    """Our language model and tower, built (on the meta device) from a preset, hold exactly as many
+    parameters as HF's model of the same config: 8.77 B and 31.07 B, the published totals."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from shared.model.presets import PRESETS, materialize_preset
+    from shared.model.qwen3_text import Qwen3LanguageModel
+    from shared.model.qwen3_vision import Qwen3VisionTower
+
+    config = ModelConfig.from_checkpoint(materialize_preset(name, tmp_path))
+    with torch.device("meta"):
+        hf = AutoModelForImageTextToText.from_config(AutoConfig.for_model(**PRESETS[name]))
+        ours = [Qwen3LanguageModel(config.text), Qwen3VisionTower(config.vision)]
+    count = lambda *modules: sum(p.numel() for m in modules for p in m.parameters())  # noqa: E731
+    assert count(*ours) == count(hf)
+    assert count(ours[1]) == count(hf.model.visual)
