@@ -15,6 +15,7 @@ as one packed batch with attention confined to each image. What differs:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +79,7 @@ class PatchMerger(nn.Module):
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))
 
 
+@lru_cache(maxsize=256)  # images come in few sizes; the tensors are never written to
 def block_major_coords(grid: Grid, merge: int) -> torch.Tensor:
     """``[t·h·w, 2]`` (row, column) of each patch in the processor's order: merge blocks row-major, the
     patches of a block row-major inside it, every frame alike."""
@@ -99,28 +101,30 @@ class PositionTable(nn.Module):
         self.weight = nn.Parameter(torch.empty(config.num_position_embeddings, config.width))
 
     def forward(self, grids: Sequence[Grid]) -> torch.Tensor:
-        taps, weights = zip(*(self._taps(grid) for grid in grids))
+        taps, weights = zip(*(interpolation_taps(grid, self.side, self.merge) for grid in grids))
         taps, weights = torch.cat(taps).to(self.weight.device), torch.cat(weights).to(self.weight.device)
         return (self.weight[taps] * weights[..., None]).sum(1)  # [N, width], float32 at least
 
-    def _taps(self, grid: Grid) -> tuple[torch.Tensor, torch.Tensor]:
-        """Four table rows per patch and their weights, ``[N, 4]`` each."""
-        _, h, w = grid
-        coords = block_major_coords(grid, self.merge)
-        (r0, r1), (wr0, wr1) = self._axis(coords[:, 0], h)
-        (c0, c1), (wc0, wc1) = self._axis(coords[:, 1], w)
-        taps = torch.stack([r0 * self.side + c0, r0 * self.side + c1, r1 * self.side + c0, r1 * self.side + c1], 1)
-        weights = torch.stack([wr0 * wc0, wr0 * wc1, wr1 * wc0, wr1 * wc1], 1)
-        return taps, weights
 
-    def _axis(self, index: torch.Tensor, size: int):
-        """The two table rows (or columns) around each grid index, and their weights, in float32."""
-        source = index.float() * (self.side - 1) / max(size - 1, 1)
-        low = source.floor()
-        # the weights as the reference writes them, 1 - |distance|, so they round the same way
-        weights = tuple(1 - (source - low - offset).abs() for offset in (0, 1))
-        low = low.long()
-        return (low.clamp(max=self.side - 1), (low + 1).clamp(max=self.side - 1)), weights
+@lru_cache(maxsize=256)
+def interpolation_taps(grid: Grid, side: int, merge: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Four table rows per patch and their weights, ``[N, 4]`` each, in the processor's patch order."""
+    _, h, w = grid
+    coords = block_major_coords(grid, merge)
+    (r0, r1), (wr0, wr1) = _axis_taps(coords[:, 0], h, side)
+    (c0, c1), (wc0, wc1) = _axis_taps(coords[:, 1], w, side)
+    taps = torch.stack([r0 * side + c0, r0 * side + c1, r1 * side + c0, r1 * side + c1], 1)
+    return taps, torch.stack([wr0 * wc0, wr0 * wc1, wr1 * wc0, wr1 * wc1], 1)
+
+
+def _axis_taps(index: torch.Tensor, size: int, side: int):
+    """The two table rows (or columns) around each grid index, and their weights, in float32."""
+    source = index.float() * (side - 1) / max(size - 1, 1)
+    low = source.floor()
+    # the weights as the reference writes them, 1 - |distance|, so they round the same way
+    weights = tuple(1 - (source - low - offset).abs() for offset in (0, 1))
+    low = low.long()
+    return (low.clamp(max=side - 1), (low + 1).clamp(max=side - 1)), weights
 
 
 class Qwen3VisionTower(nn.Module):
