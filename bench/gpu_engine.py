@@ -182,7 +182,7 @@ def check(ctx):
     graphs, runner.graphs = runner.graphs, None
     results["eager"] = _forced_logits(engine, prompt, forced)
     runner.graphs = graphs
-    kernels.fused.available = kernels.moe.available = False  # the pure torch path: no fused kernels either
+    kernels.fused.available = kernels.moe.available = kernels.qk_norm.available = False  # the pure torch path
     try:
         results["torch_bf16"] = _forced_logits(torch_engine(lm, ctx["dtype"]), prompt, forced)
         lm32 = load_language_model(None, cfg, dev, torch.float32, load_format="dummy")
@@ -190,7 +190,7 @@ def check(ctx):
         results["fp32"] = _forced_logits(torch_engine(lm32, torch.float32), prompt, forced)
         del lm32
     finally:
-        kernels.fused.available = kernels.moe.available = True
+        kernels.fused.available = kernels.moe.available = kernels.qk_norm.available = True
     torch.cuda.empty_cache()
     report = {}
     for name in ("graphs", "eager", "torch_bf16"):
