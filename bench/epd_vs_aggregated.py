@@ -3,7 +3,8 @@
 workload and topology, one markdown table, one plot, and `epd plan`'s predicted mean TTFT beside the
 measured one.
 
-Workloads (Qwen2.5-VL-7B architecture, `--load-format dummy`, output forced with ignore_eos):
+Workloads (Qwen2.5-VL-7B architecture by default, `--model qwen3-vl-30b-a3b` for the MoE model the
+references run EPD on; `--load-format dummy`, output forced with ignore_eos):
   image-heavy   1-8 x 1080p images (uniform), 128 text tokens in, 256 out
   mixed         50 % text only, 50 % 1-4 x 1080p; 128 in, 128 out
   image-light   1 x 1080p, 128 in, 1024 out
@@ -18,7 +19,7 @@ Each stack is started with `python -m launcher.cli up` (a subprocess, like a use
 HTTP only by `epd bench`'s load generator. Every LM process gets the same KV pool (`--kv-cache-mb`):
 processes that share a GPU start at the same time, and a pool sized from free memory would race.
 
-    python bench/epd_vs_aggregated.py --out results/ [--quick] [--gpus N]
+    python bench/epd_vs_aggregated.py --out results/ [--quick] [--gpus N] [--model qwen3-vl-30b-a3b]
     python bench/epd_vs_aggregated.py --out /tmp/smoke --tiny      # CPU smoke test, built-in tiny model
 """
 
@@ -46,6 +47,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from shared.model.presets import PRESETS  # noqa: E402
 from tools.plan.costs import Costs  # noqa: E402
 from tools.plan.plan import Layout, Planner, traffic  # noqa: E402
 from tools.bench.plot import plot  # noqa: E402
@@ -147,7 +149,7 @@ def stack_env(args) -> dict[str, str]:
     env.update(EPD_LOG_FORMAT="json", EPD_LOG_LEVEL="info", EPD_TRANSPORT=args.transport,
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
     if not args.tiny:
-        env.update(EPD_MODEL="qwen2.5-vl-7b", EPD_LOAD_FORMAT="dummy", EPD_KV_CACHE_MB=str(args.kv_cache_mb),
+        env.update(EPD_MODEL=args.model, EPD_LOAD_FORMAT="dummy", EPD_KV_CACHE_MB=str(args.kv_cache_mb),
                    EPD_MAX_MODEL_LEN="32768")
     else:
         env.update(EPD_KV_CACHE_MB="64")
@@ -163,11 +165,11 @@ def case_workload(case: Case, tiny: bool) -> dict:
     return out
 
 
-def tokenizer_dir(tiny: bool) -> str:
+def tokenizer_dir(tiny: bool, model: str) -> str:
     from shared.model.presets import materialize_preset
     from shared.model.tiny import default_tiny_checkpoint
 
-    return str(default_tiny_checkpoint() if tiny else materialize_preset("qwen2.5-vl-7b"))
+    return str(default_tiny_checkpoint() if tiny else materialize_preset(model))
 
 
 def run_plan(args, out: Path) -> dict:
@@ -178,7 +180,7 @@ def run_plan(args, out: Path) -> dict:
            heavy["image_resolution"], "--input-len", str(heavy["input_len"]), "--output-len", str(heavy["output_len"]),
            "--request-rate", ",".join(str(r * max(1, args.gpus)) for r in CASES[0].quick_rates)]
     if not args.tiny:
-        cmd += ["--model", "qwen2.5-vl-7b", "--load-format", "dummy", "--max-model-len", "32768"]
+        cmd += ["--model", args.model, "--load-format", "dummy", "--max-model-len", "32768"]
     else:
         cmd += ["--max-model-len", "1024", "--decode-batch", "4"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
@@ -321,6 +323,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer rates (image-heavy: 3, others: 1) and prompts "
                                                              "(10 s of arrivals per point; ~7 min on two GPUs)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test on the built-in tiny model")
+    parser.add_argument("--model", default="qwen2.5-vl-7b", choices=sorted(PRESETS),
+                        help="the preset every stack runs (random weights)")
     parser.add_argument("--gpus", type=int, default=-1, help="GPUs to use (default: every visible one)")
     parser.add_argument("--topologies", default="", help="comma-separated labels to run (default: all)")
     parser.add_argument("--rates", default="", help="override every workload's rates, e.g. 1,2")
@@ -340,16 +344,17 @@ def main() -> int:
         plan = json.loads(Path(args.plan).read_text())
     else:
         plan = None if args.no_plan else run_plan(args, out / "plan.json")
-    tokenizer = tokenizer_dir(args.tiny)
+    tokenizer = tokenizer_dir(args.tiny, args.model)
     runs = []
     for topology in topologies(args.gpus):
         if args.topologies and topology.label not in args.topologies.split(","):
             continue
         runs.extend(sweep(args, topology, plan, tokenizer))
-    markdown = (f"Hardware: {hardware()}\nVersions: {json.dumps(versions())}\n"
+    model = "tiny" if args.tiny else args.model
+    markdown = (f"Model: {model}\nHardware: {hardware()}\nVersions: {json.dumps(versions())}\n"
                 f"Command: {' '.join(sys.argv)}\nWall time: {time.time() - started:.0f} s\n\n{table(runs)}\n")
     (out / "results.md").write_text(markdown)
-    (out / "results.json").write_text(json.dumps({"hardware": hardware(), "versions": versions(),
+    (out / "results.json").write_text(json.dumps({"model": model, "hardware": hardware(), "versions": versions(),
                                                   "command": sys.argv, "runs": runs}, indent=1))
     print("\n" + markdown)
     try:

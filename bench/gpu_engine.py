@@ -1,12 +1,17 @@
 #!/usr/bin/env python3
 """Engine and vision-tower benchmark on the GPU machine, side by side with HF transformers in one run.
 
-Measures, for Qwen2.5-VL-7B shapes with random bf16 weights (timing does not depend on weight values):
+Measures, for a preset's shapes (default Qwen2.5-VL-7B; ``--preset qwen3-vl-30b-a3b`` for the MoE
+model) with random bf16 weights (timing does not depend on weight values):
   ceilings    device copy bandwidth and bf16 matmul rate (this run's own roofline)
   check       our GPU path (Triton kernels) against the torch reference path, same inputs
-  decode1     decode step at batch 1 (128-token context): CUDA-graph replay and a whole engine step
-  decode64    decode step at batch 64 with 2,048-token contexts, against weights + KV bytes / bandwidth
-  prefill     prefill of the four-1080p-image prompt (10,903 tokens), against FLOPs / matmul rate
+  decode1     decode step at batch 1 (128-token context): CUDA-graph replay and a whole engine step,
+              against the bytes it reads / bandwidth (MoE: attention, routers, head and the experts
+              its token routes to, counted; bench/roofline.py)
+  decode64    decode step at batch 64 with 2,048-token contexts, against weights (MoE: the experts the
+              batch touches) + KV bytes / bandwidth
+  prefill     prefill of the four-1080p-image prompt (10,903 tokens), against FLOPs (active parameters)
+              / matmul rate
   chunked     that prefill at several step budgets (chunked prefill) against unchunked; a mixed step
               (64 decode rows at 2k context + a prompt chunk) against a pure decode step and the chunk
               alone; the repeated prompt served by the prefix cache; prefill attention after a prefix:
@@ -17,9 +22,10 @@ Measures, for Qwen2.5-VL-7B shapes with random bf16 weights (timing does not dep
   preprocess  one 1080p image to patches: HF's PIL processor on one CPU thread against the torch path on
               the GPU (pixels copied over included), and how far apart their patches are
 
-    python bench/gpu_engine.py --out results/ [--sections decode1,hf] [--tiny]
+    python bench/gpu_engine.py --out results/ [--sections decode1,hf] [--preset qwen3-vl-30b-a3b] [--tiny]
 
-``--tiny`` runs every section on the built-in tiny model (CPU works) as a smoke test of this script.
+``--tiny`` runs every section on a tiny random model (CPU works) as a smoke test of this script; its
+family is ``--tiny-family`` (qwen3_vl_moe for the MoE sections' paths).
 """
 
 from __future__ import annotations
@@ -37,14 +43,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.roofline import TouchedExperts, decode_bytes, expert_bytes, prefill_flops, vit_flops  # noqa: E402
+
 from shared.engine.engine import Engine  # noqa: E402
 from shared.engine.kv_cache import KVCache  # noqa: E402
 from shared.engine.runner import ModelRunner  # noqa: E402
 from shared.engine.sampling import SamplingParams  # noqa: E402
 from shared.engine.sequence import ImageInput, Sequence  # noqa: E402
-from shared.model.config import ModelConfig  # noqa: E402
+from shared.model.config import QWEN3_FAMILIES, ModelConfig  # noqa: E402
+from shared.model.geometry import ImageGeometry  # noqa: E402
 from shared.model.loader import load_language_model, load_vision_tower  # noqa: E402
-from shared.model.presets import PRESETS  # noqa: E402
+from shared.model.presets import PRESETS, materialize_preset  # noqa: E402
 
 SECTIONS = ["ceilings", "check", "decode1", "decode64", "prefill", "chunked", "memory", "hf", "vit", "preprocess",
             "profile"]
@@ -163,6 +172,8 @@ def check(ctx):
     if dev.type != "cuda":
         RESULTS["check"] = {"skipped": "no GPU: the torch path is the only path"}
         return
+    if 2 * lm_bytes(lm) > torch.cuda.mem_get_info(dev)[0]:  # its fp32 copy would not fit: check 4 layers
+        engine, lm, cfg = _shallow_engine(ctx, layers=4)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(10, ctx["vocab"], (300,), generator=gen).tolist()
     forced = torch.randint(10, ctx["vocab"], (6,), generator=gen).tolist()
@@ -176,7 +187,7 @@ def check(ctx):
     graphs, runner.graphs = runner.graphs, None
     results["eager"] = _forced_logits(engine, prompt, forced)
     runner.graphs = graphs
-    kernels.fused.available = False  # the pure torch path: no fused kernels either
+    kernels.fused.available = kernels.moe.available = kernels.qk_norm.available = False  # the pure torch path
     try:
         results["torch_bf16"] = _forced_logits(torch_engine(lm, ctx["dtype"]), prompt, forced)
         lm32 = load_language_model(None, cfg, dev, torch.float32, load_format="dummy")
@@ -184,7 +195,7 @@ def check(ctx):
         results["fp32"] = _forced_logits(torch_engine(lm32, torch.float32), prompt, forced)
         del lm32
     finally:
-        kernels.fused.available = True
+        kernels.fused.available = kernels.moe.available = kernels.qk_norm.available = True
     torch.cuda.empty_cache()
     report = {}
     for name in ("graphs", "eager", "torch_bf16"):
@@ -195,6 +206,35 @@ def check(ctx):
     worst_torch = max(report["torch_bf16"])
     if max(max(report["graphs"]), max(report["eager"])) > max(2 * worst_torch, 1e-2):
         raise AssertionError("GPU path is less accurate than the bf16 torch path")
+
+
+def _shallow_engine(ctx, layers: int):
+    """The preset's architecture cut to its first ``layers`` decoder layers, with its own engine and graphs."""
+    from dataclasses import replace
+
+    cfg, dev = ctx["config"], ctx["device"]
+    moe = cfg.text.moe and replace(cfg.text.moe, layers=tuple(i for i in cfg.text.moe.layers if i < layers))
+    cfg = replace(cfg, text=replace(cfg.text, num_layers=layers, moe=moe))
+    lm = load_language_model(None, cfg, dev, ctx["dtype"], load_format="dummy")
+    cache = KVCache(cfg.text, 256, 16, ctx["dtype"], dev)
+    engine = Engine(ModelRunner(lm, cache, cfg.vision.merge_size), (2,), 1024, "both", max_num_seqs=8)
+    engine.runner.capture_graphs(8, 1024)
+    return engine, lm, cfg
+
+
+def _experts_read(ctx, seqs: list[Sequence]) -> int:
+    """Experts one decode step of ``seqs`` reads (summed over MoE layers), from an eager step (a count
+    syncs, so not in the graph); 0 for a dense model."""
+    lm, runner = ctx["lm"], ctx["engine"].runner
+    if not expert_bytes(lm):
+        return 0
+    graphs, runner.graphs = runner.graphs, None
+    try:
+        with TouchedExperts(lm) as touched:
+            runner.decode(seqs)
+    finally:
+        runner.graphs = graphs
+    return touched.per_step()
 
 
 def profile(ctx):
@@ -229,9 +269,10 @@ def profile(ctx):
     tokens, images = _prefill_prompt(ctx)
     table("prefill_10903", lambda: _run_prefill(engine, tokens, images))
     tower = ctx.get("tower") or load_vision_tower(None, cfg, ctx["device"], ctx["dtype"], load_format="dummy")
-    patches = torch.randn(78 * 138, cfg.vision.patch_dim, dtype=ctx["dtype"], device=ctx["device"])
+    grid = ctx["grid_1080p"]
+    patches = torch.randn(grid[1] * grid[2], cfg.vision.patch_dim, dtype=ctx["dtype"], device=ctx["device"])
     with torch.inference_mode():
-        table("vit_1080p", lambda: tower(patches, [(1, 78, 138)]))
+        table("vit_1080p", lambda: tower(patches, [grid]))
     RESULTS["profile"] = tables
 
 
@@ -246,6 +287,7 @@ def decode1(ctx):
     for _ in range(3):
         engine.step()
     engine.blocks.may_append(seq)  # room for the token a replay computes
+    experts = _experts_read(ctx, [seq])
     rows = runner.stage_decode([seq])
     replay = None
     if runner.graphs is not None:
@@ -257,10 +299,13 @@ def decode1(ctx):
         walls.append((time.perf_counter() - t) * 1e3)
     engine.abort("b1")
     step = statistics.median(walls)
-    floor = ctx["weights_bytes"] / ctx.get("bandwidth", math.inf) * 1e3
+    moved = decode_bytes(ctx["lm"], experts, len(seq) * KVCache.bytes_per_block(ctx["config"].text, 1, ctx["dtype"]))
+    floor = moved / ctx.get("bandwidth", math.inf) * 1e3
     RESULTS["decode1"] = {"graph_replay_ms": replay, "engine_step_ms": step, "bandwidth_floor_ms": floor,
-                          "weights_GB": ctx["weights_bytes"] / 1e9}
-    log(f"decode b1: graph replay {replay and round(replay, 3)} ms, engine step {step:.3f} ms, floor {floor:.2f} ms")
+                          "weights_GB": ctx["weights_bytes"] / 1e9, "bytes_read_GB": moved / 1e9,
+                          "experts_read": experts, "ratio_to_floor": replay / floor if replay and floor else None}
+    log(f"decode b1: graph replay {replay and round(replay, 3)} ms, engine step {step:.3f} ms, floor {floor:.2f} ms "
+        f"({moved / 1e9:.2f} GB read, {experts} experts)")
 
 
 def decode64(ctx):
@@ -270,9 +315,9 @@ def decode64(ctx):
     batch, context = (64, 2048) if ctx["big"] else (8, 64)
     seqs = []
     for i in range(batch):  # KV of 2,047 tokens written straight into the pool (random values)
-        seq = Sequence(f"d64-{i}", [7] * context, context - 1, SamplingParams(temperature=0, max_tokens=10_000,
-                                                                               ignore_eos=True),
-                       num_computed=context - 1)
+        token = 10 + (i * 7919) % (ctx["vocab"] - 10)  # distinct tokens: a MoE batch routes as real ones do
+        seq = Sequence(f"d64-{i}", [token] * context, context - 1,
+                       SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True), num_computed=context - 1)
         engine.reserve(seq)
         slots = torch.tensor(runner.cache.slots(seq.block_table, 0, context - 1))
         runner.cache.scatter(slots, torch.randn(cfg.text.num_layers, 2, context - 1, cfg.text.num_kv_heads,
@@ -282,6 +327,7 @@ def decode64(ctx):
     engine.step()
     for seq in seqs:
         engine.blocks.may_append(seq)
+    experts = _experts_read(ctx, seqs)
     rows = runner.stage_decode(seqs)
     if runner.graphs is not None:
         replay = timer.ms(lambda: runner.graphs.replay(rows), repeat=50, warmup=5)
@@ -293,12 +339,12 @@ def decode64(ctx):
         engine.step()
         walls.append((time.perf_counter() - t) * 1e3)
     kv_bytes = batch * context * KVCache.bytes_per_block(cfg.text, 1, ctx["dtype"])
-    moved = ctx["weights_bytes"] + kv_bytes
+    moved = decode_bytes(ctx["lm"], experts, kv_bytes)
     floor = moved / ctx.get("bandwidth", math.inf) * 1e3
     for seq in seqs:
         engine.abort(seq.request_id)
     RESULTS["decode64"] = {"batch": batch, "context": context, "graph_replay_ms": replay,
-                           "engine_step_ms": statistics.median(walls), "bytes_GB": moved / 1e9,
+                           "engine_step_ms": statistics.median(walls), "bytes_GB": moved / 1e9, "experts_read": experts,
                            "bandwidth_floor_ms": floor, "share_of_bandwidth_limit": floor / replay,
                            "tokens_per_s": batch / (statistics.median(walls) / 1e3)}
     log(f"decode b{batch}@{context}: replay {replay:.2f} ms (floor {floor:.2f} ms, {floor / replay:.0%} of limit), "
@@ -307,13 +353,13 @@ def decode64(ctx):
 
 def _prefill_prompt(ctx):
     cfg = ctx["config"]
-    grid, images = ((1, 78, 138), 4) if ctx["big"] else ((1, 8, 8), 2)
+    grid, images = (ctx["grid_1080p"], 4) if ctx["big"] else ((1, 8, 8), 2)
     per_image = grid[1] * grid[2] // 4
     text = 10_903 - images * per_image if ctx["big"] else 40
     tokens = [11] * (text // 2)
     slots = []
-    for _ in range(images):
-        slots.append(ImageInput(len(tokens), grid, torch.randn(per_image, cfg.text.hidden_size, dtype=ctx["dtype"],
+    for _ in range(images):  # as encoders ship them: Qwen3-VL rows carry the deepstack levels too
+        slots.append(ImageInput(len(tokens), grid, torch.randn(per_image, cfg.embedding_width, dtype=ctx["dtype"],
                                                                device=ctx["device"])))
         tokens += [6] * per_image
     tokens += [12] * (text - text // 2)
@@ -332,10 +378,8 @@ def prefill(ctx):
     engine, cfg, timer = ctx["engine"], ctx["config"], ctx["timer"]
     tokens, images = _prefill_prompt(ctx)
     ms = timer.ms(lambda: _run_prefill(engine, tokens, images), repeat=3, warmup=1)
-    t, h, layers = len(tokens), cfg.text.hidden_size, cfg.text.num_layers
-    linear = 2 * t * (ctx["weights_bytes"] / 2 - cfg.text.vocab_size * h)  # bf16: params = bytes / 2
-    attention = 2 * t * t * h * layers  # causal: half of 4·T²·hidden per layer
-    flops = linear + attention + 2 * h * cfg.text.vocab_size
+    t = len(tokens)
+    flops = prefill_flops(cfg, t)  # active parameters per token (MoE: top-k experts), causal attention
     floor = flops / ctx.get("matmul_rate", math.inf) * 1e3
     RESULTS["prefill"] = {"tokens": t, "ms": ms, "TFLOP": flops / 1e12, "compute_floor_ms": floor,
                           "ratio_to_floor": ms / floor if floor else None}
@@ -520,6 +564,12 @@ def hf(ctx):
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     dev, cfg_name = ctx["device"], ctx["preset"]
+    needed = 1.1 * lm_bytes(ctx["lm"]) if "lm" in ctx else 0
+    if dev.type == "cuda" and needed > torch.cuda.mem_get_info(dev)[0]:
+        RESULTS["hf"] = {"skipped": f"HF's copy of the model ({needed / 1e9:.0f} GB) does not fit beside ours; "
+                                    "run --sections hf alone"}
+        log("hf: skipped (memory)")
+        return
     if ctx["big"]:
         config = AutoConfig.for_model(**{k: v for k, v in PRESETS[cfg_name].items()})
     else:
@@ -550,20 +600,29 @@ def hf(ctx):
         torch.cuda.empty_cache()
 
 
-def vit(ctx):
-    from transformers import AutoConfig, AutoModelForImageTextToText
+def _hf_vision(ctx):
+    """HF's vision tower of the same architecture (random weights), without building its language model
+    where the family allows (Qwen3-VL's is a model of its own)."""
+    from transformers import AutoConfig, AutoModel, AutoModelForImageTextToText
 
-    dev, cfg, timer = ctx["device"], ctx["config"], ctx["timer"]
-    tower = load_vision_tower(None, cfg, dev, ctx["dtype"], load_format="dummy")
-    grid = (1, 78, 138) if ctx["big"] else (1, 8, 12)
-    n = grid[1] * grid[2]
+    dev, cfg = ctx["device"], ctx["config"]
     if ctx["big"]:
         config = AutoConfig.for_model(**{k: v for k, v in PRESETS[ctx["preset"]].items()})
     else:
         config = AutoConfig.from_pretrained(ctx["tiny_path"])
     with torch.device(dev):
-        hf_visual = AutoModelForImageTextToText.from_config(config, dtype=ctx["dtype"]).model.visual.eval()
-    out = {}
+        if cfg.family in QWEN3_FAMILIES:
+            return AutoModel.from_config(config.vision_config, dtype=ctx["dtype"]).eval()
+        return AutoModelForImageTextToText.from_config(config, dtype=ctx["dtype"]).model.visual.eval()
+
+
+def vit(ctx):
+    dev, cfg, timer = ctx["device"], ctx["config"], ctx["timer"]
+    tower = load_vision_tower(None, cfg, dev, ctx["dtype"], load_format="dummy")
+    grid = ctx["grid_1080p"] if ctx["big"] else (1, 8, 12)
+    n = grid[1] * grid[2]
+    hf_visual = _hf_vision(ctx)
+    out = {"grid": grid}
     for images in (1, 4, 8):
         patches = torch.randn(images * n, cfg.vision.patch_dim, dtype=ctx["dtype"], device=dev)
         grids = [grid] * images
@@ -573,13 +632,19 @@ def vit(ctx):
             if images <= 4:
                 thw = torch.tensor(grids, device=dev)
                 theirs = timer.ms(lambda: hf_visual(patches, grid_thw=thw), repeat=3 if ctx["big"] else 1, warmup=1)
-        out[images] = {"ours_ms": ours, "ours_ms_per_image": ours / images, "hf_ms": theirs}
-        log(f"vit {images} image(s): ours {ours:.1f} ms ({ours / images:.1f}/image), hf {theirs and round(theirs, 1)} ms")
+        # full attention in every block (Qwen2-VL, Qwen3-VL): the FLOPs are exact; windowed towers do fewer
+        floor = vit_flops(cfg.vision, n, images) / ctx.get("matmul_rate", math.inf) * 1e3 \
+            if cfg.vision.window_size == 0 else None
+        out[images] = {"ours_ms": ours, "ours_ms_per_image": ours / images, "hf_ms": theirs,
+                       "compute_floor_ms": floor, "ratio_to_floor": ours / floor if floor else None}
+        log(f"vit {images} image(s): ours {ours:.1f} ms ({ours / images:.1f}/image), hf {theirs and round(theirs, 1)} ms"
+            f", floor {floor and round(floor, 1)} ms")
     with torch.inference_mode():  # agreement with HF on one image (same weights copied over)
         patches = torch.randn(n, cfg.vision.patch_dim, dtype=ctx["dtype"], device=dev)
         _copy_vision_weights(hf_visual, tower)
         a = tower(patches, [grid]).float()
-        b = hf_visual(patches, grid_thw=torch.tensor([grid], device=dev)).pooler_output.float()
+        hf_out = hf_visual(patches, grid_thw=torch.tensor([grid], device=dev))
+        b = torch.cat([hf_out.pooler_output, *(getattr(hf_out, "deepstack_features", None) or [])], -1).float()
         out["rel_error_vs_hf"] = (torch.linalg.norm(a - b) / torch.linalg.norm(b)).item()
     log(f"vit rel. error vs HF: {out['rel_error_vs_hf']:.1e}")
     RESULTS["vit"] = out
@@ -626,7 +691,9 @@ def main() -> None:
     parser.add_argument("--out", default="bench-results")
     parser.add_argument("--sections", default=",".join(SECTIONS))
     parser.add_argument("--preset", default="qwen2.5-vl-7b", choices=sorted(PRESETS))
-    parser.add_argument("--tiny", action="store_true", help="smoke-test on the tiny model")
+    parser.add_argument("--tiny", action="store_true", help="smoke-test on a tiny model")
+    parser.add_argument("--tiny-family", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen2_vl", *QWEN3_FAMILIES],
+                        help="with --tiny: the tiny model's family")
     parser.add_argument("--kv-gb", type=float, default=24.0)
     args = parser.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -636,10 +703,12 @@ def main() -> None:
         from shared.model.tiny import write_tiny_checkpoint
         import tempfile
 
-        ctx["tiny_path"] = write_tiny_checkpoint(tempfile.mkdtemp())
+        ctx["tiny_path"] = write_tiny_checkpoint(tempfile.mkdtemp(), family=args.tiny_family)
         ctx["config"] = ModelConfig.from_checkpoint(ctx["tiny_path"])
     else:
         ctx["config"] = preset_config(args.preset)
+    geometry = ImageGeometry.from_checkpoint(ctx["tiny_path"] if args.tiny else materialize_preset(args.preset))
+    ctx["grid_1080p"] = geometry.grid(1080, 1920)  # (1, 78, 138) for Qwen2.5-VL, (1, 68, 120) for Qwen3-VL
     ctx["vocab"] = min(1000, ctx["config"].text.vocab_size)
     per_block = KVCache.bytes_per_block(ctx["config"].text, 16, ctx["dtype"])
     ctx["kv_blocks"] = int(args.kv_gb * 1e9 // per_block) if not args.tiny else 2048

@@ -23,19 +23,13 @@ from shared.model.geometry import grid_tokens
 _GONE_CODES = ("unreachable", "expired", "not_found", "timeout")
 
 
-def embedding_width(config: ModelConfig) -> int:
-    """Columns of one image token's embedding: the LM's hidden size, times one plus the deepstack levels
-    a Qwen3-VL tower adds beside it."""
-    return config.text.hidden_size * (1 + len(getattr(config.vision, "deepstack_indexes", ())))
-
-
 def validate_prompt(job: PrefillJob, config: ModelConfig) -> None:
     vocab = config.text.vocab_size
     if any(not 0 <= t < vocab for t in job.token_ids):
         raise ServiceError(400, "token id out of the vocabulary")
     covered = 0
     end = 0
-    merge, width = config.vision.merge_size, embedding_width(config)
+    merge, width = config.vision.merge_size, config.embedding_width  # Qwen3-VL: deepstack levels too
     for slot in sorted(job.images, key=lambda s: s.offset):
         t, h, w = slot.grid
         if t < 1 or h < 1 or w < 1 or h % merge or w % merge:

@@ -12,6 +12,7 @@ from shared.engine.kv_cache import KVCache
 from shared.engine.sampling import Sampler
 from shared.engine.scheduler import Chunk
 from shared.engine.sequence import Sequence
+from shared.model import deepstack
 from shared.model.rope import mrope_positions
 from shared.model.text import LanguageModel
 
@@ -39,8 +40,10 @@ class ModelRunner:
         self.graphs.capture()
 
     # -- prefill: prompt chunks, decode rows riding along ----------------------------------------------
-    def prepare_prefill(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
-        """Packed input embeddings ``[T, hidden]``, positions ``[3, T]`` and the batch layout of ``chunks``."""
+    def prepare_prefill(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch,
+                                                            deepstack.Deepstack | None]:
+        """Packed input embeddings ``[T, hidden]``, positions ``[3, T]``, the batch layout of ``chunks``, and
+        the deepstack levels of the image rows they cover (Qwen3-VL; None for other models)."""
         ids, positions, slots, cu = [], [], [], [0]
         for chunk in chunks:
             seq = chunk.seq
@@ -49,11 +52,14 @@ class ModelRunner:
             slots.extend(self.cache.slots(seq.block_table, chunk.start, chunk.end))
             cu.append(cu[-1] + chunk.num_tokens)
         embeds = self.model.embed(torch.tensor(ids, device=self.device))
-        hidden = embeds.shape[1]
-        for row, rows in image_rows(chunks, cu):
-            embeds[row:row + rows.shape[0]] = rows[:, :hidden].to(self.device, self.dtype)
+        rows, levels = [], []  # Qwen3-VL: image rows carry deepstack levels after the input embedding
+        for row, image in image_rows(chunks, cu):
+            main, extra = deepstack.split_rows(image.to(self.device, self.dtype), embeds.shape[1])
+            embeds[row:row + main.shape[0]] = main
+            rows.append(torch.arange(row, row + main.shape[0], device=self.device))
+            levels.append(extra)
         batch = self._prefill_batch(chunks, cu, torch.tensor(slots, device=self.device))
-        return embeds, torch.cat(positions, dim=1).to(self.device), batch
+        return embeds, torch.cat(positions, dim=1).to(self.device), batch, deepstack.collect(rows, levels)
 
     def _positions(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
         if start >= seq.prompt_len:  # generated tokens are text: one position on every axis
@@ -83,9 +89,10 @@ class ModelRunner:
     def prefill(self, chunks: list[Chunk], on_layer_done=None) -> list[int | None]:
         """Run a step of chunks; a sampled token for each chunk that completes its sequence, else None.
         ``on_layer_done(layer)`` is called after each layer's KV is in the cache."""
-        embeds, positions, batch = self.prepare_prefill(chunks)
+        embeds, positions, batch, levels = self.prepare_prefill(chunks)
         batch.on_layer_done = on_layer_done
-        hidden = self.model(embeds, positions, batch, self.backend)
+        extra = {} if levels is None else {"deepstack": levels}
+        hidden = self.model(embeds, positions, batch, self.backend, **extra)
         complete = [i for i, chunk in enumerate(chunks) if chunk.end == len(chunk.seq)]
         tokens: list[int | None] = [None] * len(chunks)
         if complete:

@@ -24,3 +24,5 @@ class _Lazy:
 
 fused = _Lazy("shared.kernels.fused")
 attention = _Lazy("shared.kernels.attention")
+moe = _Lazy("shared.kernels.moe")
+qk_norm = _Lazy("shared.kernels.qk_norm")

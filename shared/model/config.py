@@ -1,6 +1,6 @@
-"""Model configuration: the parts of an HF Qwen2-VL / Qwen2.5-VL config our model code needs.
+"""Model configuration: the parts of an HF Qwen2-VL / Qwen2.5-VL / Qwen3-VL config our model code needs.
 
-Both families (and both config layouts, flat and ``text_config``-nested) normalize into the two frozen
+Every family (and both config layouts, flat and ``text_config``-nested) normalizes into the frozen
 dataclasses below, so the rest of the code never reads an HF config object.
 """
 
@@ -10,7 +10,19 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+QWEN3_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP (Qwen3-VL-MoE): each token runs ``top_k`` of ``num_experts`` SwiGLU experts."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    norm_topk_prob: bool  # the top-k routing weights are renormalized to sum to 1
+    layers: tuple[int, ...]  # decoder layers whose MLP is the mixture; the others are dense
 
 
 @dataclass(frozen=True)
@@ -21,15 +33,16 @@ class TextConfig:
     num_layers: int
     num_heads: int
     num_kv_heads: int
+    head_dim: int  # explicit in Qwen3 (q/k/v width need not equal hidden_size)
     rms_norm_eps: float
     rope_theta: float
     mrope_section: tuple[int, ...]
     tie_word_embeddings: bool
     max_position_embeddings: int
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    attention_bias: bool = True  # q/k/v projections carry a bias (Qwen2 families)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before rotary (Qwen3)
+    mrope_interleaved: bool = False  # M-RoPE bands cycle t, h, w (Qwen3) instead of three contiguous runs
+    moe: MoEConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -48,6 +61,14 @@ class VisionConfig:
     window_size: int  # pixels; 0: every block attends over the whole image (Qwen2-VL)
     fullatt_blocks: tuple[int, ...]
     rope_theta: float
+    num_position_embeddings: int = 0  # Qwen3: a learned square table, interpolated to each image's grid
+    deepstack_layers: tuple[int, ...] = ()  # Qwen3: blocks whose merged features feed the first LM layers
+
+    @property
+    def embedding_width(self) -> int:
+        """Width of one image token's row as the encoder ships it: the merger's output, then one
+        ``out_dim``-wide level per deepstack block (prefill splits them apart again)."""
+        return self.out_dim * (1 + len(self.deepstack_layers))
 
     @property
     def head_dim(self) -> int:
@@ -69,17 +90,22 @@ class ModelConfig:
     vision_end_token_id: int
     eos_token_ids: tuple[int, ...]
 
+    @property
+    def embedding_width(self) -> int:
+        return self.vision.embedding_width
+
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
         family = raw.get("model_type", "")
         if family not in FAMILIES:
             raise ValueError(
-                f"unsupported model_type {family!r}: epd serves the Qwen2-VL and Qwen2.5-VL families ({', '.join(FAMILIES)})"
+                f"unsupported model_type {family!r}: epd serves the Qwen2-VL, Qwen2.5-VL and Qwen3-VL families "
+                f"({', '.join(FAMILIES)})"
             )
         text_raw = {**raw, **raw.get("text_config", {})}
         return cls(
             family=family,
-            text=_text_config(text_raw, raw),
+            text=_text_config(text_raw, raw, family),
             vision=_vision_config(family, raw["vision_config"], text_raw["hidden_size"]),
             image_token_id=raw["image_token_id"],
             video_token_id=raw["video_token_id"],
@@ -113,13 +139,17 @@ def _with_eos(config: ModelConfig, eos: tuple[int, ...]) -> ModelConfig:
     return replace(config, eos_token_ids=eos)
 
 
-def _text_config(raw: dict, top: dict) -> TextConfig:
+def _text_config(raw: dict, top: dict, family: str) -> TextConfig:
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     num_heads = raw["num_attention_heads"]
-    head_dim = raw["hidden_size"] // num_heads
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
     section = tuple(rope.get("mrope_section") or (head_dim // 2 - 2 * (head_dim // 6), head_dim // 6, head_dim // 6))
     if sum(section) != head_dim // 2:
         raise ValueError(f"mrope_section {list(section)} must sum to head_dim/2 = {head_dim // 2}")
+    qwen3 = family in QWEN3_FAMILIES
+    # transformers 5 ties by the top-level flag when the checkpoint has one (a MoE text_config's own
+    # default says the opposite)
+    tie = top["tie_word_embeddings"] if "tie_word_embeddings" in top else raw.get("tie_word_embeddings")
     return TextConfig(
         vocab_size=raw["vocab_size"],
         hidden_size=raw["hidden_size"],
@@ -127,12 +157,29 @@ def _text_config(raw: dict, top: dict) -> TextConfig:
         num_layers=raw["num_hidden_layers"],
         num_heads=num_heads,
         num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+        head_dim=head_dim,
         rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         rope_theta=float(rope.get("rope_theta") or raw.get("rope_theta") or 1_000_000.0),
         mrope_section=section,
-        tie_word_embeddings=bool(top.get("tie_word_embeddings") or raw.get("tie_word_embeddings")),
+        tie_word_embeddings=bool(tie),
         max_position_embeddings=raw.get("max_position_embeddings", 32768),
+        attention_bias=bool(raw.get("attention_bias", False)) if qwen3 else True,
+        qk_norm=qwen3,
+        mrope_interleaved=bool(rope.get("mrope_interleaved", qwen3)),
+        moe=_moe_config(raw) if family == "qwen3_vl_moe" else None,
     )
+
+
+def _moe_config(raw: dict) -> MoEConfig | None:
+    experts = raw.get("num_experts") or raw.get("num_local_experts") or 0
+    if not experts:
+        return None
+    step = raw.get("decoder_sparse_step", 1) or 1
+    dense = set(raw.get("mlp_only_layers") or ())
+    layers = tuple(i for i in range(raw["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+    return MoEConfig(num_experts=experts, top_k=raw["num_experts_per_tok"],
+                     intermediate_size=raw["moe_intermediate_size"],
+                     norm_topk_prob=bool(raw.get("norm_topk_prob", True)), layers=layers)
 
 
 def _vision_config(family: str, raw: dict, lm_hidden: int) -> VisionConfig:
@@ -147,6 +194,18 @@ def _vision_config(family: str, raw: dict, lm_hidden: int) -> VisionConfig:
         in_channels=raw.get("in_channels", raw.get("in_chans", 3)),
         rope_theta=float(rope.get("rope_theta", 10000.0)),
     )
+    if family in QWEN3_FAMILIES:
+        return VisionConfig(
+            width=raw["hidden_size"],
+            mlp_hidden=raw["intermediate_size"],
+            act=raw.get("hidden_act", "gelu_pytorch_tanh"),
+            out_dim=raw.get("out_hidden_size", lm_hidden),
+            window_size=0,
+            fullatt_blocks=tuple(range(raw["depth"])),
+            num_position_embeddings=raw["num_position_embeddings"],
+            deepstack_layers=tuple(raw.get("deepstack_visual_indexes") or ()),
+            **{**common, "patch_size": raw.get("patch_size", 16)},
+        )
     if family == "qwen2_5_vl":
         return VisionConfig(
             width=raw["hidden_size"],

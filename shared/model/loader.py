@@ -3,7 +3,8 @@
 The encoder reads the vision tower's tensors and never the language model's; prefill and decode read
 the language model's and never the vision tower's. Both checkpoint layouts are understood: the
 published one (``model.layers.*``, ``visual.*``) and transformers 5's (``model.language_model.*``,
-``model.visual.*``). With ``load_format="dummy"`` no tensor is read and weights are random.
+``model.visual.*``). With ``load_format="dummy"`` no tensor is read and weights are random. The model
+classes follow the config's family (Qwen3-VL has a language model and a vision tower of its own).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from shared.model.config import ModelConfig
+from shared.model.config import QWEN3_FAMILIES, ModelConfig
+from shared.model.qwen3_text import Qwen3LanguageModel
+from shared.model.qwen3_vision import Qwen3VisionTower
 from shared.model.text import LanguageModel
 from shared.model.vision import VisionTower
 
@@ -83,7 +86,8 @@ def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 def load_into(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
     """Copy checkpoint tensors into ``model``: fused projections take their pieces at the owner's
     ``fused_offsets``; parameters the owner lists in ``padded_params`` may be larger than the tensor
-    (the tensor fills the leading block, the rest stays zero)."""
+    (the tensor fills the leading block, the rest stays zero); an owner with ``checkpoint_layout``
+    turns a tensor of another layout into its own first."""
     params = dict(model.named_parameters())
     for p in params.values():
         p.data.zero_()
@@ -103,6 +107,8 @@ def load_into(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) -> 
             continue  # e.g. rotary tables some exporters save
         param = params[name]
         owner, local = _owner(model, name)
+        if hasattr(owner, "checkpoint_layout"):
+            tensor = owner.checkpoint_layout(local, tensor)
         if param.shape != tensor.shape:
             padded = local in getattr(owner, "padded_params", ()) and tensor.dim() == param.dim() and all(
                 t <= p for t, p in zip(tensor.shape, param.shape))
@@ -132,7 +138,7 @@ def _randomize(model: nn.Module, seed: int) -> None:
 def _materialize(build, device: torch.device, dtype: torch.dtype) -> nn.Module:
     with torch.device("meta"):
         model = build()
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)  # allocated in ``dtype`` at once, never in float32 first
     for module in model.modules():
         if hasattr(module, "init_buffers"):
             module.init_buffers()
@@ -153,11 +159,13 @@ def _load(path: Path | None, role: str, build, device, dtype, load_format: str, 
 
 
 def load_language_model(path: Path | None, config: ModelConfig, device="cpu", dtype=torch.float32,
-                        load_format: str = "auto", seed: int = 0) -> LanguageModel:
+                        load_format: str = "auto", seed: int = 0) -> LanguageModel | Qwen3LanguageModel:
     """``path`` may be None with ``load_format="dummy"`` (nothing is read)."""
-    return _load(path and Path(path), "text", lambda: LanguageModel(config.text), device, dtype, load_format, seed)
+    model_class = Qwen3LanguageModel if config.family in QWEN3_FAMILIES else LanguageModel
+    return _load(path and Path(path), "text", lambda: model_class(config.text), device, dtype, load_format, seed)
 
 
 def load_vision_tower(path: Path | None, config: ModelConfig, device="cpu", dtype=torch.float32,
-                      load_format: str = "auto", seed: int = 0) -> VisionTower:
-    return _load(path and Path(path), "vision", lambda: VisionTower(config.vision), device, dtype, load_format, seed)
+                      load_format: str = "auto", seed: int = 0) -> VisionTower | Qwen3VisionTower:
+    tower_class = Qwen3VisionTower if config.family in QWEN3_FAMILIES else VisionTower
+    return _load(path and Path(path), "vision", lambda: tower_class(config.vision), device, dtype, load_format, seed)

@@ -6,9 +6,8 @@ How many tokens an image becomes is ``shared.model.geometry`` (no pixels touched
   output is exactly the reference's;
 - ``TorchImagePreprocessor``: the same steps as tensor operations on the encoder's device (the GPU),
   where a 1080p image takes well under a millisecond instead of ~100 ms of CPU. Both resize in two
-  8-bit passes, rows first; PIL's fixed-point weights and torch's float ones may put a pixel one 8-bit
-  step apart (more, near sharp edges, where the sides scale very unequally and a Pillow release
-  resamples columns first).
+  8-bit passes in the same order (rows first, except where Pillow ≥ 13 resamples columns first);
+  PIL's fixed-point weights and torch's float ones may put a pixel one 8-bit step apart.
 """
 
 from __future__ import annotations
@@ -48,6 +47,21 @@ class ImagePreprocessor:
 _PIL_BICUBIC = 3
 
 
+def _pillow_major() -> int:
+    import PIL
+
+    return int(PIL.__version__.split(".")[0])
+
+
+def resize_passes(height: int, width: int, h: int, w: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The sizes after each of PIL's two resampling passes from ``height × width`` to ``h × w``: the
+    width first, except that Pillow 13 takes the height first when it shrinks by more than twice what
+    the width does (the order changes every pixel near an edge, by up to ~17 8-bit steps)."""
+    if _pillow_major() >= 13 and height - h > 0 and height - h > 2 * (width - w):
+        return (h, width), (h, w)
+    return (height, w), (h, w)
+
+
 def preprocess_mode(setting: str, device: torch.device) -> str:
     """``pil`` or ``torch`` for an encoder's ``preprocess`` setting: ``auto`` is torch on a GPU (well under a
     millisecond per 1080p image, against ~100 ms of CPU for PIL) and the exact PIL reference elsewhere."""
@@ -83,8 +97,8 @@ class TorchImagePreprocessor:
         height, width = int(pixels.shape[0]), int(pixels.shape[1])
         h, w = g.resized(height, width)
         image = pixels.permute(2, 0, 1).unsqueeze(0).float()
-        # PIL resamples rows, then columns, each pass back to 8 bits (clipping the bicubic overshoot)
-        for size in ((height, w), (h, w)):
+        # PIL resamples in two passes, each back to 8 bits (clipping the bicubic overshoot)
+        for size in resize_passes(height, width, h, w):
             if tuple(image.shape[2:]) != size:
                 image = F.interpolate(image, size=size, mode="bicubic", antialias=True, align_corners=False)
                 image = image.round_().clamp_(0, 255)

@@ -1,4 +1,4 @@
-"""A tiny random-weight Qwen2-VL / Qwen2.5-VL checkpoint, written as a real HF checkpoint directory.
+"""A tiny random-weight Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint, written as a real HF checkpoint directory.
 
 It is the embedded default (``epd up`` with no ``--model``) and the model every test runs against: config,
 safetensors, a byte-level BPE tokenizer trained on the spot, the family's chat template and an image
@@ -13,6 +13,9 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from shared.model import qwen3_checkpoint
+from shared.model.config import QWEN3_FAMILIES
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -77,7 +80,7 @@ def _train_tokenizer(vocab_size: int):
     return tok
 
 
-def write_tokenizer(path: Path, vocab_size: int) -> None:
+def write_tokenizer(path: Path, vocab_size: int, chat_template: str = CHAT_TEMPLATE) -> None:
     from transformers import PreTrainedTokenizerFast
 
     fast = PreTrainedTokenizerFast(
@@ -88,13 +91,15 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
         clean_up_tokenization_spaces=False,
         model_max_length=32768,
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     fast.save_pretrained(path)
-    # Checkpoints of this family ship the template in its own file too; keep the real layout.
-    (path / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    # Checkpoints of these families ship the template in its own file too; keep the real layout.
+    (path / "chat_template.json").write_text(json.dumps({"chat_template": chat_template}))
 
 
 def image_processor_config(family: str, max_pixels: int) -> dict:
+    if family in QWEN3_FAMILIES:
+        return qwen3_checkpoint.image_processor_config(min_pixels=32 * 32 * 4, max_pixels=max_pixels)
     return {
         "image_processor_type": "Qwen2VLImageProcessor",
         "processor_class": "Qwen2_5_VLProcessor" if family == "qwen2_5_vl" else "Qwen2VLProcessor",
@@ -115,6 +120,8 @@ def image_processor_config(family: str, max_pixels: int) -> dict:
 
 
 def _model_config(family: str, vocab_size: int, token_ids: dict[str, int]):
+    if family in QWEN3_FAMILIES:
+        return qwen3_checkpoint.tiny_config(family, vocab_size, token_ids)
     text = dict(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -169,20 +176,24 @@ def _model_config(family: str, vocab_size: int, token_ids: dict[str, int]):
             initializer_range=0.2,
         )
         return Qwen2VLConfig(text_config=text, vision_config=vision, **ids)
-    raise ValueError(f"unknown tiny model family {family!r}: use 'qwen2_5_vl' or 'qwen2_vl'")
+    raise ValueError(f"unknown tiny model family {family!r}: use 'qwen2_5_vl', 'qwen2_vl', 'qwen3_vl' or 'qwen3_vl_moe'")
 
 
 def write_tiny_checkpoint(path: str | os.PathLike, family: str = "qwen2_5_vl", seed: int = 0,
-                          max_pixels: int = 28 * 28 * 64) -> Path:
+                          max_pixels: int | None = None) -> Path:
     """Write a tiny random-weight checkpoint of ``family`` into ``path`` and return it.
 
-    ``max_pixels`` caps the resized image area, so an image costs at most ``max_pixels / 784`` tokens.
+    ``max_pixels`` caps the resized image area; by default an image costs at most 64 tokens (patches
+    of 14 pixels, 16 for Qwen3-VL, merged 2 × 2).
     """
+    qwen3 = family in QWEN3_FAMILIES
+    if max_pixels is None:
+        max_pixels = (32 * 32 if qwen3 else 28 * 28) * 64
     from transformers import AutoModelForImageTextToText
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(path, vocab_size=600)
+    write_tokenizer(path, vocab_size=600, chat_template=qwen3_checkpoint.CHAT_TEMPLATE if qwen3 else CHAT_TEMPLATE)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)

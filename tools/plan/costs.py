@@ -155,7 +155,7 @@ def measure_prefill(engine, config, timer: Timer, input_len: int, images: int, i
     ids = rng.integers(16, config.text.vocab_size, input_len + TEMPLATE_TOKENS).tolist()
     slots = []
     for i in range(images):
-        slots.append(ImageInput(len(ids) + 1, grid, torch.randn(image_tokens, config.text.hidden_size,
+        slots.append(ImageInput(len(ids) + 1, grid, torch.randn(image_tokens, config.embedding_width,
                                                                 device=device, dtype=dtype)))
         ids += [config.vision_start_token_id] + [config.image_token_id] * image_tokens + [config.vision_end_token_id]
     count = [0]

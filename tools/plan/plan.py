@@ -298,7 +298,7 @@ def embedding_bytes(settings) -> int:
     from shared.model.config import ModelConfig
 
     config = ModelConfig.from_checkpoint(settings.model_path())
-    return config.text.hidden_size * settings.torch_dtype().itemsize
+    return config.embedding_width * settings.torch_dtype().itemsize  # one image token, deepstack included
 
 
 def visible_gpus() -> int:

@@ -1,0 +1,53 @@
+"""Compiles Qwen3-VL's Triton kernels for Hopper (sm_90) without a GPU, with the tile shapes the model
+uses: type and shape errors the interpreter lets through fail here. Run as a script (Triton must not
+be in interpreter mode): ``python -m tests.hopper_compile``; prints one line per kernel."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "0"
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from shared.kernels import moe, moe_routing, qk_norm  # noqa: E402
+
+
+def compile_for_hopper(kernel, pointers: dict[str, str], constants: dict, **options) -> None:
+    """Scalars not named in ``pointers`` are int32 (``eps``: float32)."""
+    names = inspect.signature(kernel.fn).parameters
+    signature = {n: "constexpr" if n in constants else pointers.get(n, "fp32" if n == "eps" else "i32") for n in names}
+    triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
+                   target=GPUTarget("cuda", 90, 32), options=options)
+    print(kernel.fn.__name__, constants, "ok")
+
+
+def main() -> int:
+    bf16, i32 = "*bf16", "*i32"
+    gemm = dict(a_ptr=bf16, b_ptr=bf16, c_ptr=bf16, weights_ptr=bf16, sorted_ids=i32, block_experts=i32,
+                num_padded=i32)
+    for tiles in (moe.SMALL, moe.LARGE):
+        for gated in (True, False):
+            compile_for_hopper(moe._grouped_gemm_kernel, gemm, dict(
+                A_ROWS_PER_TOKEN=8 if gated else 1, GATED=gated, WEIGHTED=not gated, BLOCK_M=tiles.block_m,
+                BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k), num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    routing = dict(NUM_EXPERTS=128, E_PAD=128, TOP_K=8, K_PAD=8, RENORMALIZE=True)
+    compile_for_hopper(moe_routing._route_align_kernel, dict(
+        logits_ptr=bf16, weights_ptr=bf16, ids_ptr=i32, sorted_ids_ptr=i32, block_experts_ptr=i32,
+        num_padded_ptr=i32), dict(routing, ROWS=16, BLOCK_M=16, BLOCKS_PAD=128), num_warps=8)
+    compile_for_hopper(moe_routing._route_kernel, dict(logits_ptr=bf16, weights_ptr=bf16, ids_ptr=i32, counts_ptr=i32),
+                       dict(routing, ROWS=16))
+    compile_for_hopper(moe_routing._align_kernel, dict(
+        ids_ptr=i32, counts_ptr=i32, cursor_ptr=i32, sorted_ids_ptr=i32, block_experts_ptr=i32, num_padded_ptr=i32),
+        dict(NUM_EXPERTS=128, E_PAD=128, BLOCK_M=64, CHUNK=64))
+    compile_for_hopper(qk_norm._qk_norm_kernel, dict(q_ptr=bf16, k_ptr=bf16, q_weight=bf16, k_weight=bf16),
+                       dict(NUM_HEADS=32, NUM_KV_HEADS=4, HEADS_PAD=32, KV_PAD=4, HEAD_DIM=128, DIM_PAD=128))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Qwen3-VL, dense and MoE, through the whole stack: the official openai client against real services
+(two encoders, a prefill and a decode worker; the aggregated process for MoE) gives HF generate()'s
+greedy output. Deepstack levels ride in the embedding rows across encoders, the data plane and the
+prefill → decode hand-off. `epd plan` sizes the embeddings with them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from shared.model.config import ModelConfig
+from shared.model.tiny import write_tiny_checkpoint
+from tests.support import Reference, RunningStack, chat_messages, make_image
+
+MAX_TOKENS = 16
+
+CASES = {
+    "text-only": ("Hello! How are you today?", []),
+    "one-image": ("Describe the image in one sentence.", [(11, 100, 150)]),
+    "three-images": ("What colour is the square?", [(21, 60, 200), (22, 90, 90), (23, 300, 70)]),
+    "two-images": ("A photo of a cat", [(31, 128, 128), (32, 50, 260)]),
+}
+
+
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_vl_moe"])
+def family_model(request, tmp_path_factory):
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp(request.param), family=request.param)
+    return request.param, path, Reference(path)
+
+
+@pytest.fixture(scope="module")
+def qwen3_stack(family_model, nats_url):
+    _, path, _ = family_model
+    running = RunningStack(nats_url, path).start(encoders=2, frontend_args=("--max-output-tokens", "64"))
+    yield running
+    running.stop()
+
+
+def expected(reference: Reference, case: str) -> tuple[str, int, int]:
+    text, specs = CASES[case]
+    images = [make_image(*spec) for spec in specs]
+    ids = reference.generate(text, images, MAX_TOKENS)
+    return reference.text(ids), len(ids), reference.inputs(text, images)["input_ids"].shape[1]
+
+
+def ask(client, case: str, stream: bool = False):
+    text, specs = CASES[case]
+    kwargs = dict(model=client.models.list().data[0].id, messages=chat_messages(text, [make_image(*s) for s in specs]),
+                  max_tokens=MAX_TOKENS, temperature=0)
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].usage
+    response = client.chat.completions.create(**kwargs)
+    return response.choices[0].message.content, response.usage
+
+
+@pytest.mark.parametrize("case,stream", [("text-only", False), ("one-image", True), ("three-images", False)])
+def test_greedy_output_equals_hf(qwen3_stack, family_model, case, stream):
+    text, completion_tokens, prompt_tokens = expected(family_model[2], case)
+    content, usage = ask(qwen3_stack.client(), case, stream)
+    assert content == text
+    assert (usage.completion_tokens, usage.prompt_tokens) == (completion_tokens, prompt_tokens)
+
+
+def test_concurrent_requests_equal_hf(qwen3_stack, family_model):
+    cases = list(CASES) * 2
+    client = qwen3_stack.client()
+    with ThreadPoolExecutor(len(cases)) as pool:
+        answers = list(pool.map(lambda case: ask(client, case)[0], cases))
+    for case, answer in zip(cases, answers):
+        assert answer == expected(family_model[2], case)[0], case
+
+
+def test_the_aggregated_process_serves_the_same(family_model, nats_url):
+    family, path, reference = family_model
+    if family != "qwen3_vl_moe":
+        pytest.skip("one aggregated stack is enough: the MoE one")
+    running = RunningStack(nats_url, path)
+    running.spawn("aggregated")
+    try:
+        running.start(encoders=0, prefills=0, decodes=0)
+        running.wait_for({"aggregated": 1, "frontend": 1})
+        for case in ("one-image", "two-images"):
+            assert ask(running.client(), case)[0] == expected(reference, case)[0], case
+    finally:
+        running.stop()
+
+
+def test_plan_sizes_embeddings_with_their_deepstack_levels(family_model, tmp_path):
+    """`epd plan` on Qwen3-VL: costs measured with the model's own embedding rows (deepstack included)."""
+    family, path, _ = family_model
+    if family != "qwen3_vl_moe":
+        pytest.skip("one plan is enough: the MoE one")
+    out = tmp_path / "plan.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
+    done = subprocess.run([sys.executable, "-m", "launcher.cli", "plan", "--model", str(path), "--image-count", "2",
+                           "--image-resolution", "128x128", "--input-len", "16", "--output-len", "8",
+                           "--request-rate", "0.1", "--gpus", "2", "--max-model-len", "512", "--decode-batch", "2",
+                           "--out", str(out)], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "recommended:" in done.stdout
+    config = ModelConfig.from_checkpoint(path)
+    assert json.loads(out.read_text())["embedding_bytes"] == config.embedding_width * 4  # float32 on CPU
