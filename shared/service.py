@@ -18,6 +18,7 @@ from nats.micro.service import Service
 
 from shared import __version__
 from shared.bus import Subjects, connect, leave_endpoints
+from shared.health import READY, start_health
 from shared.logging import configure_logging, get_logger
 
 log = get_logger(__name__)
@@ -36,6 +37,7 @@ class ServiceBase:
         self.nc: Client | None = None
         self.service: Service | None = None
         self.stopping = asyncio.Event()
+        self.state = "starting"  # → ready → draining → stopped; what GET /ready reports (shared.health)
 
     async def setup(self, nc: Client) -> None:
         """Load models, start workers and the data plane: everything needed before taking work."""
@@ -76,9 +78,11 @@ class ServiceBase:
         )
         await self.serve(self.service)
         await self.nc.flush()
+        self.state = READY
         log.info("service.ready", kind=self.kind, instance=self.instance, service_id=self.service.id)
 
     async def stop(self) -> None:
+        self.state = "draining"
         if self.service is not None:
             await self.stop_intake()  # no new work reaches this instance
         # Without a bus nothing in flight can finish (no replies, no tokens out): do not wait long for it.
@@ -100,16 +104,26 @@ class ServiceBase:
                     await self.nc.close()
                 except Exception:  # the socket is already gone: nothing left to close cleanly
                     pass
+        self.state = "stopped"
         log.info("service.stopped", kind=self.kind, instance=self.instance)
+
+    def readiness(self) -> str:
+        """``state``, except that a ready service whose NATS connection is down is ``disconnected``."""
+        if self.state == READY and not (self.nc is not None and self.nc.is_connected):
+            return "disconnected"
+        return self.state
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
+        health = await start_health(self.settings, self.readiness)  # first and last: /live during model loading
         await self.start()
         await self.stopping.wait()
         log.info("service.draining", kind=self.kind, instance=self.instance)
         await self.stop()
+        if health is not None:
+            await health.stop()
         await _end_leftover_tasks()
 
 
