@@ -344,7 +344,8 @@ def test_a_decode_container_killed_while_requests_stream_loses_none(stack):
         victim = await serving_decode(stack)
         sh("docker", "kill", "--signal", "KILL", victim)
         results = await asyncio.gather(*running)
-        lost = [(p[0], r) for p, r in zip(prompts, results) if r["error"] or r["finish"] != "length" or r["tokens"] != LONG]
+        lost = [(prompt[0], r) for prompt, r in zip(prompts, results)
+                if r["error"] or r["finish"] != "length" or r["tokens"] != LONG]
         assert not lost, f"requests lost or cut short after the kill: {lost}"
         # Resumed, not restarted or spliced wrong: each answer is the one an undisturbed run gives.
         for (text, images), result in zip(prompts[:2], results[:2]):

@@ -66,7 +66,8 @@ async def test_live_ready_and_everything_else():
         assert await get(server.port, "/live") == (200, {"status": "alive"})
         for path in ("/", "/health", "/readyz", "/live/x", "/metrics"):
             assert await get(server.port, path) == (404, {"status": "not found"})
-        assert await http(server.port, b"POST /ready HTTP/1.1\r\nContent-Length: 0\r\n\r\n") == (404, {"status": "not found"})
+        post = b"POST /ready HTTP/1.1\r\nContent-Length: 0\r\n\r\n"
+        assert await http(server.port, post) == (404, {"status": "not found"})
         assert await http(server.port, b"nonsense\r\n\r\n") == (400, {"status": "bad request"})
     finally:
         await server.stop()

@@ -110,7 +110,8 @@ def environment(objects: list[dict], deployment: dict) -> dict[str, str]:
             secret = secrets[source["secretRef"]["name"]]
             env.update({k: base64.b64decode(v).decode() for k, v in secret["data"].items()})
     for item in container(deployment).get("env", []):
-        env[item["name"]] = item.get("value", "10.0.0.7" if "valueFrom" in item else "")  # a pod IP stands in
+        # a downward-API value (the pod IP) is stood in for by a documentation address (TEST-NET-1)
+        env[item["name"]] = item.get("value", "192.0.2.7" if "valueFrom" in item else "")
     return env
 
 
@@ -206,7 +207,8 @@ def test_each_worker_kind_and_the_frontend_are_deployed(rendered, overlay):
     language = overlay.endswith("language")
     assert kinds == ({"frontend", "encoder", "language"} if language else {"frontend", "encoder", "prefill", "decode"})
     frontend = by_kind(rendered[overlay], "Service")["epd-frontend"]
-    assert frontend["spec"]["selector"] == epd_deployments(rendered[overlay])["frontend"]["spec"]["selector"]["matchLabels"]
+    pods = epd_deployments(rendered[overlay])["frontend"]["spec"]["selector"]["matchLabels"]
+    assert frontend["spec"]["selector"] == pods
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -229,7 +231,7 @@ def test_commands_and_environment_parse_into_each_services_settings(rendered, ov
         assert settings.nats_url == f"nats://{nats['metadata']['name']}:{nats['spec']['ports'][0]['port']}"
         assert settings.nats_user == ("prefill" if kind == "language" else kind)
         assert settings.health_host == "0.0.0.0" and settings.health_port
-        assert settings.data_host == "0.0.0.0" and settings.data_advertise == "10.0.0.7"  # the pod's IP
+        assert settings.data_host == "0.0.0.0" and settings.data_advertise == "192.0.2.7"  # the pod's IP
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -258,7 +260,8 @@ def test_the_grace_period_outlasts_the_drain(rendered, overlay):
         grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
         assert grace >= waits + drain + NATS_FLUSH_SECONDS + 10, f"{kind}: SIGKILL would come mid-drain"
     nats = by_kind(objects, "StatefulSet")["epd-nats"]
-    lame_duck = re.search(r"lame_duck_duration: (\d+)s", by_kind(objects, "ConfigMap")["epd-nats-config"]["data"]["nats.conf"])
+    config = by_kind(objects, "ConfigMap")["epd-nats-config"]["data"]["nats.conf"]
+    lame_duck = re.search(r"lame_duck_duration: (\d+)s", config)
     assert nats["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > int(lame_duck[1])
 
 
@@ -330,7 +333,8 @@ def test_nats_runs_jetstream_with_per_role_users(rendered, tmp_path):
     text = base64.b64decode(auth).decode()
     for role in ("encoder", "prefill", "decode", "frontend"):
         assert f'user: "{role}"' in text
-    (tmp_path / "nats.conf").write_text(config.replace("/var/run/nats/", f"{tmp_path}/").replace("/data", str(tmp_path)))
+    here = config.replace("/var/run/nats/", f"{tmp_path}/").replace("/data", str(tmp_path))  # the pod's paths
+    (tmp_path / "nats.conf").write_text(here)
     (tmp_path / "nats-auth.conf").write_text(text)
     run = subprocess.run([nats_server_binary(), "-c", str(tmp_path / "nats.conf"), "-t"], capture_output=True,
                          text=True, timeout=30, env={**os.environ, "SERVER_NAME": "epd-nats-0"})
