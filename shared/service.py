@@ -25,6 +25,7 @@ from shared.bus.connection import connect
 from shared.bus.directory import service_name
 from shared.bus.service_api import Endpoint, Registration
 from shared.bus.subjects import Subjects
+from shared.health import start_health
 from shared.logging import configure_logging, get_logger
 
 log = get_logger(__name__)
@@ -85,6 +86,13 @@ class Service:
     def ready(self) -> bool:
         return self.state == "ready" and self.nc is not None and self.nc.is_connected
 
+    def readiness(self) -> str:
+        """What the health endpoint's ``/ready`` reports: the state, except that a ready service whose
+        NATS connection is down is ``disconnected``."""
+        if self.state == "ready" and not self.ready:
+            return "disconnected"
+        return self.state
+
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
         self.nc = await connect(self.settings, f"epd-{self.instance}", self.kind)
@@ -137,6 +145,7 @@ class Service:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
+        health = await start_health(self.settings, self.readiness)  # first and last: /live while models load
         try:
             await self.start()
         except BaseException:
@@ -145,6 +154,8 @@ class Service:
         await self.stopping.wait()
         log.info("service.draining", kind=self.kind, instance=self.instance)
         await self.stop()
+        if health is not None:
+            await health.stop()
         await _end_leftover_tasks()
 
 

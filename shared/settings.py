@@ -41,6 +41,10 @@ class CommonSettings(BaseSettings):
     data_max_mb: int = Field(8192, ge=1, description="bytes this process may hold for peers to pull (MiB)")
     lease_seconds: float = Field(60.0, gt=0, description="a tensor not pulled within this time is freed")
     drain_seconds: float = Field(30.0, ge=0, description="on SIGTERM, time allowed for in-flight work")
+    health_port: int = Field(0, ge=0, le=65535, description="port of the health endpoint (GET /live, GET /ready); "
+                                                            "0: off")
+    health_host: str = Field("127.0.0.1", description="interface of the health endpoint; pods set 0.0.0.0 so "
+                                                      "the kubelet can probe it")
 
     @field_validator("subject_prefix")
     @classmethod

@@ -1,7 +1,8 @@
-"""deploy/docker-compose.yml and deploy/Dockerfile agree with the code they run.
+"""deploy/docker-compose.yml, deploy/compose.host.yml and deploy/Dockerfile agree with the code they run.
 
-No Docker engine is needed: the compose file is read as YAML, every service's command is run as
-``epd <command> --help``, and every ``EPD_*`` variable it sets must be a field of that service's settings.
+No Docker engine is needed: the compose files are read as YAML, every service's command is run as
+``epd <command> --help``, and every ``EPD_*`` variable they set must be a field of that service's settings.
+tests/test_docker.py runs the stack for real where an engine is.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from shared.settings import parse_settings
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
+HOST_FILE = DEPLOY / "compose.host.yml"
 DOCKERFILE = DEPLOY / "Dockerfile"
 
 SETTINGS = {
@@ -45,6 +47,18 @@ def compose() -> dict:
 @pytest.fixture(scope="module")
 def services(compose) -> dict:
     return compose["services"]
+
+
+class _ComposeLoader(yaml.SafeLoader):
+    """Compose's YAML: ``!reset`` (an override that empties a value) read as the empty value."""
+
+
+_ComposeLoader.add_constructor("!reset", lambda loader, node: [] if isinstance(node, yaml.SequenceNode) else None)
+
+
+@pytest.fixture(scope="module")
+def host_services() -> dict:
+    return yaml.load(HOST_FILE.read_text(), Loader=_ComposeLoader)["services"]
 
 
 def interpolate(value: str) -> str:
@@ -169,7 +183,7 @@ def test_every_command_is_an_epd_command(services):
 
 def test_dockerfile_installs_cpu_torch_and_runs_epd_unprivileged():
     text = DOCKERFILE.read_text()
-    assert re.search(r"^FROM python:3\.11-slim\b", text, re.M)
+    assert re.search(r"^ARG BASE=python:3\.11-slim$", text, re.M) and re.search(r"^FROM \$\{BASE\}$", text, re.M)
     assert re.search(r'^ARG TORCH="?torch==\d', text, re.M)
     assert re.search(r"^ARG TORCH_BACKEND=cpu$", text, re.M)
     assert re.search(r"^USER (?!root\b)\w+", text, re.M)
@@ -177,3 +191,53 @@ def test_dockerfile_installs_cpu_torch_and_runs_epd_unprivileged():
     for source in re.findall(r"^COPY (?!--)(.+) \S+$", text, re.M):
         for path in source.split():
             assert (ROOT / path).exists(), f"the Dockerfile copies {path}, which does not exist"
+
+
+def test_the_build_context_holds_what_the_dockerfile_copies():
+    """BuildKit sends only what deploy/Dockerfile.dockerignore lets through: every COPY source must pass."""
+    kept = [line[1:].rstrip("/") for line in (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
+            if line.startswith("!")]
+    for source in re.findall(r"^COPY (?!--)(.+) \S+$", DOCKERFILE.read_text(), re.M):
+        for path in source.split():
+            assert path in kept, f"the Dockerfile copies {path}, which Dockerfile.dockerignore leaves out"
+
+
+@pytest.mark.parametrize("name", [*SCALABLE, "frontend"])
+def test_every_epd_service_has_a_healthcheck_on_its_health_endpoint(services, name):
+    env = environment(services[name])
+    check = " ".join(services[name]["healthcheck"]["test"])
+    assert f"http://127.0.0.1:{env['EPD_HEALTH_PORT']}/ready" in check
+
+
+def test_the_language_worker_is_there_but_off_by_default(services):
+    language = services["language"]
+    assert epd_command(language) == ["language"] and language["profiles"] == ["language"]
+    assert environment(language) == environment(services["decode"])
+    for name in ("encoder", "prefill", "decode", "frontend"):
+        assert "profiles" not in services[name], f"{name} must start by default"
+
+
+def test_host_overlay_keeps_every_socket_on_loopback(services, host_services):
+    """deploy/compose.host.yml: each service on the host network, listening and advertising 127.0.0.1."""
+    assert set(host_services) == set(services)
+    for name, service in host_services.items():
+        assert service["network_mode"] == "host", name
+        if name == "nats":
+            command = epd_command(service)
+            assert command[command.index("-a") + 1] == "127.0.0.1"
+            continue
+        env = environment(service)
+        assert env["EPD_NATS_URL"] == "nats://127.0.0.1:4222"
+        assert env["EPD_DATA_HOST"] == env["EPD_DATA_ADVERTISE"] == "127.0.0.1"
+        if name != "frontend":  # replicas share the host's ports: a fixed health port would collide
+            assert env["EPD_HEALTH_PORT"] == "0" and service["healthcheck"] == {"disable": True}
+    frontend = host_services["frontend"]
+    assert frontend["ports"] == []
+    settings = parse_settings(FrontendSettings, [interpolate(a) for a in epd_command(frontend)[1:]], "epd frontend")
+    assert settings.host == "127.0.0.1" and settings.port == 8000
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_host_overlay_environment_names_settings_fields(host_services, name):
+    for key in environment(host_services[name]):
+        assert key[len("EPD_"):].lower() in SETTINGS[name].model_fields, f"{name}: {key}"
