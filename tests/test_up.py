@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -109,16 +110,27 @@ def test_the_encoder_tier_grows_under_a_burst_and_shrinks_when_idle(tiny_model, 
     want = [reference.text(reference.generate("Scale.", [image], 4, ignore_eos=True)) for image in images]
     try:
         def ask(i: int) -> str:
-            return up.chat("Scale.", [images[i % 6]], max_tokens=4)["choices"][0]["message"]["content"]
+            reply = up.chat("Scale.", [images[i % 6]], max_tokens=4)
+            assert reply["status"] == 200, reply
+            return reply["choices"][0]["message"]["content"]
 
-        grown = 0
-        deadline = time.monotonic() + 90
-        with ThreadPoolExecutor(8) as pool:
-            while grown < 2:
-                assert time.monotonic() < deadline, "the encoder tier did not grow"
-                answers = list(pool.map(ask, range(24)))
-                assert answers == [want[i % 6] for i in range(24)]
-                grown = max(grown, up.workers("encoder"))
+        grown, stop = threading.Event(), time.monotonic() + 90
+
+        def keep_asking(worker: int) -> list[tuple[int, str]]:  # steady pressure until the tier has grown
+            answers = []
+            while not grown.is_set() and time.monotonic() < stop:
+                answers.append((worker, ask(worker)))
+            return answers
+
+        with ThreadPoolExecutor(12) as pool:
+            running = [pool.submit(keep_asking, w) for w in range(12)]
+            while not grown.is_set() and time.monotonic() < stop:
+                time.sleep(0.5)
+                if up.workers("encoder") >= 2:
+                    grown.set()
+            answered = [a for future in running for a in future.result()]
+        assert up.workers("encoder") >= 2, "the encoder tier did not grow"
+        assert answered and all(text == want[i % 6] for i, text in answered)
         assert up.count("stack.scaled_out") >= 1
         deadline = time.monotonic() + 90
         while up.workers("encoder") != 1 or len(up.pids("encoder")) != 1:

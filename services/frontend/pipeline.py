@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
@@ -58,6 +59,9 @@ class Pipeline:
         self.encoding = EncodeFanout(nc, subjects, plane, directory, settings)
         self.intake = IntakeRouter(directory, subjects)
         self.on_finished = on_finished  # metrics, once per generation
+        # Rendering and tokenizing off the event loop, one prompt at a time: the tokenizer's
+        # split_special_tokens switch is state of the tokenizer, and two threads would mix prompts up.
+        self.prompts = ThreadPoolExecutor(1, thread_name_prefix="prompt")
         self.chores = TaskSet("frontend-chores")  # cancels and unsubscribes that must not be lost
 
     # -- 1. media and prompt ----------------------------------------------------------------------
@@ -71,7 +75,8 @@ class Pipeline:
         timing = Timing(arrived=time.time())
         images = await self.media.load_all(urls)
         loaded = time.time()
-        prompt = await asyncio.to_thread(self.builder.build, request.messages, [(i.height, i.width) for i in images])
+        prompt = await asyncio.get_running_loop().run_in_executor(
+            self.prompts, self.builder.build, request.messages, [(i.height, i.width) for i in images])
         sampling = self.sampling(request, len(prompt.token_ids))
         request_id = uuid.uuid4().hex
         stream = TokenStream(self.nc, self.subjects.stream(request_id), self.directory,

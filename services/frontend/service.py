@@ -79,6 +79,7 @@ class FrontendService(Service):
         self.pipeline = Pipeline(nc, self.subjects, self.plane, self.directory, media, builder, tokenizer, s,
                                  model.max_model_len, self.metrics.observe)
         self.resources.push_async_callback(self.pipeline.chores.drain)
+        self.resources.callback(self.pipeline.prompts.shutdown, wait=False, cancel_futures=True)
         self.gateway = Gateway(self.pipeline, self.admission, model.name)
         self.jobs = JobWorker(self.gateway, s)
         self.resources.push_async_callback(self.jobs.stop)
