@@ -69,6 +69,7 @@ async def _run(settings: UpSettings) -> int:
     dummy_preset = settings.model and settings.load_format == "dummy"
     env = {**os.environ, "EPD_MODEL": settings.model if dummy_preset else str(path),
            "EPD_LOAD_FORMAT": settings.load_format, "EPD_SUBJECT_PREFIX": settings.subject_prefix}
+    env.pop("EPD_HEALTH_PORT", None)  # one port per process: probes are for pods, not a local stack
     workdir = Path(tempfile.mkdtemp(prefix="epd-up-"))  # private (0700): MPS pipes, logs
     stack = Stack.start_nats(env, settings.nats_url, secure=settings.nats_auth)
     daemon = None

@@ -20,7 +20,7 @@ import pytest
 from launcher.natsserver import EmbeddedNats
 from shared import health
 from shared.health import HealthServer
-from shared.service import ServiceBase
+from shared.service import Service
 from shared.settings import CommonSettings
 
 
@@ -105,7 +105,7 @@ async def test_an_oversize_or_stalled_request_is_dropped_and_others_still_answer
         await server.stop()
 
 
-class SlowService(ServiceBase):
+class SlowService(Service):
     """A service whose setup ("model loading") and drain wait for the test to release them."""
 
     kind = "healthtest"
@@ -115,7 +115,7 @@ class SlowService(ServiceBase):
         self.loaded = asyncio.Event()
         self.drained = asyncio.Event()
 
-    async def setup(self, nc) -> None:
+    async def setup(self) -> None:
         await self.loaded.wait()
 
     async def drain(self) -> None:
@@ -129,8 +129,8 @@ async def until(predicate, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.05)
 
 
-async def _run_without_exit(service: ServiceBase) -> None:
-    """What ``ServiceBase.run`` does, less its signal handlers and its ending of every other task (this
+async def _run_without_exit(service: Service) -> None:
+    """What ``Service.run`` does, less its signal handlers and its ending of every other task (this
     test shares its event loop with the session); ``test_epd_encoder_probes`` runs the real ``run``."""
     server = await health.start_health(service.settings, service.readiness)
     await service.start()

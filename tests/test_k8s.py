@@ -229,7 +229,7 @@ def test_commands_and_environment_parse_into_each_services_settings(rendered, ov
         settings = parse_settings(settings_cls, args[1:], f"epd {kind}")
         nats = by_kind(objects, "Service")["epd-nats"]
         assert settings.nats_url == f"nats://{nats['metadata']['name']}:{nats['spec']['ports'][0]['port']}"
-        assert settings.nats_user == ("prefill" if kind == "language" else kind)
+        assert settings.nats_user == kind
         assert settings.health_host == "0.0.0.0" and settings.health_port
         assert settings.data_host == "0.0.0.0" and settings.data_advertise == "192.0.2.7"  # the pod's IP
 
@@ -302,8 +302,14 @@ def test_encoders_autoscale_on_their_in_flight_jobs(rendered, overlay):
     name, service, stat = metric.groups()
     assert name == FrontendMetrics().service_stat._name  # the frontend publishes it
     assert service == "epd-encoder" and stat in ("in_flight", "queue_depth")
-    encoder_source = (ROOT / "services" / "encoder" / "service.py").read_text()
-    assert f'"{stat}":' in encoder_source, "the encoder's stats do not report it"
+    from services.encoder.encoder import Encoder
+    from services.encoder.settings import EncoderSettings
+    from shared.bus.subjects import Subjects
+    from shared.dataplane.plane import DataPlane
+
+    settings = EncoderSettings()
+    reported = Encoder(settings, Subjects(), "encoder-test", DataPlane.from_settings(settings)).stats()
+    assert stat in reported, "the encoder's stats do not report it"
 
 
 def test_models_volume_reaches_every_pod_that_loads_the_model(rendered):

@@ -188,11 +188,14 @@ def test_prefill_to_decode_hand_off(qwen3, requests_with_reference):
     moved = Sequence(seq.request_id, [0] * len(seq), len(seq), seq.sampling, num_computed=len(seq))
     decode.reserve(moved)
 
-    def on_layer_done(layer, seqs):
-        decode.write_kv(moved.request_id, prefill.read_kv(seq, slice(layer, layer + 1)), slice(layer, layer + 1))
+    def on_layer_done(layer, spans):  # each step's chunk of the prompt, as role prefill streams it
+        for span in spans:
+            kv = prefill.read_kv(span.seq, slice(layer, layer + 1), span.start, span.end)
+            decode.write_kv(moved.request_id, kv, slice(layer, layer + 1), span.start)
 
     prefill.add_prompt(seq)
-    prefill.step(on_layer_done)
+    while not seq.output_ids:
+        prefill.step(on_layer_done)
     moved.token_ids, moved.rope_delta = list(seq.token_ids), seq.rope_delta
     decode.activate(moved.request_id)
     run_to_completion(decode)
