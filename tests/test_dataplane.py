@@ -191,7 +191,8 @@ async def test_a_holder_that_is_gone_is_a_clear_error(transport):
     started_at = time.monotonic()
     with pytest.raises(DataPlaneError) as gone:
         await consumer.pull(handle)
-    assert gone.value.code == "unreachable" and time.monotonic() - started_at < 5
+    # ZMQ notices at once (a refused connection); UCX's connect gives up after its own 5 s timeout
+    assert gone.value.code == "unreachable" and time.monotonic() - started_at < (5 if transport != "ucx" else 10)
     await stopped(consumer)
 
 

@@ -126,6 +126,7 @@ class _Peer:
                                                       zmq.EVENT_CLOSED)
         self.socket.connect(address)
         self.dead = False
+        self.gone = asyncio.Event()
         # request id → (waiter, handle); an entry outlives a caller that gave up, so its late reply is
         # still acknowledged (the holder frees the tensor then, not at lease expiry).
         self.pending: dict[bytes, tuple[asyncio.Future, TensorHandle]] = {}
@@ -140,11 +141,29 @@ class _Peer:
         request_id = next(self.ids).to_bytes(8, "little")
         future = asyncio.get_running_loop().create_future()
         self.pending[request_id] = (future, handle)
-        await self.socket.send_multipart([request_id, wire.encode(wire.PullRequest(handle.key, handle.token, handle.nbytes))])
+        request = [request_id, wire.encode(wire.PullRequest(handle.key, handle.token, handle.nbytes))]
         try:
+            await self._send(request, timeout)
             return await asyncio.wait_for(future, timeout)
         except TimeoutError:
             raise DataPlaneError("timeout", f"no answer from the holder within {timeout:g}s") from None
+        finally:
+            if not future.done():
+                self.pending.pop(request_id, None)
+
+    async def _send(self, frames: list[bytes], timeout: float) -> None:
+        """A DEALER whose only peer is gone blocks on send for ever: give up when the holder is gone."""
+        send = asyncio.ensure_future(self.socket.send_multipart(frames))
+        gone = asyncio.ensure_future(self.gone.wait())
+        try:
+            await asyncio.wait({send, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not send.done():
+                send.cancel()
+        if not send.done() or send.cancelled():
+            raise DataPlaneError("unreachable", "the holder is gone") if self.dead else TimeoutError()
+        send.result()
 
     async def _read(self) -> None:
         while True:
@@ -158,7 +177,7 @@ class _Peer:
             except DataPlaneError as err:
                 result = err
             else:
-                await self.socket.send_multipart([request_id.bytes, wire.encode(wire.PullAck(handle.key, handle.token))])
+                self._ack(request_id.bytes, handle)
             if future.done():
                 continue  # the puller gave up (timeout or cancel)
             if isinstance(result, DataPlaneError):
@@ -166,9 +185,16 @@ class _Peer:
             else:
                 future.set_result(result)
 
+    def _ack(self, request_id: bytes, handle: TensorHandle) -> None:
+        """Best effort, never blocking the reader: a holder that misses it frees the tensor at its lease."""
+        sent = self.socket.send_multipart([request_id, wire.encode(wire.PullAck(handle.key, handle.token))],
+                                          flags=zmq.NOBLOCK)
+        sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # zmq.Again: not sent, and that is fine
+
     async def _watch(self) -> None:
         await self.monitor.recv_multipart()  # the first event: disconnected, or connection refused
         self.dead = True
+        self.gone.set()
         for future, _ in self.pending.values():
             if not future.done():
                 future.set_exception(DataPlaneError("unreachable", "the holder closed the connection or is gone"))
