@@ -21,7 +21,8 @@ from PIL import Image
 from services.encoder.cache import Embedding, EmbeddingCache
 from services.encoder.fingerprint import encoder_fingerprint
 from services.frontend.media import content_hash
-from services.frontend.routing import EncoderRouter, Target, assign
+from services.frontend.routing import EncoderRouter, assign
+from shared.bus.watched import Target
 from shared.bus.directory import Directory
 from shared.bus.calls import call
 from shared.bus.subjects import Subjects

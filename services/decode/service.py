@@ -29,7 +29,7 @@ log = get_logger(__name__)
 class DecodeService(Service):
     kind = "decode"
     description = "Language-model decode: continuous batching over KV streamed from prefill"
-    intake_endpoints = {"reserve"}  # draining, it still lands the KV and starts what it reserved
+    intake_endpoints = {"reserve", "reserve-direct"}  # draining, it still lands the KV and starts what it reserved
 
     def __init__(self, settings: DecodeSettings):
         super().__init__(settings)
@@ -46,6 +46,8 @@ class DecodeService(Service):
     def endpoints(self) -> list[Endpoint]:
         limit = self.settings.max_concurrent_jobs
         return [Endpoint("reserve", self.subjects.decode, QUEUE["decode"], self.handle_reserve, limit),
+                Endpoint("reserve-direct", self.subjects.decode_reserve(self.instance), QUEUE["decode"],
+                         self.handle_reserve, limit),
                 Endpoint("kv", self.subjects.decode_kv(self.instance), QUEUE["decode"], self.handle_kv, limit),
                 Endpoint("start", self.subjects.decode_start(self.instance), QUEUE["decode"], self.handle_start,
                          limit)]

@@ -12,10 +12,11 @@ import asyncio
 
 import torch
 
-from services.frontend.calls import call_watched
+from shared.bus.watched import call_watched
 from services.frontend.errors import ApiError
 from services.frontend.media import DecodedImage
-from services.frontend.routing import EncoderRouter, Target
+from services.frontend.routing import EncoderRouter
+from shared.bus.watched import Target
 from shared.bus.calls import ServiceCallError
 from shared.bus.directory import Directory
 from shared.bus.subjects import Subjects

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
-from services.frontend.calls import WorkerGone, call_watched
+from shared.bus.watched import WorkerGone, call_watched
 from services.frontend.encoding import EncodeFanout
 from services.frontend.errors import ApiError
 from services.frontend.generation import Generation, Timing

@@ -25,21 +25,15 @@ import asyncio
 import hashlib
 from collections import Counter
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 from shared.bus.directory import Directory, Instance
 from shared.bus.subjects import Subjects
+from shared.bus.watched import Target
 from shared.embedding_index import EmbeddingIndex, embedding_key
 
 INDEX_LOOKUP_SECONDS = 0.25  # the index is an optimization: past this, route without it
 ENCODER_KINDS = ("encoder", "aggregated")
 INTAKE_KINDS = ("prefill", "language", "aggregated")
-
-
-@dataclass(frozen=True)
-class Target:
-    subject: str
-    instance: str = ""  # "" for a queue group: nobody in particular to watch
 
 
 def rendezvous_score(key: str, instance: str) -> int:

@@ -2,9 +2,11 @@
 after the first token (the protocol is narrated in ``shared/messages/decode.py``; the steps are
 numbered the same on both sides).
 
-1. ``reserve``: a decode worker with room holds blocks for the prompt. While every decode worker is
-   full the request waits here, asking again with back-off (the queue group may pick another worker
-   each time), for up to ``--decode-wait`` seconds: overload queues requests instead of failing them.
+1. ``reserve``: a decode worker with room holds blocks for the prompt. The request goes to the decode
+   worker with the most room this prefill worker knows of (its own ``Directory``), watched while it
+   answers: one that is gone, has left or is full is skipped for the next at once. While every decode
+   worker is full the request waits here, asking again with back-off, for up to ``--decode-wait``
+   seconds: overload queues requests instead of failing them.
 2. ``on_layer_done`` (engine thread, during a step with prompt chunks): after each group of
    ``--kv-chunk-layers`` layers, those layers' KV of the tokens this step computed (a ``KVSpan``; the
    first span of a prompt starts at 0 and carries its cached prefix) is copied out, published, and a
@@ -27,6 +29,8 @@ import torch
 from services.language.worker import LanguageWorker, Tracked
 from shared.aio import TaskSet
 from shared.bus.calls import ServiceCallError, call
+from shared.bus.directory import Directory
+from shared.bus.watched import Target, WorkerGone, call_watched
 from shared.dataplane.plane import DataPlane
 from shared.engine.engine import KVSpan, StepOutput
 from shared.errors import ServiceError
@@ -53,9 +57,10 @@ class Handoff:
 
 
 class Handoffs:
-    def __init__(self, worker: LanguageWorker, nc, subjects, plane: DataPlane, settings):
+    def __init__(self, worker: LanguageWorker, nc, subjects, plane: DataPlane, directory: Directory, settings):
         self.worker = worker
         self.nc = nc
+        self.directory = directory  # the decode workers, and whether the one asked is still there
         self.subjects = subjects
         self.plane = plane
         self.settings = settings
@@ -67,27 +72,42 @@ class Handoffs:
     # -- 1. reserve -------------------------------------------------------------------------------
     async def reserve(self, job: PrefillJob) -> Tracked:
         """Room on a decode worker; the ``Tracked`` that hands the request over after its first token."""
-        request = KVReserve(request_id=job.request_id, num_tokens=len(job.token_ids),
-                            max_tokens=job.sampling.max_tokens, stream=job.stream)
+        request = pack(KVReserve(request_id=job.request_id, num_tokens=len(job.token_ids),
+                                 max_tokens=job.sampling.max_tokens, stream=job.stream))
         deadline = time.monotonic() + self.settings.decode_wait
-        pause = _FULL_RETRY_FIRST
+        pause, tried = _FULL_RETRY_FIRST, set()
         while True:
+            target = self._decode_target(tried)
             try:
-                reply = await call(self.nc, self.subjects.decode, pack(request), self.settings.handoff_timeout,
-                                   "decode worker")
+                reply = await call_watched(self.nc, self.directory, target, request, self.settings.handoff_timeout,
+                                           "decode worker")
                 break
             except ServiceCallError as err:
+                skip = isinstance(err, WorkerGone) or err.status == 503  # gone, left, or full
+                if skip and target.instance:
+                    tried.add(target.instance)
+                    if self._decode_target(tried).instance:
+                        continue  # another decode worker may have room: ask it now
                 full = err.status == 503 and not err.no_responders
                 if not full or time.monotonic() + pause > deadline or job.request_id in self.worker.cancelled:
                     raise ServiceError(err.status, err.message) from None
             self.waited_for_decode += 1
             await asyncio.sleep(pause)
-            pause = min(pause * 2, _FULL_RETRY_MAX)
+            pause, tried = min(pause * 2, _FULL_RETRY_MAX), set()
         handoff = self.active[job.request_id] = Handoff(job, unpack(KVReservation, reply).decode_id)
         # the decode worker holding the reservation is responsible from here on: the frontend watches
         # it, and resumes the request elsewhere if it dies before or while decoding
         return Tracked(job.stream, handoff.decode_id, on_output=self.first_token,
                        on_end=lambda reason, rid=job.request_id: self._ended(rid, reason))
+
+    def _decode_target(self, tried: set[str]) -> Target:
+        """The listed decode worker with the most free KV blocks not yet tried; else the queue group."""
+        decodes = [d for d in self.directory.of("decode") if d.instance not in tried]
+        if not decodes:
+            return Target(self.subjects.decode)
+        best = max(decodes, key=lambda d: (int(d.data.get("kv_blocks_free", 0)), -int(d.data.get("reservations", 0)),
+                                           d.instance))
+        return Target(self.subjects.decode_reserve(best.instance), best.instance)
 
     def abandon(self, request_id: str) -> None:
         """A reservation made for a request that will not run here."""

@@ -8,6 +8,7 @@ from services.language.intake import PromptIntake, intake_endpoints
 from services.language.worker import LanguageWorker
 from services.prefill.handoff import Handoffs
 from services.prefill.settings import PrefillSettings
+from shared.bus.directory import Directory
 from shared.bus.service_api import Endpoint, Request
 from shared.dataplane.plane import DataPlane
 from shared.messages import pack, unpack
@@ -29,7 +30,10 @@ class PrefillService(Service):
 
     async def setup(self) -> None:
         await self.open_plane()
-        self.handoffs = Handoffs(self.worker, self.nc, self.subjects, self.plane, self.settings)
+        self.directory = Directory(self.nc, self.subjects.prefix)
+        self.directory.start()
+        self.resources.push_async_callback(self.directory.stop)
+        self.handoffs = Handoffs(self.worker, self.nc, self.subjects, self.plane, self.directory, self.settings)
         await self.worker.start(self.nc, self.resources)
         self.resources.push_async_callback(self.handoffs.tasks.cancel)
         engine = self.worker.engine

@@ -42,6 +42,10 @@ class Subjects:
         """Where prefill asks any decode worker for a KV reservation (queue group)."""
         return f"{self.prefix}.decode"
 
+    def decode_reserve(self, instance: str) -> str:
+        """Where prefill asks one decode worker (the least loaded it knows, watched) for a reservation."""
+        return f"{self.prefix}.decode.{instance}.reserve"
+
     def decode_kv(self, instance: str) -> str:
         return f"{self.prefix}.decode.{instance}.kv"
 

@@ -10,9 +10,18 @@ from __future__ import annotations
 
 import asyncio
 
-from services.frontend.routing import Target
+from dataclasses import dataclass
+
 from shared.bus.calls import ServiceCallError, call
 from shared.bus.directory import Directory
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a piece of work goes: one instance's own subject, or a queue group (``instance`` empty)."""
+
+    subject: str
+    instance: str = ""
 
 
 class WorkerGone(ServiceCallError):
