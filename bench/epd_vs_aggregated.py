@@ -260,6 +260,7 @@ class TopologyRun:
         self.args, self.topology, self.stack, self.tokenizer = args, topology, stack, tokenizer
         self.reading = scrape.Reading()
         self.timings: dict[str, float] = {}
+        self.errors: list[str] = []
 
     async def run(self, classes: list[RequestClass], points: list[Point]) -> tuple[list[dict], list[dict]]:
         api = self.stack.api
@@ -284,8 +285,13 @@ class TopologyRun:
         for point in points:
             started = time.monotonic()
             prompts = 3 if self.args.tiny else max(self.args.min_prompts, min(150, round(point.rate * self.args.seconds)))
-            record = await self._measure(case_workload(point.case, self.args.tiny), point.seed, prompts, point.rate,
-                                         tokens=None)
+            try:
+                record = await self._measure(case_workload(point.case, self.args.tiny), point.seed, prompts,
+                                             point.rate, tokens=None)
+            except Exception as err:  # e.g. the frontend gone: the other points may still run
+                self.errors.append(f"{point.case.name} @ {point.rate:g}: {type(err).__name__}: {err}"[:500])
+                print(f"  {self.errors[-1]}", flush=True)
+                continue
             record.update(workload=point.case.name, topology=self.topology.label, fraction=point.fraction)
             self.timings[f"{point.case.name} @ {point.rate:g}"] = time.monotonic() - started
             runs.append(record)
@@ -346,6 +352,8 @@ def sweep(args, chosen: list[Topology], classes, points_of, tokenizer: str) -> t
             unloaded += u
             runs += r
             info["timings_s"] = measured.timings
+            if measured.errors:
+                info["point_errors"] = measured.errors
         except Exception as err:  # one topology failing must not cost the others their GPU time
             info["error"] = f"{type(err).__name__}: {err}"[:3000]
             print(f"## {topology.label} failed: {info['error']}", flush=True)
@@ -463,9 +471,12 @@ def targets(runs: list[dict], plan: list[dict]) -> list[dict]:
         best = best_run(half)
         if best and best.get("floor_ms"):
             ratio = best["summary"]["ttft_ms"]["mean"] / best["floor_ms"]["floor_ms"]
+            f = best["floor_ms"]
             add(f"{case.name} @ 50 % ({best['request_rate']:g} req/s): best mean TTFT ≤ 1.5× floor",
                 f"{best['topology']}: {best['summary']['ttft_ms']['mean']:.0f} ms = {ratio:.2f}× floor "
-                f"{best['floor_ms']['floor_ms']:.0f} ms", "≤ 1.5×", ratio <= 1.5)
+                f"{f['floor_ms']:.0f} ms; stages media / encode / to first token {_fmt(best['stages_ms'])} against "
+                f"media / ViT / prefill {f['media_ms']:.0f} / {f['vit_ms']:.0f} / {f['prefill_ms']:.0f}",
+                "≤ 1.5×", ratio <= 1.5)
     half = [r for r in runs if r["workload"] == "dynamo-1024" and r.get("fraction") == 0.5]
     agg, best = best_run([r for r in half if not epd(r)]), best_run([r for r in half if epd(r)])
     if agg and best:
@@ -580,6 +591,13 @@ def report(meta: dict, floor: Floor, runs: list[dict], unloaded: list[dict], pla
     for info in stacks:
         if "error" in info:
             lines.append(f"**{info['topology']} did not run**: {info['error'].splitlines()[0]}")
+        for error in info.get("point_errors", []):
+            lines.append(f"**{info['topology']}, point lost**: {error}")
+        if info["topology"].endswith("+MPS") and not info.get("ready", {}).get("mps"):
+            lines.append(f"**{info['topology']} ran without an MPS daemon** (`stack.ready` says mps=false"
+                         + (": no GPU here)" if tiny else ")"))
+    lines.append(f"Transport: {meta.get('transport', '?')}; stacks: " + "; ".join(
+        f"{info['topology']} up in {info.get('start_s', 0):.0f} s" for info in stacks if "start_s" in info))
     lines += ["", "## Floor", "", "| shape | prompt tokens | media (ms) | ViT (ms) | prefill (ms) | floor (ms) |",
               "|---|---|---|---|---|---|"]
     for r in floor.data["shapes"]:
@@ -789,8 +807,15 @@ def parse_args(argv=None):
                         help="no measuring: rebuild results.md/json from earlier results.json files (merged)")
     args = parser.parse_args(argv)
     if args.transport == "auto":
-        args.transport = "ucx" if importlib.util.find_spec("ucxx") and not args.tiny else "zmq"
+        args.transport = "ucx" if not args.tiny and ucx_works() else "zmq"
     return args
+
+
+def ucx_works() -> bool:
+    """Whether ucxx imports (in a child: a broken UCX install must not take this process with it)."""
+    if importlib.util.find_spec("ucxx") is None:
+        return False
+    return subprocess.run([sys.executable, "-c", "import ucxx"], capture_output=True, timeout=120).returncode == 0
 
 
 def main(argv=None) -> int:

@@ -239,6 +239,8 @@ def corun(first: Callable[[], object], second: Callable[[], object], device: tor
 
 def _loops(fns: list[Callable[[], object]], device: torch.device, seconds: float) -> list[float]:
     cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)  # inputs made on the default stream are ready for the loops' streams
     ready = threading.Barrier(len(fns))
     measured = threading.Semaphore(0)
     done = threading.Event()

@@ -94,14 +94,15 @@ class Prediction:
 Overheads = Callable[[int], float]  # images → seconds a stack adds to a request's TTFT
 
 
-def decode_batch(rate: float, length: int, step: Callable[[float], float],
-                 slowdown: float = 1.0) -> tuple[float, float]:
-    """(B, TPOT s) with B = rate·L·TPOT and TPOT = step(B)·slowdown; (inf, inf) when decode cannot keep up."""
+def decode_batch(rate: float, length: int, step: Callable[[float], float], slowdown: float = 1.0,
+                 max_batch: float = math.inf) -> tuple[float, float]:
+    """(B, TPOT s) with B = rate·L·TPOT and TPOT = step(B)·slowdown; (inf, inf) when decode cannot keep
+    up (or would need more than ``max_batch`` sequences running)."""
     batch = 0.0
     for _ in range(200):  # fixed point; step() is increasing and affine in B
         tpot = step(batch) * slowdown
         nxt = rate * length * tpot
-        if nxt > 1e6:
+        if nxt > min(1e6, max_batch):
             return math.inf, math.inf
         if abs(nxt - batch) < 1e-6:
             break
@@ -116,10 +117,11 @@ def decode_busy(batch: float) -> float:
 
 
 class Planner:
-    def __init__(self, costs: Costs, data_plane_gbs: float = 5.0, hidden_bytes: int = 0):
+    def __init__(self, costs: Costs, data_plane_gbs: float = 5.0, hidden_bytes: int = 0, max_batch: int = 256):
         self.costs = costs
         self.bandwidth = data_plane_gbs * 1e9
         self.hidden_bytes = hidden_bytes  # bytes of one token's embedding (for the E→P transfer)
+        self.max_batch = max_batch  # sequences an engine runs at once (--max-num-seqs)
 
     # -- per-request pieces (seconds) ----------------------------------------------------------------
     def vit(self, n: int) -> float:
@@ -149,13 +151,13 @@ class Planner:
         context = t.mean(lambda n: self.costs.prompt_tokens(t.input_len, n)) + t.output_len / 2
         return lambda batch: self.costs.decode_step(batch, context) / 1e3
 
-    def capacity(self, t: Traffic, max_batch: int = 256) -> float:
+    def capacity(self, t: Traffic) -> float:
         """Requests/s one GPU sustains doing only this traffic's compute, one stage after another at full
         speed, decode batched up to ``max_batch``: 1 / (E[v + P] + L·(b + c·ctx) + L·a / max_batch)."""
         context = t.mean(lambda n: self.costs.prompt_tokens(t.input_len, n)) + t.output_len / 2
         a, b, c = self.costs.decode_fit()
         per_request = t.mean(lambda n: self.vit(n) + self.prefill(t, n)) * 1e3 + \
-            t.output_len * (b + c * context + a / max_batch)
+            t.output_len * (b + c * context + a / self.max_batch)
         return 1e3 / per_request
 
     # -- sharing a GPU -------------------------------------------------------------------------------
@@ -189,7 +191,7 @@ class Planner:
         if rate * work >= 1:
             return None
         step = self.step(t)
-        batch, tpot = decode_batch(rate, t.output_len, step, 1 / (1 - rate * work))
+        batch, tpot = decode_batch(rate, t.output_len, step, 1 / (1 - rate * work), self.max_batch)
         if not math.isfinite(tpot):
             return None
         active = max(0.0, decode_busy(batch) - rate * work)  # share of time a decode step is running
@@ -226,7 +228,7 @@ class Planner:
             if vit_busy >= 1 or prefill_busy >= 1:
                 return None
             batch, tpot = decode_batch(decode_rate, t.output_len, step,
-                                       slow["decode"] / (1 - prefill_busy if joined else 1))
+                                       slow["decode"] / (1 - prefill_busy if joined else 1), self.max_batch)
             if not math.isfinite(tpot):
                 return None
             decode_active = max(0.0, decode_busy(batch) - (prefill_busy if joined else 0.0))
