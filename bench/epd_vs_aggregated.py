@@ -175,11 +175,18 @@ def measure_floor(args, cases: list[Case], out: Path) -> dict:
     return json.loads(out.read_text())
 
 
-class Floor:
-    """A request's floor from the floor file: media + ViT + prefill of its shape."""
+# Data-plane bandwidth between two processes of one GPU (docs/benchmarks.md): UCX GPU to GPU (cuda_ipc),
+# ZMQ through host memory; what the planner charges for moving a request's embeddings.
+DATA_PLANE_GBS = {"ucx": 20.0, "zmq": 1.7}
 
-    def __init__(self, data: dict):
+
+class Floor:
+    """A request's floor from the floor file: media + ViT + prefill of its shape; and the planner on the
+    same costs."""
+
+    def __init__(self, data: dict, transport: str = "zmq"):
         self.data = data
+        self.transport = transport
         self.rows = {(r["resolution"], r["input_len"], r["images"]): r for r in data["shapes"]}
         self.costs = {res: Costs.from_json(c) for res, c in data["costs"].items()}
 
@@ -200,7 +207,8 @@ class Floor:
                 for k in ("media_ms", "vit_ms", "prefill_ms", "floor_ms")}
 
     def planner(self, w: dict) -> Planner:
-        return Planner(self.costs[w["image_resolution"]], 5.0, self.data.get("hidden_bytes", 0))
+        return Planner(self.costs[w["image_resolution"]], DATA_PLANE_GBS.get(self.transport, 1.7),
+                       self.data.get("hidden_bytes", 0))
 
     def capacity(self, w: dict) -> float:
         return self.planner(w).capacity(traffic(Workload(**w), 1.0))
@@ -328,27 +336,34 @@ def _result(record: dict) -> RequestResult:
     return RequestResult(**fields)
 
 
-def sweep(args, chosen: list[Topology], classes, points_of, tokenizer: str) -> tuple[list, list, list]:
-    """Each topology's stack started once, measured, stopped (tiny: every stack started at once up front,
-    stops in the background — CPU smoke runs are dominated by process start-up)."""
+def sweep(args, chosen: list[Topology], classes: list[RequestClass], todo: list[Point], tokenizer: str,
+          checkpoint) -> tuple[list, list, list]:
+    """Each topology's stack started once, measured, stopped, and ``checkpoint(unloaded, runs, stacks)``
+    called after each (so a run cut short keeps what it measured). With ``--deadline``, a topology is not
+    started when the previous one's time would take the run past it. Tiny: every stack is started at
+    once up front and stopped in the background (CPU smoke runs are dominated by process start-up)."""
     unloaded, runs, stacks_info = [], [], []
     env = stack_env(args)
     started: dict[str, tuple[StackProcess, float]] = {}
     if args.tiny:
         started = {t.label: (StackProcess(list(t.args), env, ROOT), time.monotonic()) for t in chosen}
-    stoppers = []
+    stoppers, last = [], 0.0
     for topology in chosen:
-        stack, t0 = started.pop(topology.label, None) or (StackProcess(list(topology.args), env, ROOT),
-                                                          time.monotonic())
         info = {"topology": topology.label, "args": list(topology.args), "layout": asdict(topology.layout)}
         stacks_info.append(info)
+        if args.deadline and time.monotonic() - args.started + last > args.deadline:
+            info["error"] = f"skipped: the previous topology took {last:.0f} s and --deadline is {args.deadline:g} s"
+            print(f"## {topology.label} {info['error']}", flush=True)
+            continue
+        stack, t0 = started.pop(topology.label, None) or (StackProcess(list(topology.args), env, ROOT),
+                                                          time.monotonic())
         try:
             api = stack.wait_ready(900)
             info.update(ready=stack.ready_event, start_s=time.monotonic() - t0)
             print(f"\n## {topology.label}: {api} (mps={stack.ready_event.get('mps')}, "
                   f"up in {info['start_s']:.0f} s)", flush=True)
             measured = TopologyRun(args, topology, stack, tokenizer)
-            u, r = asyncio.run(measured.run(classes, points_of(topology)))
+            u, r = asyncio.run(measured.run(classes, todo))
             unloaded += u
             runs += r
             info["timings_s"] = measured.timings
@@ -363,6 +378,9 @@ def sweep(args, chosen: list[Topology], classes, points_of, tokenizer: str) -> t
             if not args.tiny:
                 stopper.join()
             stoppers.append(stopper)
+        last = time.monotonic() - t0
+        info["total_s"] = last
+        checkpoint(unloaded, runs, stacks_info)
     for stopper in stoppers:
         stopper.join()
     return unloaded, runs, stacks_info
@@ -609,8 +627,8 @@ def report(meta: dict, floor: Floor, runs: list[dict], unloaded: list[dict], pla
             continue
         w = case_workload(case, tiny)
         expected = floor.expected(w)
-        rates = ", ".join(sorted({f"{r['request_rate']:g}" + (f" ({r['fraction']:.0%})" if r.get("fraction") else "")
-                                  for r in mine}))
+        rates = ", ".join(f"{rate:g}" + (f" ({fraction:.0%})" if fraction else "") for rate, fraction in
+                          sorted({(r["request_rate"], r.get("fraction")) for r in mine}))
         lines += ["", f"## {case.name}: {describe(w)}", "",
                   f"Floor over the workload's requests: media {expected['media_ms']:.0f} + ViT {expected['vit_ms']:.0f} "
                   f"+ prefill {expected['prefill_ms']:.0f} = **{expected['floor_ms']:.0f} ms**; capacity "
@@ -738,7 +756,7 @@ def dry_run(args, chosen, classes, todo, floor: Floor | None) -> int:
     return 0
 
 
-def finish(args, out: Path, meta: dict, floor: Floor, runs, unloaded, stacks, chosen) -> int:
+def finish(args, out: Path, meta: dict, floor: Floor, runs, unloaded, stacks, chosen, partial: bool = False) -> int:
     cases = {c.name: c for c in CASES}
     for run in runs:
         run["floor_ms"] = floor.mean(case_workload(cases[run["workload"]], args.tiny), run["requests"])
@@ -751,7 +769,9 @@ def finish(args, out: Path, meta: dict, floor: Floor, runs, unloaded, stacks, ch
     (out / "results.md").write_text(markdown)
     (out / "results.json").write_text(json.dumps({**meta, "gpus": args.gpus, "tiny": args.tiny, "floor": floor.data,
                                                   "stacks": stacks, "unloaded": unloaded, "runs": runs, "plan": plan,
-                                                  "targets": goals}, indent=1, default=json_default))
+                                                  "targets": goals, "partial": partial}, indent=1, default=json_default))
+    if partial:
+        return 0
     print("\n" + markdown)
     try:
         from tools.bench.plot import plot
@@ -772,12 +792,12 @@ def report_from(args, out: Path) -> int:
     labels = [s["topology"] for s in stacks]
     chosen = [Topology(label, Layout(**next(s["layout"] for s in stacks if s["topology"] == label)), ())
               for label in dict.fromkeys(labels)]
-    meta = {**{k: first[k] for k in ("hardware", "versions")}, "command": sys.argv,
+    meta = {**{k: first[k] for k in ("hardware", "versions")}, "command": sys.argv, "transport": first.get("transport"),
             "wall_s": sum(d["wall_s"] for d in loaded)}
     for data in loaded:
         for run in data["runs"]:
             run.setdefault("floor_ms", {})
-    return finish(args, out, meta, Floor(first["floor"]), [r for d in loaded for r in d["runs"]],
+    return finish(args, out, meta, Floor(first["floor"], first.get("transport", "zmq")), [r for d in loaded for r in d["runs"]],
                   [u for d in loaded for u in d["unloaded"]], stacks, chosen)
 
 
@@ -799,6 +819,8 @@ def parse_args(argv=None):
     parser.add_argument("--request-timeout", type=float, default=120.0, help="seconds one request may take")
     parser.add_argument("--kv-cache-mb", type=int, default=20480, help="KV pool of every LM process (MiB)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--deadline", type=float, default=0, help="seconds: start no topology that would end the "
+                                                                  "run past this (judged by the previous one's time)")
     parser.add_argument("--floor", default="", help="reuse this floor JSON (an earlier run's floor.json) instead "
                                                     "of measuring it")
     parser.add_argument("--transport", default="auto", choices=("auto", "zmq", "ucx"),
@@ -827,17 +849,21 @@ def main(argv=None) -> int:
     args.gpus = (0 if args.tiny else visible_gpus()) if args.gpus < 0 else args.gpus
     cases, chosen = chosen_cases(args), chosen_topologies(args)
     classes = request_classes(cases, args.tiny)
-    floor = Floor(json.loads(Path(args.floor).read_text())) if args.floor else None
+    floor = Floor(json.loads(Path(args.floor).read_text()), args.transport) if args.floor else None
     if args.dry_run:
         return dry_run(args, chosen, classes, points(args, cases, floor), floor)
-    started = time.time()
-    floor = floor or Floor(measure_floor(args, cases, out / "floor.json"))
+    args.started = time.monotonic()
+    floor = floor or Floor(measure_floor(args, cases, out / "floor.json"), args.transport)
     todo = points(args, cases, floor)
     tokenizer = tokenizer_dir(args.tiny)
-    unloaded, runs, stacks = sweep(args, chosen, classes, lambda _t: todo, tokenizer)
-    meta = {"hardware": hardware(), "versions": versions(), "command": sys.argv, "wall_s": time.time() - started,
-            "transport": args.transport}
-    return finish(args, out, meta, floor, runs, unloaded, stacks, chosen)
+    meta = {"hardware": hardware(), "versions": versions(), "command": sys.argv, "transport": args.transport}
+
+    def checkpoint(unloaded, runs, stacks, partial=True) -> int:
+        meta["wall_s"] = time.monotonic() - args.started
+        return finish(args, out, meta, floor, runs, unloaded, stacks, chosen, partial)
+
+    unloaded, runs, stacks = sweep(args, chosen, classes, todo, tokenizer, checkpoint)
+    return checkpoint(unloaded, runs, stacks, partial=False)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@
   to set them up; the step's cost does not depend on the KV's values;
 - co-run: a ViT forward beside decode steps, and beside a prefill, each in a thread of its own on a CUDA
   stream of its own, against each alone: how much two processes slow each other when their kernels run
-  side by side (what CUDA MPS does; one process's two streams are its closest in-process stand-in).
+  side by side (what CUDA MPS does; one process's two streams are its closest in-process stand-in); and
+  the same with the ViT in a second process (``timeslice.py``), which the GPU time-slices without MPS.
 """
 
 from __future__ import annotations
@@ -297,6 +298,7 @@ def measure_costs(settings) -> Costs:
     """Every cost ``epd plan`` needs for ``settings``' workload (see the module's docstring)."""
     from shared.model.config import ModelConfig
     from shared.model.processor import preprocess_mode
+    from tools.plan.timeslice import measure_timeslice, ready_or_none, vit_child
 
     path = settings.model_path()
     config = ModelConfig.from_checkpoint(path)
@@ -307,22 +309,28 @@ def measure_costs(settings) -> Costs:
     width, height = settings.image_size
     image_tokens, preprocess_ms, vit_ms = vision.measure(width, height, batches)
     grid = _grid(settings, path)
-    engine = EngineProbe(settings)
-    prefill_counts = sorted({0, *spread(counts)})
-    prefill_ms = {}
-    for n in prefill_counts:
-        tokens = settings.input_len + TEMPLATE_TOKENS + n * (image_tokens + PER_IMAGE_TOKENS)
-        prefill_ms[tokens] = engine.prefill_ms(settings.input_len, n, image_tokens, grid)
-    corun = {}
-    if settings.corun_seconds > 0:
-        prompt = engine.prompt(settings.input_len, prefill_counts[len(prefill_counts) // 2], image_tokens, grid)
-        corun = measure_corun(vision, engine, (width, height), min(4, max(counts, default=1)), prompt,
-                              settings.decode_batch, settings.corun_seconds)
+    corun_images = min(4, max(counts, default=1))
+    with vit_child(settings, settings.image_resolution, corun_images) as child:  # starts while the LM loads
+        engine = EngineProbe(settings)
+        child = ready_or_none(child)
+        prefill_counts = sorted({0, *spread(counts)})
+        prefill_ms = {}
+        for n in prefill_counts:
+            tokens = settings.input_len + TEMPLATE_TOKENS + n * (image_tokens + PER_IMAGE_TOKENS)
+            prefill_ms[tokens] = engine.prefill_ms(settings.input_len, n, image_tokens, grid)
+        corun = {}
+        if settings.corun_seconds > 0:
+            prompt = engine.prompt(settings.input_len, prefill_counts[len(prefill_counts) // 2], image_tokens, grid)
+            corun = measure_corun(vision, engine, (width, height), corun_images, prompt, settings.decode_batch,
+                                  settings.corun_seconds)
+            if child is not None:
+                corun.update(measure_timeslice(child, engine, settings.decode_batch, prompt, settings.corun_seconds))
+        decode_ms = engine.decode_steps(settings.decode_batch)
     return Costs(model=path.name, device=str(settings.torch_device()), dtype=str(settings.torch_dtype()),
                  resolution=settings.image_resolution, image_tokens=image_tokens, preprocess_ms=preprocess_ms,
                  preprocess_threads=settings.preprocess_threads, vit_ms=vit_ms, prefill_ms=prefill_ms,
-                 decode_ms=engine.decode_steps(settings.decode_batch), preprocess=mode,
-                 media_ms=measure_media(width, height, settings.image_format), media_threads=settings.media_threads, corun=corun)
+                 decode_ms=decode_ms, preprocess=mode, media_ms=measure_media(width, height, settings.image_format),
+                 media_threads=settings.media_threads, corun=corun)
 
 
 def _grid(settings, path) -> Grid:

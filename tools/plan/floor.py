@@ -33,6 +33,7 @@ from shared.settings import parse_settings
 from tools.bench.settings import Workload, parse_resolution
 from tools.plan.costs import (PER_IMAGE_TOKENS, TEMPLATE_TOKENS, Costs, EngineProbe, VisionProbe, measure_corun,
                               measure_media)
+from tools.plan.timeslice import measure_timeslice, ready_or_none, vit_child
 
 
 class FloorSettings(EngineSettings):
@@ -46,7 +47,7 @@ class FloorSettings(EngineSettings):
     preprocess_threads: int = Field(2, ge=1, description="image preprocessing threads per encoder (pil)")
     media_threads: int = Field(4, ge=1, description="the frontend's image-decoding threads")
     image_format: Literal["png", "jpeg"] = Field("jpeg", description="how clients send images")
-    corun_seconds: float = Field(1.0, ge=0, description="seconds of each co-run measurement (0: skip)")
+    corun_seconds: float = Field(1.0, ge=0, description="seconds of each co-run measurement (0: skip them)")
 
 
 def request_shapes(workloads: list[Workload]) -> dict[tuple[str, int], list[int]]:
@@ -68,14 +69,37 @@ def measure_floor(settings: FloorSettings, workloads: list[Workload]) -> dict:
     config = ModelConfig.from_checkpoint(path)
     mode = preprocess_mode(settings.preprocess, settings.torch_device())
     shapes = request_shapes(workloads)
+    vision, seen = _vision(settings, path, config, mode, shapes)
+    middle = _middle_image_shape(shapes)
+    # a process of its own for the time-slicing measurement, started while this one loads the LM
+    resolution, _, images = middle or ("", 0, 0)
+    with vit_child(settings, resolution, images) as child:
+        engine = EngineProbe(settings)
+        result = _measure(settings, path, config, mode, shapes, middle, seen, vision, engine, ready_or_none(child))
+    result["seconds"] = time.monotonic() - started
+    return result
+
+
+def _vision(settings, path, config, mode, shapes) -> tuple[VisionProbe, dict]:
+    """The tower, and per resolution (tokens per image, preprocess ms, {images: ViT ms}, grid)."""
     vision = VisionProbe(settings, config, path, mode)
-    seen = {}  # resolution → (tokens per image, preprocess ms, {images: ViT ms}, grid)
+    seen: dict[str, tuple] = {}
     for (resolution, _), counts in shapes.items():
         width, height = parse_resolution(resolution)
         images = sorted({1, *(n for n in counts if n > 0)} | set(seen.get(resolution, (0, 0, {}))[2]))
         tokens, pre_ms, vit_ms = vision.measure(width, height, images)
         seen[resolution] = (tokens, pre_ms, vit_ms, vision.unit(width, height, 1)[1])
-    engine = EngineProbe(settings)
+    return vision, seen
+
+
+def _middle_image_shape(shapes: dict[tuple[str, int], list[int]]) -> tuple[str, int, int] | None:
+    """(resolution, input_len, images) of the median image request by pixels: the co-run measurements' shape."""
+    image_shapes = sorted(((math.prod(parse_resolution(res)) * n, res, input_len, n)
+                           for (res, input_len), counts in shapes.items() for n in counts if n))
+    return image_shapes[len(image_shapes) // 2][1:] if image_shapes else None
+
+
+def _measure(settings, path, config, mode, shapes, middle, seen, vision, engine, child) -> dict:
     prefill: dict[int, float] = {}  # prompt tokens → ms (a text prompt is the same at every resolution)
     rows = []
     for (resolution, input_len), counts in shapes.items():
@@ -91,7 +115,7 @@ def measure_floor(settings: FloorSettings, workloads: list[Workload]) -> dict:
                          "media_ms": media, "vit_ms": vit, "prefill_ms": prefill[prompt],
                          "floor_ms": media + vit + prefill[prompt]})
     decode = engine.decode_steps(settings.decode_batch)
-    corun = _corun(settings, vision, engine, shapes, seen) if settings.corun_seconds > 0 else {}
+    corun = _corun(settings, middle, seen, vision, engine, child) if settings.corun_seconds > 0 and middle else {}
     costs = {}
     for resolution, (tokens, pre_ms, vit_ms, _) in seen.items():
         width, height = parse_resolution(resolution)
@@ -104,21 +128,24 @@ def measure_floor(settings: FloorSettings, workloads: list[Workload]) -> dict:
             media_ms=measure_media(width, height, settings.image_format), media_threads=settings.media_threads,
             corun=corun, media_batch_ms={r["images"]: r["media_ms"] for r in mine}).to_json()
     return {"model": path.name, "device": str(settings.torch_device()), "costs": costs, "shapes": rows,
-            "hidden_bytes": config.text.hidden_size * settings.torch_dtype().itemsize,
-            "seconds": time.monotonic() - started}
+            "hidden_bytes": config.text.hidden_size * settings.torch_dtype().itemsize}
 
 
-def _corun(settings, vision, engine, shapes, seen) -> dict[str, float]:
-    """Co-run factors on the median image request: its ViT forward, and its prompt's prefill."""
-    image_shapes = sorted(((seen[res][2][n], res, input_len, n) for (res, input_len), counts in shapes.items()
-                           for n in counts if n), key=lambda s: s[0])
-    if not image_shapes:
-        return {}
-    _, resolution, input_len, n = image_shapes[len(image_shapes) // 2]
+def _corun(settings, middle, seen, vision, engine, child) -> dict[str, float]:
+    """Co-run factors on the median image request's ViT forward and prefill (optional: a failure leaves
+    the planner its documented assumptions, never the floor unmeasured)."""
+    resolution, input_len, n = middle
     tokens, _, _, grid = seen[resolution]
     prompt = engine.prompt(input_len, n, tokens, grid)
-    return measure_corun(vision, engine, parse_resolution(resolution), n, prompt, settings.decode_batch,
-                         settings.corun_seconds)
+    corun: dict[str, float] = {}
+    try:
+        corun.update(measure_corun(vision, engine, parse_resolution(resolution), n, prompt, settings.decode_batch,
+                                   settings.corun_seconds))
+        if child is not None:
+            corun.update(measure_timeslice(child, engine, settings.decode_batch, prompt, settings.corun_seconds))
+    except Exception as err:  # noqa: BLE001 - reported, and the floor still written
+        print(f"tools.plan.floor: co-run measurement failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+    return corun
 
 
 def main(argv: list[str]) -> int:

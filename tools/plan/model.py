@@ -25,8 +25,9 @@ running, 1 − e^−B, less the joined engine's prefill share), solved as a fixe
 - with MPS, measured in ``costs.py`` (a ViT forward and decode steps, a ViT forward and a prefill, on two
   CUDA streams at once against alone); prefill beside decode is taken as the ViT beside decode (both
   are compute-bound GEMM streams next to a bandwidth-bound one);
-- time-sliced (no MPS), a model: both busy means each gets the GPU half the time, plus the switch
-  between contexts: k = ``TIMESLICE`` for every pair.
+- time-sliced (no MPS), measured in ``timeslice.py`` the same way with the ViT in a second process
+  (prefill beside decode taken as above); without that measurement, a model: both busy means each gets
+  the GPU half the time, plus the switch between contexts: k = ``TIMESLICE`` for every pair.
 Stages in one process never overlap on the GPU (the aggregated engine thread, a joined worker's engine).
 
 Calibration: a stack also pays fixed costs no in-process measurement sees (encode jobs, pulls, replies,
@@ -163,10 +164,10 @@ class Planner:
     # -- sharing a GPU -------------------------------------------------------------------------------
     def k(self, x: str, y: str, mps: bool) -> float:
         """Slowdown of stage x while stage y runs in another process on the same GPU."""
+        pair = {"prefill|decode": "vit|decode", "decode|prefill": "decode|vit"}.get(f"{x}|{y}", f"{x}|{y}")
         if not mps:
-            return TIMESLICE
-        measured = {"prefill|decode": "vit|decode", "decode|prefill": "decode|vit"}.get(f"{x}|{y}", f"{x}|{y}")
-        return max(1.0, self.costs.corun.get(measured, MPS_UNMEASURED))
+            return max(1.0, self.costs.corun.get(f"ts:{pair}", TIMESLICE))
+        return max(1.0, self.costs.corun.get(pair, MPS_UNMEASURED))
 
     # -- layouts -------------------------------------------------------------------------------------
     def predict(self, layout: Layout, t: Traffic, overheads: Overheads | None = None) -> Prediction:
