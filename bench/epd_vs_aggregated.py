@@ -427,8 +427,8 @@ def theil_sen(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def plan_points(floor: Floor, runs: list[dict], unloaded: list[dict], chosen: list[Topology], tiny: bool) -> list[dict]:
-    """Per point: every topology's predicted TTFT (calibrated and the bare model), the plan's pick, the
-    measured best; the predictions are also written into the runs."""
+    """Per point: each measured topology's predicted TTFT (calibrated, and the bare model's), the plan's
+    pick among them, the measured best; the predictions are also written into the runs."""
     by_label = {t.label: t for t in chosen}
     out = []
     for case in CASES:
@@ -437,33 +437,30 @@ def plan_points(floor: Floor, runs: list[dict], unloaded: list[dict], chosen: li
         for rate in sorted({r["request_rate"] for r in runs if r["workload"] == case.name}):
             here = [r for r in runs if r["workload"] == case.name and r["request_rate"] == rate]
             t = traffic(Workload(**w), rate)
-            predictions = {}
-            for label, topology in by_label.items():
-                calibrated = planner.predict(topology.layout, t, overheads(floor, unloaded, topology, w))
-                predictions[label] = {"ttft_ms": calibrated.ttft_ms, "stable": calibrated.stable,
-                                      "tpot_ms": calibrated.tpot_ms, "by_images_ms": calibrated.ttft_by_images_ms,
-                                      "model_ttft_ms": planner.predict(topology.layout, t).ttft_ms}
+            predictions: dict[str, Prediction] = {}
             for r in here:
-                r["predicted_ttft_ms"] = predictions[r["topology"]]["ttft_ms"]
-                r["predicted_model_ttft_ms"] = predictions[r["topology"]]["model_ttft_ms"]
-            stable = [(label, p) for label, p in predictions.items() if p["stable"]]
-            pick = None
-            if stable:
-                layouts = {label: by_label[label].layout for label in predictions}
-                best = recommend([Prediction(label, "", 0, rate, p["ttft_ms"], p["tpot_ms"], True) for label, p in stable],
-                                 layouts)
-                pick = best.layout if best else None
+                topology = by_label[r["topology"]]
+                predictions[topology.label] = planner.predict(topology.layout, t,
+                                                              overheads(floor, unloaded, topology, w))
+                r["predicted_ttft_ms"] = predictions[topology.label].ttft_ms
+                r["predicted_model_ttft_ms"] = planner.predict(topology.layout, t).ttft_ms
+            pick = recommend(list(predictions.values()), {label: by_label[label].layout for label in predictions})
             measured = best_run(here)
-            entry = {"workload": case.name, "rate": rate, "fraction": here[0].get("fraction"), "plan_pick": pick,
+            entry = {"workload": case.name, "rate": rate, "fraction": here[0].get("fraction"),
+                     "plan_pick": pick.layout if pick else None,
                      "measured_best": measured["topology"] if measured else None,
                      "measured_best_ttft_ms": measured["summary"]["ttft_ms"]["mean"] if measured else None,
-                     "predictions": predictions}
+                     "predictions": {r["topology"]: {"ttft_ms": r["predicted_ttft_ms"],
+                                                     "model_ttft_ms": r["predicted_model_ttft_ms"],
+                                                     "tpot_ms": predictions[r["topology"]].tpot_ms,
+                                                     "by_images_ms": predictions[r["topology"]].ttft_by_images_ms}
+                                     for r in here}}
             if measured and pick:
-                picked = next((r for r in here if r["topology"] == pick), None)
-                entry["pick_right"] = bool(picked) and (pick == measured["topology"] or
-                                                        picked["summary"]["ttft_ms"]["mean"] <= (1 + TIE) * entry["measured_best_ttft_ms"])
-                predicted = predictions[measured["topology"]]["ttft_ms"]
-                entry["prediction_error"] = predicted / entry["measured_best_ttft_ms"] - 1 if math.isfinite(predicted) else None
+                picked = next(r for r in here if r["topology"] == pick.layout)["summary"]["ttft_ms"]["mean"]
+                best_ms = entry["measured_best_ttft_ms"]
+                entry["pick_right"] = pick.layout == measured["topology"] or picked <= (1 + TIE) * best_ms
+                predicted = predictions[measured["topology"]].ttft_ms
+                entry["prediction_error"] = predicted / best_ms - 1 if math.isfinite(predicted) else None
             out.append(entry)
     return out
 
@@ -633,7 +630,7 @@ def report(meta: dict, floor: Floor, runs: list[dict], unloaded: list[dict], pla
                   f"Floor over the workload's requests: media {expected['media_ms']:.0f} + ViT {expected['vit_ms']:.0f} "
                   f"+ prefill {expected['prefill_ms']:.0f} = **{expected['floor_ms']:.0f} ms**; capacity "
                   f"{floor.capacity(w):.2f} req/s per GPU; rates {rates}.", "", HEADER]
-        for topology in dict.fromkeys(r["topology"] for r in mine):
+        for topology in ordered_labels(r["topology"] for r in mine):
             idle = unloaded_row(topology, w, unloaded)
             if idle:
                 lines.append(row_text(idle))
@@ -655,6 +652,13 @@ def report(meta: dict, floor: Floor, runs: list[dict], unloaded: list[dict], pla
     lines += ["", "## Targets", "", "| target | measured | target | met |", "|---|---|---|---|"]
     lines += [f"| {g['target']} | {g['measured']} | {g['target_value']} | {'yes' if g['met'] else 'no'} |" for g in goals]
     return "\n".join(lines) + "\n"
+
+
+def ordered_labels(labels) -> list[str]:
+    """Topology labels in the order the layouts are listed (aggregated first), however the runs were split."""
+    order = [layout.label() for gpus in (1, 2, 3, 4, 8) for layout in bench_layouts(gpus)]
+    unique = list(dict.fromkeys(labels))
+    return sorted(unique, key=lambda label: (order.index(label) if label in order else len(order), unique.index(label)))
 
 
 def describe(w: dict) -> str:
@@ -746,13 +750,21 @@ def dry_run(args, chosen, classes, todo, floor: Floor | None) -> int:
         prompts = 3 if args.tiny else max(args.min_prompts, min(150, round(p.rate * args.seconds)))
         print(f"  point {p.case.name:12} {p.rate:6g} req/s" + (f" ({p.fraction:.0%} of capacity)" if p.fraction else "")
               + f", {prompts} requests, seed {p.seed}")
-    print("unloaded classes (one request at a time, after one warm-up each): " + "; ".join(c.key for c in classes))
+    print("unloaded classes (one request at a time; one warm-up request per resolution first): "
+          + "; ".join(c.key for c in classes))
     for t in chosen:
         print(f"stack {t.label:12} python -m launcher.cli up --port 0 {' '.join(t.args)}")
     if not args.tiny:
         times = estimate(args, chosen, classes, todo)
         print(f"estimated: floor ~{times['floor']:.0f} s, ~{times['per topology']:.0f} s per topology, "
               f"total ~{times['total'] / 60:.1f} min")
+        fit = max(1, int((540 - times["floor"]) // times["per topology"]))  # topologies per 10-minute call
+        if len(chosen) > fit:  # the baseline and the MPS layouts first: the likeliest best
+            ranked = sorted(chosen, key=lambda t: (t.layout.topology != "aggregated", not t.layout.mps))
+            print(f"more than one 10-minute call: run --topologies {','.join(t.label for t in ranked[:fit])} "
+                  f"--deadline 560, then --topologies {','.join(t.label for t in ranked[fit:])} --floor <the "
+                  f"first's floor.json> (the same rates), and merge them with --report-from A/results.json "
+                  f"B/results.json")
     return 0
 
 
@@ -821,8 +833,8 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--deadline", type=float, default=0, help="seconds: start no topology that would end the "
                                                                   "run past this (judged by the previous one's time)")
-    parser.add_argument("--floor", default="", help="reuse this floor JSON (an earlier run's floor.json) instead "
-                                                    "of measuring it")
+    parser.add_argument("--floor", default="", help="reuse an earlier run's floor (its floor.json or results.json) "
+                                                    "instead of measuring it: the same rates, e.g. to split a sweep")
     parser.add_argument("--transport", default="auto", choices=("auto", "zmq", "ucx"),
                         help="the stacks' data plane; auto: ucx where ucxx is installed (GPU to GPU), else zmq")
     parser.add_argument("--report-from", nargs="+", default=[], metavar="RESULTS_JSON",
@@ -849,7 +861,10 @@ def main(argv=None) -> int:
     args.gpus = (0 if args.tiny else visible_gpus()) if args.gpus < 0 else args.gpus
     cases, chosen = chosen_cases(args), chosen_topologies(args)
     classes = request_classes(cases, args.tiny)
-    floor = Floor(json.loads(Path(args.floor).read_text()), args.transport) if args.floor else None
+    floor = None
+    if args.floor:  # a floor.json, or an earlier run's results.json (its floor)
+        data = json.loads(Path(args.floor).read_text())
+        floor = Floor(data.get("floor", data), args.transport)
     if args.dry_run:
         return dry_run(args, chosen, classes, points(args, cases, floor), floor)
     args.started = time.monotonic()

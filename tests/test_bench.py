@@ -229,7 +229,8 @@ def test_plan_recommends_a_topology(tiny_model, tmp_path):
     assert best["stable"] and best["layout"] in done.stdout
     # A lightly loaded stack answers in about one request's own work: at least its prompt's prefill.
     assert best["ttft_ms"] >= min(plan["costs"]["prefill_ms"].values())
-    assert set(plan["costs"]["corun"]) == {"vit|decode", "decode|vit", "vit|prefill", "prefill|vit"}  # MPS-like
+    pairs = {"vit|decode", "decode|vit", "vit|prefill", "prefill|vit"}  # streams (MPS-like), processes (time-sliced)
+    assert set(plan["costs"]["corun"]) == pairs | {f"ts:{pair}" for pair in pairs}
 
 
 # -- goodput with an ITL SLO ------------------------------------------------------------------------------
