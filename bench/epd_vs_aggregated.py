@@ -52,26 +52,23 @@ import importlib.util
 import json
 import math
 import os
-import platform
-import re
-import shutil
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
-from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tools.bench import scrape  # noqa: E402
-from tools.bench.client import RequestResult  # noqa: E402
-from tools.bench.metrics import Slo, request_itl_p99, summarize  # noqa: E402
-from tools.bench.runner import bench  # noqa: E402
+from tools.bench.environment import hardware, versions, visible_gpus  # noqa: E402,F401 - other scripts import them here
+from tools.bench.measure import StackMeter, as_result  # noqa: E402
+from tools.bench.metrics import Slo, summarize  # noqa: E402
 from tools.bench.settings import BenchSettings, Workload  # noqa: E402
 from tools.bench.stack import StackProcess  # noqa: E402
+from tools.bench.tables import HEADER, ms, ordered_labels, row_text, stages  # noqa: E402
 from tools.plan.costs import Costs  # noqa: E402
 from tools.plan.layouts import Layout, bench_layouts  # noqa: E402
 from tools.plan.model import Planner, Prediction, traffic  # noqa: E402
@@ -262,40 +259,39 @@ class Point:
 
 
 class TopologyRun:
-    """Everything measured on one stack: its unloaded classes, then its loaded points."""
+    """Everything measured on one stack: its unloaded request classes, then its loaded points."""
 
     def __init__(self, args, topology: Topology, stack: StackProcess, tokenizer: str):
-        self.args, self.topology, self.stack, self.tokenizer = args, topology, stack, tokenizer
-        self.reading = scrape.Reading()
+        self.args, self.topology, self.tokenizer = args, topology, tokenizer
+        self.meter = StackMeter(stack)
         self.timings: dict[str, float] = {}
         self.errors: list[str] = []
 
     async def run(self, classes: list[RequestClass], points: list[Point]) -> tuple[list[dict], list[dict]]:
-        api = self.stack.api
-        self.reading = await scrape.read(api)
+        await self.meter.start()
         unloaded, warm = [], set()
         for number, cls in enumerate(classes):
             started = time.monotonic()
             shape = cls.workload["image_resolution"] if cls.workload["image_count"] else "text"
             if shape not in warm:  # warm-up: the stack's first request of this resolution
                 warm.add(shape)
-                await self._measure(cls.workload, seed=self.args.seed + 10_000 + 2 * number, prompts=1,
-                                    rate=math.inf, tokens=UNLOADED_TOKENS, record=False)
-            record = await self._measure(cls.workload, seed=self.args.seed + 10_001 + 2 * number,
-                                         prompts=2 if self.args.tiny else self.args.unloaded, rate=math.inf,
-                                         tokens=UNLOADED_TOKENS)
+                await self.meter.measure(self._settings(cls.workload, self.args.seed + 10_000 + 2 * number, 1,
+                                                        math.inf, UNLOADED_TOKENS), details=False)
+            prompts = 2 if self.args.tiny else self.args.unloaded
+            record = await self.meter.measure(self._settings(cls.workload, self.args.seed + 10_001 + 2 * number,
+                                                             prompts, math.inf, UNLOADED_TOKENS))
             record.update(request_class=cls.key, topology=self.topology.label)
             self.timings[f"unloaded {cls.key}"] = time.monotonic() - started
             unloaded.append(record)
             print(f"  unloaded {cls.key}: TTFT {record['summary']['ttft_ms']['mean']:.0f} ms "
-                  f"(stages {_fmt(record['stages_ms'])})", flush=True)
+                  f"(stages {stages(record['stages_ms'])})", flush=True)
         runs = []
         for point in points:
             started = time.monotonic()
             prompts = 3 if self.args.tiny else max(self.args.min_prompts, min(150, round(point.rate * self.args.seconds)))
             try:
-                record = await self._measure(case_workload(point.case, self.args.tiny), point.seed, prompts,
-                                             point.rate, tokens=None)
+                record = await self.meter.measure(self._settings(case_workload(point.case, self.args.tiny),
+                                                                 point.seed, prompts, point.rate))
             except Exception as err:  # e.g. the frontend gone: the other points may still run
                 self.errors.append(f"{point.case.name} @ {point.rate:g}: {type(err).__name__}: {err}"[:500])
                 print(f"  {self.errors[-1]}", flush=True)
@@ -306,34 +302,13 @@ class TopologyRun:
             print(row_text(record), flush=True)
         return unloaded, runs
 
-    async def _measure(self, w: dict, seed: int, prompts: int, rate: float, tokens: int | None,
-                       record: bool = True) -> dict:
+    def _settings(self, w: dict, seed: int, prompts: int, rate: float, tokens: int | None = None) -> BenchSettings:
+        """A point: Poisson arrivals at ``rate``, or (inf) one request at a time, ``tokens`` out if given."""
         workload = dict(w) if tokens is None else {**w, "output_len": tokens}
-        one_at_a_time = math.isinf(rate)
-        settings = BenchSettings(base_url=self.stack.api, label=self.topology.label, num_prompts=prompts,
-                                 request_rate=rate, max_concurrency=1 if one_at_a_time else 0, seed=seed, warmup=0,
-                                 tokenizer=self.tokenizer, progress=False, timeout=self.args.request_timeout,
-                                 slo_ttft=SLO.ttft_ms, slo_tpot=SLO.tpot_ms, slo_itl=SLO.itl_ms, **workload)
-        events = self.stack.counts()
-        before = self.reading
-        run = await bench(settings)
-        ok = [r for r in run["requests"] if r["ok"]]
-        self.reading = await scrape.settled(self.stack.api, before.images_encoded + sum(r["images"] for r in ok),
-                                            before.requests_seen + len(ok))
-        if not record:
-            return run
-        run["stages_ms"], run["encoder_ms"] = scrape.stage_means(before, self.reading)
-        after = self.stack.counts()
-        run["events"] = {name: after[name] - events[name] for name in after}
-        run["resumed"] = run["events"]["request.resume"]
-        for r in run["requests"]:  # per-request figures kept; the gaps themselves would make the JSON huge
-            r["itl_p99"], r["itl_count"] = request_itl_p99(_result(r)), len(r.pop("itl"))
-        return run
-
-
-def _result(record: dict) -> RequestResult:
-    fields = {k: record[k] for k in RequestResult.__dataclass_fields__ if k in record}
-    return RequestResult(**fields)
+        return BenchSettings(base_url=self.meter.stack.api, label=self.topology.label, num_prompts=prompts,
+                             request_rate=rate, max_concurrency=1 if math.isinf(rate) else 0, seed=seed, warmup=0,
+                             tokenizer=self.tokenizer, progress=False, timeout=self.args.request_timeout,
+                             slo_ttft=SLO.ttft_ms, slo_tpot=SLO.tpot_ms, slo_itl=SLO.itl_ms, **workload)
 
 
 def sweep(args, chosen: list[Topology], classes: list[RequestClass], todo: list[Point], tokenizer: str,
@@ -489,7 +464,7 @@ def targets(runs: list[dict], plan: list[dict]) -> list[dict]:
             f = best["floor_ms"]
             add(f"{case.name} @ 50 % ({best['request_rate']:g} req/s): best mean TTFT ≤ 1.5× floor",
                 f"{best['topology']}: {best['summary']['ttft_ms']['mean']:.0f} ms = {ratio:.2f}× floor "
-                f"{f['floor_ms']:.0f} ms; stages media / encode / to first token {_fmt(best['stages_ms'])} against "
+                f"{f['floor_ms']:.0f} ms; stages media / encode / to first token {stages(best['stages_ms'])} against "
                 f"media / ViT / prefill {f['media_ms']:.0f} / {f['vit_ms']:.0f} / {f['prefill_ms']:.0f}",
                 "≤ 1.5×", ratio <= 1.5)
     half = [r for r in runs if r["workload"] == "dynamo-1024" and r.get("fraction") == 0.5]
@@ -532,42 +507,6 @@ def targets(runs: list[dict], plan: list[dict]) -> list[dict]:
 
 
 # -- tables ------------------------------------------------------------------------------------------------
-def _fmt(stages: dict, keys=("media", "encode", "first_token")) -> str:
-    return " / ".join(f"{stages[k]:.0f}" if k in stages else "-" for k in keys)
-
-
-def _ms(value) -> str:
-    return f"{value:.0f}" if value is not None and math.isfinite(value) else "unstable"
-
-
-HEADER = ("| topology | offered req/s | achieved | TTFT mean / p99 (ms) | × floor | text / image TTFT (ms) "
-          "| ITL p99 (ms) | TPOT mean (ms) | goodput (req/s) | failed / resumed | media / encode / to first token (ms) "
-          "| ViT queue / forward, pull / job (ms per image) | predicted TTFT (ms, error) |\n"
-          + "|---" * 13 + "|")
-
-
-def row_text(run: dict) -> str:
-    s = run["summary"]
-    classes = run.get("classes", {})
-    kinds = " / ".join(f"{classes[k]['ttft_ms']['mean']:.0f}" if k in classes else "-" for k in ("text", "image"))
-    floor = run.get("floor_ms", {}).get("floor_ms")
-    times = f"{s['ttft_ms']['mean'] / floor:.2f}" if floor else "-"
-    predicted = run.get("predicted_ttft_ms")
-    error = f" ({predicted / s['ttft_ms']['mean'] - 1:+.0%})" if predicted and math.isfinite(predicted) and \
-        s["ttft_ms"]["mean"] else ""
-    rate = "unloaded" if run.get("request_rate") is None else f"{run['request_rate']:g}"
-    achieved = "-" if run.get("request_rate") is None else f"{s['request_throughput']:.2f}"
-    goodput = "-" if run.get("request_rate") is None else f"{s['goodput']:.2f}"
-    itl, tpot = ("-", "-") if run.get("request_rate") is None else \
-        (f"{s['itl_ms']['p99']:.0f}", f"{s['tpot_ms']['mean']:.1f}")  # unloaded: a few tokens only
-    return (f"| {run['topology']} | {rate} | {achieved} | {s['ttft_ms']['mean']:.0f} / {s['ttft_ms']['p99']:.0f} "
-            f"| {times} | {kinds} | {itl} | {tpot} | {goodput} "
-            f"| {s['failed']} / {run.get('resumed', 0)} | {_fmt(run.get('stages_ms', {}))} "
-            f"| {_fmt(run.get('encoder_ms', {}), ('vit_queue', 'vit_forward'))}, "
-            f"{_fmt(run.get('encoder_ms', {}), ('job_pull', 'job_encode'))} "
-            f"| {_ms(predicted) if predicted is not None else '-'}{error} |")
-
-
 def unloaded_row(topology: str, w: dict, unloaded: list[dict]) -> dict | None:
     """A workload's unloaded figures for one topology: its classes' requests pooled with the workload's
     text share as weights (means weighted, p99 over the pooled requests)."""
@@ -577,20 +516,22 @@ def unloaded_row(topology: str, w: dict, unloaded: list[dict]) -> dict | None:
     if any(r is None for r in records.values()):
         return None
     share = {"text": w.get("text_ratio", 0), "image": 1 - w.get("text_ratio", 0)}
-    results = [_result(q) for r in records.values() for q in r["requests"]]
+    results = [as_result(q) for r in records.values() for q in r["requests"]]
     summary = summarize(results, 1.0)
     summary["ttft_ms"]["mean"] = sum(share[k] * r["summary"]["ttft_ms"]["mean"] for k, r in records.items())
-    stages = {}
+    means = {}
     for stage in ("media", "encode", "first_token"):  # as the frontend's: over the requests that have the stage
         having = {k: r["stages_ms"][stage] for k, r in records.items() if stage in r["stages_ms"]}
         if having:
-            stages[stage] = sum(share[k] * v for k, v in having.items()) / sum(share[k] for k in having)
+            means[stage] = sum(share[k] * v for k, v in having.items()) / sum(share[k] for k in having)
     encoder = {k: records["image"]["encoder_ms"][k] for k in scrape.ENCODER_STAGES
                if "image" in records and k in records["image"]["encoder_ms"]}
-    floor = {k: sum(share[kind] * r["floor_ms"][k] for kind, r in records.items()) for k in records[next(iter(records))]["floor_ms"]}
+    parts = next(iter(records.values()))["floor_ms"]
+    floor = {k: sum(share[kind] * r["floor_ms"][k] for kind, r in records.items()) for k in parts}
     return {"topology": topology, "request_rate": None, "summary": summary,
             "classes": {k: r["summary"] for k, r in records.items()} if len(records) > 1 else {},
-            "stages_ms": stages, "encoder_ms": encoder, "floor_ms": floor, "resumed": sum(r["resumed"] for r in records.values())}
+            "stages_ms": means, "encoder_ms": encoder, "floor_ms": floor,
+            "resumed": sum(r["resumed"] for r in records.values())}
 
 
 def report(meta: dict, floor: Floor, runs: list[dict], unloaded: list[dict], plan: list[dict],
@@ -641,13 +582,13 @@ def report(meta: dict, floor: Floor, runs: list[dict], unloaded: list[dict], pla
     for p in plan:
         measured = {r["topology"]: r["summary"]["ttft_ms"]["mean"] for r in runs
                     if r["workload"] == p["workload"] and r["request_rate"] == p["rate"]}
-        each = "; ".join(f"{label} {_ms(q['ttft_ms'])} ({_ms(q['model_ttft_ms'])}) / {_ms(measured.get(label))}"
+        each = "; ".join(f"{label} {ms(q['ttft_ms'])} ({ms(q['model_ttft_ms'])}) / {ms(measured.get(label))}"
                          for label, q in p["predictions"].items())
         best = p["measured_best"]
         err = p.get("prediction_error")
-        lines.append(f"| {p['workload']} | {p['rate']:g} | {best} ({_ms(p['measured_best_ttft_ms'])}) | {p['plan_pick']} "
+        lines.append(f"| {p['workload']} | {p['rate']:g} | {best} ({ms(p['measured_best_ttft_ms'])}) | {p['plan_pick']} "
                      f"| {'yes' if p.get('pick_right') else 'no'} | "
-                     f"{_ms(p['predictions'][best]['ttft_ms']) if best else '-'}"
+                     f"{ms(p['predictions'][best]['ttft_ms']) if best else '-'}"
                      f"{f' ({err:+.0%})' if err is not None else ''} | {each} |")
     lines += ["", "## Targets", "", "| target | measured | target | met |", "|---|---|---|---|"]
     lines += [f"| {g['target']} | {g['measured']} | {g['target_value']} | {'yes' if g['met'] else 'no'} |" for g in goals]
@@ -669,34 +610,6 @@ def describe(w: dict) -> str:
 
 
 # -- the whole run -----------------------------------------------------------------------------------------
-def hardware() -> str:
-    if shutil.which("nvidia-smi"):
-        found = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                               capture_output=True, text=True).stdout.strip()
-        if found:
-            return found.replace("\n", "; ")
-    return f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-
-
-def versions() -> dict[str, str]:
-    out = {"python": platform.python_version()}
-    for name in ("torch", "triton", "transformers", "httpx", "nats-py", "pyzmq", "ucxx-cu13", "ucxx-cu12"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    return out
-
-
-def visible_gpus() -> int:
-    if not shutil.which("nvidia-smi"):
-        return 0
-    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
-    count = len(re.findall(r"^GPU \d+", listed, flags=re.M))
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return min(count, len(visible.split(","))) if visible else count
-
-
 def tokenizer_dir(tiny: bool) -> str:
     from shared.model.presets import materialize_preset
     from shared.model.tiny import default_tiny_checkpoint
@@ -828,7 +741,8 @@ def parse_args(argv=None):
     parser.add_argument("--seconds", type=float, default=8.0, help="seconds of arrivals per loaded point")
     parser.add_argument("--min-prompts", type=int, default=8, help="requests per loaded point at least")
     parser.add_argument("--unloaded", type=int, default=5, help="requests per class measured one at a time")
-    parser.add_argument("--request-timeout", type=float, default=120.0, help="seconds one request may take")
+    parser.add_argument("--request-timeout", type=float, default=60.0, help="seconds one request may take (a "
+                        "collapsed point must not eat the GPU time of the rest)")
     parser.add_argument("--kv-cache-mb", type=int, default=20480, help="KV pool of every LM process (MiB)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--deadline", type=float, default=0, help="seconds: start no topology that would end the "

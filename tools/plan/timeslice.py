@@ -39,15 +39,16 @@ class ViTChild:
         self.process = subprocess.Popen([sys.executable, "-m", "tools.plan.timeslice", *args], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True, env=env)
 
-    def _expect(self) -> str:
-        line = self.process.stdout.readline().strip()
-        if not line:
-            raise RuntimeError(f"the ViT child exited ({self.process.poll()})")
-        return line
+    def _expect(self, ready: bool = False) -> str:
+        """The child's next protocol line (``ready``, or a figure): what else it prints (logs) is skipped."""
+        while line := self.process.stdout.readline():
+            line = line.strip()
+            if line == "ready" if ready else _is_number(line):
+                return line
+        raise RuntimeError(f"the ViT child exited ({self.process.poll()})")
 
     def wait_ready(self) -> None:
-        if self._expect() != "ready":
-            raise RuntimeError("the ViT child did not get ready")
+        self._expect(ready=True)
 
     def _send(self, command: str) -> None:
         self.process.stdin.write(command + "\n")
@@ -63,12 +64,8 @@ class ViTChild:
         """(the child's ms per forward, ``fn``'s ms per call) with both running."""
         self._send("go")
         time.sleep(0.05)  # its loop under way
-        start, calls = time.perf_counter(), 0
-        while time.perf_counter() - start < seconds:
-            fn()
-            sync()
-            calls += 1
-        mine = (time.perf_counter() - start) / calls * 1e3
+        start = time.perf_counter()
+        mine = loop_ms(fn, sync, seconds)
         time.sleep(max(0.0, seconds * 1.1 - (time.perf_counter() - start)))  # its measuring window is over too
         self._send("stop")
         return float(self._expect()), mine
@@ -81,6 +78,24 @@ class ViTChild:
             except (OSError, subprocess.TimeoutExpired):
                 self.process.kill()
                 self.process.wait()
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def loop_ms(fn: Callable[[], object], sync: Callable[[], None], seconds: float) -> float:
+    """ms per call of ``fn`` (synchronised each time) over a loop of at least ``seconds``."""
+    start, calls = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        fn()
+        sync()
+        calls += 1
+    return (time.perf_counter() - start) / calls * 1e3
 
 
 @contextlib.contextmanager
@@ -125,10 +140,10 @@ def measure_timeslice(child: ViTChild, engine, decode_batch: int, prompt: Callab
     vit_alone = child.alone(seconds)
     out = {}
     with engine.decoding(decode_batch, min(1024, engine.engine.max_model_len // 2)) as step:
-        alone = engine.timer.ms(step, repeat=5)
+        alone = loop_ms(step, sync, seconds)
         vit, mine = child.beside(step, sync, seconds)
         out["ts:vit|decode"], out["ts:decode|vit"] = vit / vit_alone, mine / alone
-    alone = engine.timer.ms(prompt, repeat=2)
+    alone = loop_ms(prompt, sync, seconds)
     vit, mine = child.beside(prompt, sync, seconds)
     out["ts:vit|prefill"], out["ts:prefill|vit"] = vit / vit_alone, mine / alone
     return out
