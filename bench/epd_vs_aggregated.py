@@ -20,8 +20,9 @@ Topologies (`tools/plan/layouts.py` names them and gives their `epd up` flags):
 The run:
 1. floor: `python -m tools.plan.floor` measures, in-process on the GPU, every request shape's own compute,
    each part alone: the frontend's decode of its images, one ViT forward over them, the prefill of its
-   prompt (and the decode steps, and how a ViT and the language model slow each other side by side).
-   A request's floor is media + ViT + prefill. The same numbers are `epd plan`'s costs.
+   prompt (and the decode steps, and how a ViT and the language model slow each other on one GPU: two
+   streams of a process, as under MPS, and two processes, time-sliced). A request's floor is media +
+   ViT + prefill. The same numbers are `epd plan`'s costs.
 2. rates: a workload's capacity is the request rate one GPU would sustain doing nothing but that
    compute (`Planner.capacity`); its points are fractions of it (`--quick`: 0.5, and 0.8 too for
    image-heavy; else 0.25/0.5/0.75/0.9), the same rates for every topology.
@@ -36,11 +37,17 @@ The run:
    fixed costs calibrated from its own unloaded TTFT (measured minus the model's no-load TTFT, per
    request class); the plan's pick is its lowest predicted TTFT.
 5. results.md (a table per workload, floor and unloaded rows beside the loaded ones; the plan against
-   the measurements; the issue's targets measured/target/met), results.json, latency_vs_rate.png.
+   the measurements; the issue's targets measured/target/met), results.json, latency_vs_rate.png —
+   rewritten after every topology, so a run cut short keeps what it measured.
 
-    python bench/epd_vs_aggregated.py --quick --out $OUT/eva            # every workload and topology
+Every topology on one GPU takes longer than one 10-minute call (`--dry-run` estimates it and proposes a
+split): run some topologies, then the rest with `--floor` from the first run (the same rates), and merge
+the two with `--report-from` (no GPU needed; it also re-predicts with today's planner).
+
     python bench/epd_vs_aggregated.py --quick --dry-run                  # what would run, how long
-    python bench/epd_vs_aggregated.py --report-from a/results.json b/results.json --out merged/
+    python bench/epd_vs_aggregated.py --quick --topologies aggregated,E/PD+MPS,E/P/D+MPS --deadline 560 --out A
+    python bench/epd_vs_aggregated.py --quick --topologies E/PD,E/P/D --floor A/results.json --out B
+    python bench/epd_vs_aggregated.py --report-from A/results.json B/results.json --out merged/
     python bench/epd_vs_aggregated.py --tiny --out /tmp/smoke            # CPU: the same path, tiny model
 """
 
