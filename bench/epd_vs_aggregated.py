@@ -194,6 +194,12 @@ class Floor:
         self.rows = {(r["resolution"], r["input_len"], r["images"]): r for r in data["shapes"]}
         self.costs = {res: Costs.from_json(c) for res, c in data["costs"].items()}
 
+    def missing(self, w: dict) -> list[str]:
+        """The workload's request shapes this floor has not measured (a floor from another run's workloads)."""
+        counts = {0, *Workload(**w).image_counts()}
+        return [f"{n} x {w['image_resolution']}, {w['input_len']} in" for n in sorted(counts)
+                if (w["image_resolution"], w["input_len"], n) not in self.rows]
+
     def of(self, w: dict, images: int) -> dict:
         return self.rows[(w["image_resolution"], w["input_len"], images)]
 
@@ -786,6 +792,9 @@ def main(argv=None) -> int:
     if args.floor:  # a floor.json, or an earlier run's results.json (its floor)
         data = json.loads(Path(args.floor).read_text())
         floor = Floor(data.get("floor", data), args.transport)
+        if missing := [shape for case in cases for shape in floor.missing(case_workload(case, args.tiny))]:
+            raise SystemExit(f"--floor {args.floor} did not measure {', '.join(missing)}: take the floor of a run "
+                             "with these workloads (and --tiny alike)")
     if args.dry_run:
         return dry_run(args, chosen, classes, points(args, cases, floor), floor)
     args.started = time.monotonic()
