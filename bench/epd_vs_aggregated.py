@@ -1,153 +1,261 @@
 #!/usr/bin/env python3
-"""EPD against the aggregated baseline, same engine and model code, one run: a request-rate sweep per
-workload and topology, one markdown table, one plot, and `epd plan`'s predicted mean TTFT beside the
-measured one.
+"""Every topology against its floor, one run: each workload at rates set from its floor, each topology
+started once with every point on it, `epd plan`'s prediction beside every measurement.
 
-Workloads (Qwen2.5-VL-7B architecture by default, `--model qwen3-vl-30b-a3b` for the MoE model the
-references run EPD on; `--load-format dummy`, output forced with ignore_eos):
+Workloads (Qwen2.5-VL-7B architecture, `--load-format dummy`, output forced with ignore_eos; JPEG images):
   image-heavy   1-8 x 1080p images (uniform), 128 text tokens in, 256 out
   mixed         50 % text only, 50 % 1-4 x 1080p; 128 in, 128 out
   image-light   1 x 1080p, 128 in, 1024 out
+  dynamo-1024   NVIDIA Dynamo's shape: 10 x 448x448 (258 tokens each), 128 in, 1024 out
+  dynamo-128    the same requests, 128 out
+  dynamo-mix    Dynamo's 50:50 mix: 50 % text only, 50 % 10 x 448x448; 128 in, 128 out
 
-Topologies, by the GPUs visible (rates are scaled by the GPU count: every topology uses all of them):
-  1 GPU    aggregated; colocated (encoder, prefill and decode processes sharing the GPU)
-  2 GPUs   aggregated x2; colocated x2 (an encoder, a prefill and a decode process on each GPU);
-           disaggregated: the encoder on GPU 1, prefill + decode on GPU 0
-  3+ GPUs  aggregated xN; colocated xN; disaggregated: encoders on GPUs 2.., prefill on GPU 0, decode on GPU 1
+Topologies (`tools/plan/layouts.py` names them and gives their `epd up` flags):
+  1 GPU    aggregated (ViT, prefill, decode in one engine thread); E/PD and E/PD+MPS (an encoder beside a
+           language worker that prefills and decodes, time-sliced or under CUDA MPS); E/P/D and E/P/D+MPS
+           (an encoder, a prefill and a decode worker)
+  N GPUs   aggregated xN, E/PD xN+MPS, E/P/D xN+MPS, and encoders on GPUs of their own (E/PD disagg, E/P/D
+           disagg: P+D sharing GPU 0 on two GPUs, P on GPU 0 and D on GPU 1 on more)
 
-Each stack is started with `python -m launcher.cli up` (a subprocess, like a user would) and driven over
-HTTP only by `epd bench`'s load generator. Every LM process gets the same KV pool (`--kv-cache-mb`):
-processes that share a GPU start at the same time, and a pool sized from free memory would race.
+The run:
+1. floor: `python -m tools.plan.floor` measures, in-process on the GPU, every request shape's own compute,
+   each part alone: the frontend's decode of its images, one ViT forward over them, the prefill of its
+   prompt (and the decode steps, and how a ViT and the language model slow each other on one GPU: two
+   streams of a process, as under MPS, and two processes, time-sliced). A request's floor is media +
+   ViT + prefill. The same numbers are `epd plan`'s costs.
+2. rates: a workload's capacity is the request rate one GPU would sustain doing nothing but that
+   compute (`Planner.capacity`); its points are fractions of it (`--quick`: 0.5, and 0.8 too for
+   image-heavy; else 0.25/0.5/0.75/0.9), the same rates for every topology.
+3. per topology, one `epd up`: unloaded TTFT (warm stack, one request at a time, 5 per request class:
+   text, and each workload's image requests, 4 tokens out: TTFT alone does not depend on the output
+   length), then every loaded point (Poisson arrivals for `--seconds`, each point its own images: no
+   cache hits across points). Per point: TTFT mean/p99, ITL p99 (pooled gaps), TPOT, achieved req/s,
+   goodput at the SLO (TTFT <= 2 s and each request's own p99 inter-token gap <= 100 ms), failed, and
+   resumed requests (the stack's `request.resume` log lines); the frontend's stage means (media / encode /
+   to first token) and the encoders' own split (ViT queue / forward, pixel pull / job encode, per image).
+4. `epd plan`: each point predicted for every topology from the floor's costs, with each topology's
+   fixed costs calibrated from its own unloaded TTFT (measured minus the model's no-load TTFT, per
+   request class); the plan's pick is its lowest predicted TTFT.
+5. results.md (a table per workload, floor and unloaded rows beside the loaded ones; the plan against
+   the measurements; the issue's targets measured/target/met), results.json, latency_vs_rate.png —
+   rewritten after every topology, so a run cut short keeps what it measured.
 
-    python bench/epd_vs_aggregated.py --out results/ [--quick] [--gpus N] [--model qwen3-vl-30b-a3b]
-    python bench/epd_vs_aggregated.py --out /tmp/smoke --tiny      # CPU smoke test, built-in tiny model
+Every topology on one GPU takes longer than one 10-minute call (`--dry-run` estimates it and proposes a
+split): run some topologies, then the rest with `--floor` from the first run (the same rates), and merge
+the two with `--report-from` (no GPU needed; it also re-predicts with today's planner).
+
+    python bench/epd_vs_aggregated.py --quick --dry-run                  # what would run, how long
+    python bench/epd_vs_aggregated.py --quick --topologies aggregated,E/PD+MPS,E/P/D+MPS --deadline 560 --out A
+    python bench/epd_vs_aggregated.py --quick --topologies E/PD,E/P/D --floor A/results.json --out B
+    python bench/epd_vs_aggregated.py --report-from A/results.json B/results.json --out merged/
+    python bench/epd_vs_aggregated.py --tiny --out /tmp/smoke            # CPU: the same path, tiny model
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
+import math
 import os
-import platform
-import re
-import shutil
-import signal
 import subprocess
 import sys
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass
-from importlib import metadata
+from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from shared.model.presets import PRESETS  # noqa: E402
-from tools.plan.costs import Costs  # noqa: E402
-from tools.plan.plan import Layout, Planner, traffic  # noqa: E402
-from tools.bench.plot import plot  # noqa: E402
-from tools.bench.runner import bench  # noqa: E402
+from tools.bench import scrape  # noqa: E402
+from tools.bench.environment import hardware, versions, visible_gpus  # noqa: E402,F401 - other scripts import them here
+from tools.bench.measure import StackMeter, as_result  # noqa: E402
+from tools.bench.metrics import Slo, summarize  # noqa: E402
 from tools.bench.settings import BenchSettings, Workload  # noqa: E402
+from tools.bench.stack import StackProcess  # noqa: E402
+from tools.bench.tables import HEADER, ms, ordered_labels, row_text, stages  # noqa: E402
+from tools.plan.costs import Costs  # noqa: E402
+from tools.plan.layouts import Layout, bench_layouts  # noqa: E402
+from tools.plan.model import Planner, Prediction, traffic  # noqa: E402
+from tools.plan.plan import json_default, recommend  # noqa: E402
 
 
 @dataclass(frozen=True)
 class Case:
     name: str
     workload: dict  # Workload fields
-    rates: tuple[float, ...]  # per GPU
-    quick_rates: tuple[float, ...]
 
 
 CASES = [
     Case("image-heavy", dict(image_count=8, random_image_count=True, image_resolution="1080p", input_len=128,
-                             output_len=256), (0.5, 1.0, 1.5, 2.0, 2.5), (0.75, 1.5, 2.5)),
+                             output_len=256)),
     Case("mixed", dict(image_count=4, random_image_count=True, text_ratio=0.5, image_resolution="1080p",
-                       input_len=128, output_len=128), (1.0, 2.0, 4.0, 6.0), (3.0,)),
-    Case("image-light", dict(image_count=1, image_resolution="1080p", input_len=128, output_len=1024),
-         (1.0, 2.0, 4.0, 8.0), (2.0,)),
+                       input_len=128, output_len=128)),
+    Case("image-light", dict(image_count=1, image_resolution="1080p", input_len=128, output_len=1024)),
+    Case("dynamo-1024", dict(image_count=10, image_resolution="448x448", input_len=128, output_len=1024)),
+    Case("dynamo-128", dict(image_count=10, image_resolution="448x448", input_len=128, output_len=128)),
+    Case("dynamo-mix", dict(image_count=10, text_ratio=0.5, image_resolution="448x448", input_len=128,
+                            output_len=128)),
 ]
-TINY = dict(image_resolution="224x224", input_len=32)  # and counts/outputs cut down, below
+TINY_RESOLUTION = {"1080p": "224x224", "448x448": "112x112"}  # two sizes still: costs are per resolution
+SLO = Slo(ttft_ms=2000, itl_ms=100)
+UNLOADED_TOKENS = 4
+QUICK_FRACTIONS = {"image-heavy": (0.5, 0.8)}  # others: (0.5,)
+FULL_FRACTIONS = (0.25, 0.5, 0.75, 0.9)
+TIE = 0.10  # the plan's pick counts as the measured best when its measured TTFT is within this of the best
+
+
+def case_workload(case: Case, tiny: bool) -> dict:
+    if not tiny:
+        return dict(case.workload)
+    out = dict(case.workload)
+    out.update(image_resolution=TINY_RESOLUTION[out["image_resolution"]], input_len=32,
+               image_count=min(out["image_count"], 3), output_len=max(4, out["output_len"] // 64))
+    return out
 
 
 @dataclass(frozen=True)
 class Topology:
     label: str
+    layout: Layout
     args: tuple[str, ...]  # to `epd up`
-    layout: Layout  # the planner's view of it
 
 
-def topologies(gpus: int) -> list[Topology]:
-    if gpus <= 1:
-        return [Topology("aggregated", ("--topology", "aggregated"), Layout("aggregated", 1)),
-                Topology("colocated", ("--topology", "colocated"), Layout("colocated", 1))]
-    every = ",".join(str(g) for g in range(gpus))
-    if gpus == 2:
-        epd = Topology("disaggregated", ("--encoder-gpus", "1", "--prefill-gpus", "0", "--decode-gpus", "0"),
-                       Layout("disaggregated", 2, 1, shared_lm=True))
+def topologies(gpus: int, tiny: bool) -> list[Topology]:
+    return [Topology(layout.label(), layout, tuple(layout.up_args("auto" if tiny else "on")))
+            for layout in bench_layouts(max(1, gpus))]
+
+
+# -- request classes measured unloaded --------------------------------------------------------------------
+@dataclass(frozen=True)
+class RequestClass:
+    """Requests of one kind, sent one at a time: text only, or one workload's image requests."""
+
+    key: str
+    workload: dict
+
+
+def request_classes(cases: list[Case], tiny: bool) -> list[RequestClass]:
+    out: dict[str, RequestClass] = {}
+    for case in cases:
+        w = case_workload(case, tiny)
+        if w.get("text_ratio", 0) > 0:
+            key = f"text {w['input_len']}"
+            out.setdefault(key, RequestClass(key, {**w, "image_count": 0, "text_ratio": 0,
+                                                   "random_image_count": False}))
+        if w.get("text_ratio", 0) < 1 and w["image_count"]:
+            key = image_class(w)
+            out.setdefault(key, RequestClass(key, {**w, "text_ratio": 0}))
+    return list(out.values())
+
+
+def image_class(w: dict) -> str:
+    counts = f"1-{w['image_count']}" if w.get("random_image_count") else str(w["image_count"])
+    return f"{counts} x {w['image_resolution']}, {w['input_len']} in"
+
+
+def class_keys(w: dict) -> dict[str, str]:
+    """{"text"/"image": request-class key} of a workload's requests."""
+    keys = {}
+    if w.get("text_ratio", 0) > 0:
+        keys["text"] = f"text {w['input_len']}"
+    if w.get("text_ratio", 0) < 1 and w["image_count"]:
+        keys["image"] = image_class(w)
+    return keys
+
+
+# -- the floor --------------------------------------------------------------------------------------------
+def measure_floor(args, cases: list[Case], out: Path) -> dict:
+    shapes = [case_workload(c, args.tiny) for c in cases]
+    cmd = [sys.executable, "-m", "tools.plan.floor", "--shapes", json.dumps(shapes), "--out", str(out)]
+    if args.tiny:
+        cmd += ["--max-model-len", "1024", "--decode-batch", "4", "--kv-cache-mb", "64", "--corun-seconds", "0.2"]
     else:
-        encoders = ",".join(str(g) for g in range(2, gpus))
-        epd = Topology("disaggregated", ("--encoders", str(gpus - 2), "--encoder-gpus", encoders,
-                                         "--prefill-gpus", "0", "--decode-gpus", "1"),
-                       Layout("disaggregated", gpus, gpus - 2, 1, 1))
-    # every GPU runs an encoder, a prefill and a decode process: the LM capacity of aggregated, with
-    # images encoded in processes of their own
-    colocated = Topology(f"colocated x{gpus}", ("--encoders", str(gpus), "--prefills", str(gpus), "--decodes", str(gpus),
-                                               "--encoder-gpus", every, "--prefill-gpus", every, "--decode-gpus", every),
-                         Layout("colocated", gpus))
-    return [Topology(f"aggregated x{gpus}", ("--topology", "aggregated", "--aggregated", str(gpus), "--gpus", every),
-                     Layout("aggregated", gpus)), colocated, epd]
+        cmd += ["--model", args.model, "--load-format", "dummy", "--max-model-len", "32768"]
+    print("floor:", " ".join(cmd[:3]), "...", flush=True)
+    subprocess.run(cmd, cwd=ROOT, env=child_env(args.tiny), check=True)
+    return json.loads(out.read_text())
 
 
-class StackProcess:
-    """`python -m launcher.cli up` in a subprocess; its log is drained by a thread (a full pipe would block it)."""
+# Data-plane bandwidth between two processes of one GPU (docs/benchmarks.md): UCX GPU to GPU (cuda_ipc),
+# ZMQ through host memory; what the planner charges for moving a request's embeddings.
+DATA_PLANE_GBS = {"ucx": 20.0, "zmq": 1.7}
 
-    def __init__(self, args: list[str], env: dict[str, str]):
-        self.process = subprocess.Popen([sys.executable, "-m", "launcher.cli", "up", "--port", "0", *args],
-                                        cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
-                                        start_new_session=True)
-        self.tail: deque[str] = deque(maxlen=40)
-        self.api = ""
-        self.ready = threading.Event()
-        threading.Thread(target=self._drain, daemon=True).start()
 
-    def _drain(self) -> None:
-        for line in self.process.stderr:
-            self.tail.append(line.rstrip())
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            if event.get("event") == "stack.ready":
-                self.api = event["api"]
-                self.ready.set()
-        self.ready.set()
+class Floor:
+    """A request's floor from the floor file: media + ViT + prefill of its shape; and the planner on the
+    same costs."""
 
-    def wait_ready(self, timeout: float) -> str:
-        self.ready.wait(timeout)
-        if not self.api:
-            self.stop()
-            raise RuntimeError("stack did not come up:\n" + "\n".join(self.tail))
-        return self.api
+    def __init__(self, data: dict, transport: str = "zmq"):
+        self.data = data
+        self.transport = transport
+        self.rows = {(r["resolution"], r["input_len"], r["images"]): r for r in data["shapes"]}
+        self.costs = {res: Costs.from_json(c) for res, c in data["costs"].items()}
 
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(90)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+    def missing(self, w: dict) -> list[str]:
+        """The workload's request shapes this floor has not measured (a floor from another run's workloads)."""
+        counts = {0, *Workload(**w).image_counts()}
+        return [f"{n} x {w['image_resolution']}, {w['input_len']} in" for n in sorted(counts)
+                if (w["image_resolution"], w["input_len"], n) not in self.rows]
+
+    def of(self, w: dict, images: int) -> dict:
+        return self.rows[(w["image_resolution"], w["input_len"], images)]
+
+    def mean(self, w: dict, requests: list[dict]) -> dict[str, float]:
+        """Mean floor parts over these requests (each by its image count)."""
+        rows = [self.of(w, r["images"]) for r in requests]
+        if not rows:
+            return {}
+        return {k: sum(r[k] for r in rows) / len(rows) for k in ("media_ms", "vit_ms", "prefill_ms", "floor_ms")}
+
+    def expected(self, w: dict) -> dict[str, float]:
+        """Mean floor parts over the workload's distribution of requests."""
+        t = traffic(Workload(**w), 1.0)
+        return {k: sum(p * self.of(w, n)[k] for p, n in t.classes())
+                for k in ("media_ms", "vit_ms", "prefill_ms", "floor_ms")}
+
+    def planner(self, w: dict) -> Planner:
+        return Planner(self.costs[w["image_resolution"]], DATA_PLANE_GBS.get(self.transport, 1.7),
+                       self.data.get("hidden_bytes", 0))
+
+    def capacity(self, w: dict) -> float:
+        return self.planner(w).capacity(traffic(Workload(**w), 1.0))
+
+
+def rates_of(args, case: Case, floor: Floor | None) -> list[tuple[float | None, float]]:
+    """[(fraction of capacity or None, rate)] of a workload's points."""
+    if args.rates:
+        return [(None, float(r)) for r in args.rates.split(",")]
+    fractions = [float(f) for f in args.fractions.split(",")] if args.fractions else \
+        QUICK_FRACTIONS.get(case.name, (0.5,)) if args.quick or args.tiny else FULL_FRACTIONS
+    capacity = floor.capacity(case_workload(case, args.tiny)) if floor else NOMINAL_CAPACITY[case.name]
+    return [(f, round_rate(f * capacity * max(1, args.gpus))) for f in fractions]
+
+
+def round_rate(rate: float) -> float:
+    return float(f"{rate:.2g}")
+
+
+# Capacities (req/s, one H200) estimated from BASELINES.md's costs, only for --dry-run without --floor.
+NOMINAL_CAPACITY = {"image-heavy": 1.8, "mixed": 6.5, "image-light": 6.0, "dynamo-1024": 5.0, "dynamo-128": 9.0,
+                    "dynamo-mix": 16.0}
+
+
+# -- one topology ------------------------------------------------------------------------------------------
+def child_env(tiny: bool) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_") or k == "EPD_CACHE_DIR"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    if tiny:  # a dozen CPU processes: torch's intra-op threads would spin against each other (100x slower)
+        env.setdefault("OMP_NUM_THREADS", "1")
+    return env
 
 
 def stack_env(args) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
-    env.update(EPD_LOG_FORMAT="json", EPD_LOG_LEVEL="info", EPD_TRANSPORT=args.transport,
-               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
+    env = child_env(args.tiny)
+    env.update(EPD_LOG_FORMAT="json", EPD_LOG_LEVEL="info", EPD_TRANSPORT=args.transport)
     if not args.tiny:
         env.update(EPD_MODEL=args.model, EPD_LOAD_FORMAT="dummy", EPD_KV_CACHE_MB=str(args.kv_cache_mb),
                    EPD_MAX_MODEL_LEN="32768")
@@ -156,212 +264,555 @@ def stack_env(args) -> dict[str, str]:
     return env
 
 
-def case_workload(case: Case, tiny: bool) -> dict:
-    if not tiny:
-        return dict(case.workload)
-    out = {**case.workload, **TINY}
-    out["image_count"] = min(out["image_count"], 3)
-    out["output_len"] = max(8, out["output_len"] // 32)
+@dataclass(frozen=True)
+class Point:
+    case: Case
+    fraction: float | None
+    rate: float
+    seed: int
+
+
+class TopologyRun:
+    """Everything measured on one stack: its unloaded request classes, then its loaded points."""
+
+    def __init__(self, args, topology: Topology, stack: StackProcess, tokenizer: str):
+        self.args, self.topology, self.tokenizer = args, topology, tokenizer
+        self.meter = StackMeter(stack)
+        self.timings: dict[str, float] = {}
+        self.errors: list[str] = []
+
+    async def run(self, classes: list[RequestClass], points: list[Point]) -> tuple[list[dict], list[dict]]:
+        await self.meter.start()
+        unloaded, warm = [], set()
+        for number, cls in enumerate(classes):
+            started = time.monotonic()
+            shape = cls.workload["image_resolution"] if cls.workload["image_count"] else "text"
+            if shape not in warm:  # warm-up: the stack's first request of this resolution
+                warm.add(shape)
+                await self.meter.measure(self._settings(cls.workload, self.args.seed + 10_000 + 2 * number, 1,
+                                                        math.inf, UNLOADED_TOKENS), details=False)
+            prompts = 2 if self.args.tiny else self.args.unloaded
+            record = await self.meter.measure(self._settings(cls.workload, self.args.seed + 10_001 + 2 * number,
+                                                             prompts, math.inf, UNLOADED_TOKENS))
+            record.update(request_class=cls.key, topology=self.topology.label)
+            self.timings[f"unloaded {cls.key}"] = time.monotonic() - started
+            unloaded.append(record)
+            print(f"  unloaded {cls.key}: TTFT {record['summary']['ttft_ms']['mean']:.0f} ms "
+                  f"(stages {stages(record['stages_ms'])})", flush=True)
+        runs = []
+        for point in points:
+            started = time.monotonic()
+            prompts = 3 if self.args.tiny else max(self.args.min_prompts, min(150, round(point.rate * self.args.seconds)))
+            try:
+                record = await self.meter.measure(self._settings(case_workload(point.case, self.args.tiny),
+                                                                 point.seed, prompts, point.rate))
+            except Exception as err:  # e.g. the frontend gone: the other points may still run
+                self.errors.append(f"{point.case.name} @ {point.rate:g}: {type(err).__name__}: {err}"[:500])
+                print(f"  {self.errors[-1]}", flush=True)
+                continue
+            record.update(workload=point.case.name, topology=self.topology.label, fraction=point.fraction)
+            self.timings[f"{point.case.name} @ {point.rate:g}"] = time.monotonic() - started
+            runs.append(record)
+            print(row_text(record), flush=True)
+        return unloaded, runs
+
+    def _settings(self, w: dict, seed: int, prompts: int, rate: float, tokens: int | None = None) -> BenchSettings:
+        """A point: Poisson arrivals at ``rate``, or (inf) one request at a time, ``tokens`` out if given."""
+        workload = dict(w) if tokens is None else {**w, "output_len": tokens}
+        return BenchSettings(base_url=self.meter.stack.api, label=self.topology.label, num_prompts=prompts,
+                             request_rate=rate, max_concurrency=1 if math.isinf(rate) else 0, seed=seed, warmup=0,
+                             tokenizer=self.tokenizer, progress=False, timeout=self.args.request_timeout,
+                             slo_ttft=SLO.ttft_ms, slo_tpot=SLO.tpot_ms, slo_itl=SLO.itl_ms, **workload)
+
+
+def sweep(args, chosen: list[Topology], classes: list[RequestClass], todo: list[Point], tokenizer: str,
+          checkpoint) -> tuple[list, list, list]:
+    """Each topology's stack started once, measured, stopped, and ``checkpoint(unloaded, runs, stacks)``
+    called after each (so a run cut short keeps what it measured). With ``--deadline``, a topology is not
+    started when the previous one's time would take the run past it. Tiny: every stack is started at
+    once up front and stopped in the background (CPU smoke runs are dominated by process start-up)."""
+    unloaded, runs, stacks_info = [], [], []
+    env = stack_env(args)
+    started: dict[str, tuple[StackProcess, float]] = {}
+    if args.tiny:
+        started = {t.label: (StackProcess(list(t.args), env, ROOT), time.monotonic()) for t in chosen}
+    stoppers, last = [], 0.0
+    for topology in chosen:
+        info = {"topology": topology.label, "args": list(topology.args), "layout": asdict(topology.layout)}
+        stacks_info.append(info)
+        if args.deadline and time.monotonic() - args.started + last > args.deadline:
+            info["error"] = f"skipped: the previous topology took {last:.0f} s and --deadline is {args.deadline:g} s"
+            print(f"## {topology.label} {info['error']}", flush=True)
+            continue
+        stack, t0 = started.pop(topology.label, None) or (StackProcess(list(topology.args), env, ROOT),
+                                                          time.monotonic())
+        try:
+            api = stack.wait_ready(900)
+            info.update(ready=stack.ready_event, start_s=time.monotonic() - t0)
+            print(f"\n## {topology.label}: {api} (mps={stack.ready_event.get('mps')}, "
+                  f"up in {info['start_s']:.0f} s)", flush=True)
+            measured = TopologyRun(args, topology, stack, tokenizer)
+            u, r = asyncio.run(measured.run(classes, todo))
+            unloaded += u
+            runs += r
+            info["timings_s"] = measured.timings
+            if measured.errors:
+                info["point_errors"] = measured.errors
+        except Exception as err:  # one topology failing must not cost the others their GPU time
+            info["error"] = f"{type(err).__name__}: {err}"[:3000]
+            print(f"## {topology.label} failed: {info['error']}", flush=True)
+        finally:
+            stopper = threading.Thread(target=stack.stop, daemon=True)
+            stopper.start()
+            if not args.tiny:
+                stopper.join()
+            stoppers.append(stopper)
+        last = time.monotonic() - t0
+        info["total_s"] = last
+        checkpoint(unloaded, runs, stacks_info)
+    for stopper in stoppers:
+        stopper.join()
+    return unloaded, runs, stacks_info
+
+
+# -- the plan against the measurements ---------------------------------------------------------------------
+def overheads(floor: Floor, unloaded: list[dict], topology: Topology, w: dict):
+    """images → seconds this stack adds to a request beyond the model's no-load TTFT, from its unloaded
+    requests: the median over text ones; over image ones of this resolution a line o0 + o1·images (the
+    per-image fixed costs: jobs, pulls, replies), fitted robustly (one slow request must not tilt it)."""
+    planner = floor.planner(w)
+    samples: dict[str, list[tuple[int, float]]] = {"text": [], "image": []}
+    for record in unloaded:
+        if record["topology"] != topology.label:
+            continue
+        cw = record["config"]
+        if cw["image_count"] and cw["image_resolution"] != w["image_resolution"]:
+            continue
+        t = traffic(Workload(**{k: cw[k] for k in Workload.model_fields}), 1e-9)
+        base = planner.predict(topology.layout, t).ttft_by_images_ms
+        for r in record["requests"]:
+            if r["ok"] and r["images"] in base:
+                samples["text" if r["images"] == 0 else "image"].append((r["images"],
+                                                                         r["ttft"] - base[r["images"]] / 1e3))
+    text = _median([y for _, y in samples["text"]]) if samples["text"] else 0.0
+    o0, o1 = theil_sen(samples["image"])
+    return lambda n: text if n == 0 else o0 + o1 * n
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def theil_sen(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(intercept, slope ≥ 0) of the median line through ``points``: the slope is the median of the
+    pairwise slopes, the intercept the median residual; one distinct x gives a flat line."""
+    if not points:
+        return 0.0, 0.0
+    slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(points) for x2, y2 in points[i + 1:] if x2 != x1]
+    slope = max(0.0, _median(slopes)) if slopes else 0.0
+    return _median([y - slope * x for x, y in points]), slope
+
+
+def plan_points(floor: Floor, runs: list[dict], unloaded: list[dict], chosen: list[Topology], tiny: bool) -> list[dict]:
+    """Per point: each measured topology's predicted TTFT (calibrated, and the bare model's), the plan's
+    pick among them, the measured best; the predictions are also written into the runs."""
+    by_label = {t.label: t for t in chosen}
+    out = []
+    for case in CASES:
+        w = case_workload(case, tiny)
+        planner = floor.planner(w)
+        for rate in sorted({r["request_rate"] for r in runs if r["workload"] == case.name}):
+            here = [r for r in runs if r["workload"] == case.name and r["request_rate"] == rate]
+            t = traffic(Workload(**w), rate)
+            predictions: dict[str, Prediction] = {}
+            for r in here:
+                topology = by_label[r["topology"]]
+                predictions[topology.label] = planner.predict(topology.layout, t,
+                                                              overheads(floor, unloaded, topology, w))
+                r["predicted_ttft_ms"] = predictions[topology.label].ttft_ms
+                r["predicted_model_ttft_ms"] = planner.predict(topology.layout, t).ttft_ms
+            pick = recommend(list(predictions.values()), {label: by_label[label].layout for label in predictions})
+            measured = best_run(here)
+            entry = {"workload": case.name, "rate": rate, "fraction": here[0].get("fraction"),
+                     "plan_pick": pick.layout if pick else None,
+                     "measured_best": measured["topology"] if measured else None,
+                     "measured_best_ttft_ms": measured["summary"]["ttft_ms"]["mean"] if measured else None,
+                     "predictions": {r["topology"]: {"ttft_ms": r["predicted_ttft_ms"],
+                                                     "model_ttft_ms": r["predicted_model_ttft_ms"],
+                                                     "tpot_ms": predictions[r["topology"]].tpot_ms,
+                                                     "by_images_ms": predictions[r["topology"]].ttft_by_images_ms}
+                                     for r in here}}
+            if measured and pick:
+                picked = next(r for r in here if r["topology"] == pick.layout)["summary"]["ttft_ms"]["mean"]
+                best_ms = entry["measured_best_ttft_ms"]
+                entry["pick_right"] = pick.layout == measured["topology"] or picked <= (1 + TIE) * best_ms
+                predicted = predictions[measured["topology"]].ttft_ms
+                entry["prediction_error"] = predicted / best_ms - 1 if math.isfinite(predicted) else None
+            out.append(entry)
     return out
 
 
-def tokenizer_dir(tiny: bool, model: str) -> str:
+def best_run(runs: list[dict], among=None) -> dict | None:
+    """The run with the lowest mean TTFT, among those that lost no request (if any did not)."""
+    candidates = [r for r in runs if among is None or r["topology"] in among]
+    clean = [r for r in candidates if r["summary"]["failed"] == 0 and r["summary"]["completed"]] or \
+        [r for r in candidates if r["summary"]["completed"]]
+    return min(clean, key=lambda r: r["summary"]["ttft_ms"]["mean"]) if clean else None
+
+
+# -- targets -----------------------------------------------------------------------------------------------
+def targets(runs: list[dict], plan: list[dict]) -> list[dict]:
+    out = []
+
+    def add(name: str, measured: str, target: str, met: bool | None) -> None:
+        out.append({"target": name, "measured": measured, "target_value": target, "met": met})
+
+    epd = lambda r: not r["topology"].startswith("aggregated")  # noqa: E731
+    for case in CASES:
+        half = [r for r in runs if r["workload"] == case.name and r.get("fraction") == 0.5]
+        best = best_run(half)
+        if best and best.get("floor_ms"):
+            ratio = best["summary"]["ttft_ms"]["mean"] / best["floor_ms"]["floor_ms"]
+            f = best["floor_ms"]
+            add(f"{case.name} @ 50 % ({best['request_rate']:g} req/s): best mean TTFT ≤ 1.5× floor",
+                f"{best['topology']}: {best['summary']['ttft_ms']['mean']:.0f} ms = {ratio:.2f}× floor "
+                f"{f['floor_ms']:.0f} ms; stages media / encode / to first token {stages(best['stages_ms'])} against "
+                f"media / ViT / prefill {f['media_ms']:.0f} / {f['vit_ms']:.0f} / {f['prefill_ms']:.0f}",
+                "≤ 1.5×", ratio <= 1.5)
+    half = [r for r in runs if r["workload"] == "dynamo-1024" and r.get("fraction") == 0.5]
+    agg, best = best_run([r for r in half if not epd(r)]), best_run([r for r in half if epd(r)])
+    if agg and best:
+        ratio = agg["summary"]["ttft_ms"]["mean"] / best["summary"]["ttft_ms"]["mean"]
+        add("dynamo-1024 @ 50 %: EPD TTFT ≥ 2.5× lower than aggregated (Dynamo: −58 %)",
+            f"aggregated {agg['summary']['ttft_ms']['mean']:.0f} ms / {best['topology']} "
+            f"{best['summary']['ttft_ms']['mean']:.0f} ms = {ratio:.2f}×", "≥ 2.5×", ratio >= 2.5)
+    half = [r for r in runs if r["workload"] == "dynamo-mix" and r.get("fraction") == 0.5]
+    agg, best = best_run([r for r in half if not epd(r)]), best_run([r for r in half if epd(r)])
+    if agg and best and {"text", "image"} <= set(agg["classes"]) & set(best["classes"]):
+        text = [x["classes"]["text"]["ttft_ms"]["mean"] for x in (agg, best)]
+        image = [x["classes"]["image"]["ttft_ms"]["mean"] for x in (agg, best)]
+        add("dynamo-mix @ 50 %: EPD text TTFT ≤ aggregated's (Dynamo: −42 %)",
+            f"{best['topology']} {text[1]:.0f} ms vs aggregated {text[0]:.0f} ms", "≤ aggregated", text[1] <= text[0])
+        cut = 1 - image[1] / image[0]
+        add("dynamo-mix @ 50 %: EPD image TTFT ≥ 31 % lower (Dynamo: −31 %)",
+            f"{best['topology']} {image[1]:.0f} ms vs aggregated {image[0]:.0f} ms = {cut:+.0%} lower",
+            "≥ 31 % lower", cut >= 0.31)
+    for rate in sorted({r["request_rate"] for r in runs if r["workload"] == "image-heavy"}):
+        here = [r for r in runs if r["workload"] == "image-heavy" and r["request_rate"] == rate]
+        agg = next((r for r in here if not epd(r)), None)
+        others = [r for r in here if epd(r)]
+        if agg and others:
+            top = max(others, key=lambda r: r["summary"]["goodput"])
+            add(f"image-heavy @ {rate:g} req/s: EPD goodput ≥ aggregated's",
+                f"{top['topology']} {top['summary']['goodput']:.2f} vs aggregated {agg['summary']['goodput']:.2f} req/s",
+                "≥ aggregated", top["summary"]["goodput"] >= agg["summary"]["goodput"])
+    judged = [p for p in plan if "pick_right" in p]
+    if judged:
+        right = sum(p["pick_right"] for p in judged)
+        add("epd plan names the measured-best layout at every point",
+            f"{right} of {len(judged)} points (a pick within {TIE:.0%} of the best's TTFT counts)",
+            "every point", right == len(judged))
+        close = [p for p in judged if p.get("prediction_error") is not None and abs(p["prediction_error"]) <= 0.25]
+        add("epd plan predicts the measured best's TTFT within 25 %", f"{len(close)} of {len(judged)} points",
+            "every point", len(close) == len(judged))
+    return out
+
+
+# -- tables ------------------------------------------------------------------------------------------------
+def unloaded_row(topology: str, w: dict, unloaded: list[dict]) -> dict | None:
+    """A workload's unloaded figures for one topology: its classes' requests pooled with the workload's
+    text share as weights (means weighted, p99 over the pooled requests)."""
+    keys = class_keys(w)
+    records = {kind: next((u for u in unloaded if u["topology"] == topology and u["request_class"] == key), None)
+               for kind, key in keys.items()}
+    if any(r is None for r in records.values()):
+        return None
+    share = {"text": w.get("text_ratio", 0), "image": 1 - w.get("text_ratio", 0)}
+    results = [as_result(q) for r in records.values() for q in r["requests"]]
+    summary = summarize(results, 1.0)
+    summary["ttft_ms"]["mean"] = sum(share[k] * r["summary"]["ttft_ms"]["mean"] for k, r in records.items())
+    means = {}
+    for stage in ("media", "encode", "first_token"):  # as the frontend's: over the requests that have the stage
+        having = {k: r["stages_ms"][stage] for k, r in records.items() if stage in r["stages_ms"]}
+        if having:
+            means[stage] = sum(share[k] * v for k, v in having.items()) / sum(share[k] for k in having)
+    encoder = {k: records["image"]["encoder_ms"][k] for k in scrape.ENCODER_STAGES
+               if "image" in records and k in records["image"]["encoder_ms"]}
+    parts = next(iter(records.values()))["floor_ms"]
+    floor = {k: sum(share[kind] * r["floor_ms"][k] for kind, r in records.items()) for k in parts}
+    return {"topology": topology, "request_rate": None, "summary": summary,
+            "classes": {k: r["summary"] for k, r in records.items()} if len(records) > 1 else {},
+            "stages_ms": means, "encoder_ms": encoder, "floor_ms": floor,
+            "resumed": sum(r["resumed"] for r in records.values())}
+
+
+def report(meta: dict, floor: Floor, runs: list[dict], unloaded: list[dict], plan: list[dict],
+           goals: list[dict], stacks: list[dict], tiny: bool) -> str:
+    lines = [f"Hardware: {meta['hardware']}", f"Versions: {json.dumps(meta['versions'])}",
+             f"Command: {' '.join(meta['command'])}", f"Wall time: {meta['wall_s']:.0f} s (floor measured in "
+             f"{floor.data.get('seconds', 0):.0f} s)", "",
+             f"SLO for goodput: TTFT ≤ {SLO.ttft_ms:g} ms and each request's own p99 inter-token gap ≤ "
+             f"{SLO.itl_ms:g} ms. ITL p99: over the pooled gaps of a point. Floor: a request's media decode + ViT "
+             "forward + prefill, each measured alone in-process (means over the point's own requests); "
+             f"unloaded: one request at a time on the warm stack ({UNLOADED_TOKENS} tokens out). Rates: "
+             "fractions of the workload's floor capacity (one GPU doing nothing but its compute).", ""]
+    for info in stacks:
+        if "error" in info:
+            lines.append(f"**{info['topology']} did not run**: {info['error'].splitlines()[0]}")
+        for error in info.get("point_errors", []):
+            lines.append(f"**{info['topology']}, point lost**: {error}")
+        if info["topology"].endswith("+MPS") and not info.get("ready", {}).get("mps"):
+            lines.append(f"**{info['topology']} ran without an MPS daemon** (`stack.ready` says mps=false"
+                         + (": no GPU here)" if tiny else ")"))
+    lines.append(f"Transport: {meta.get('transport', '?')}; stacks: " + "; ".join(
+        f"{info['topology']} up in {info.get('start_s', 0):.0f} s" for info in stacks if "start_s" in info))
+    lines += ["", "## Floor", "", "| shape | prompt tokens | media (ms) | ViT (ms) | prefill (ms) | floor (ms) |",
+              "|---|---|---|---|---|---|"]
+    for r in floor.data["shapes"]:
+        lines.append(f"| {r['images']} x {r['resolution']}, {r['input_len']} in | {r['prompt_tokens']} | "
+                     f"{r['media_ms']:.1f} | {r['vit_ms']:.1f} | {r['prefill_ms']:.1f} | {r['floor_ms']:.1f} |")
+    for case in CASES:
+        mine = [r for r in runs if r["workload"] == case.name]
+        if not mine:
+            continue
+        w = case_workload(case, tiny)
+        expected = floor.expected(w)
+        rates = ", ".join(f"{rate:g}" + (f" ({fraction:.0%})" if fraction else "") for rate, fraction in
+                          sorted({(r["request_rate"], r.get("fraction")) for r in mine}))
+        lines += ["", f"## {case.name}: {describe(w)}", "",
+                  f"Floor over the workload's requests: media {expected['media_ms']:.0f} + ViT {expected['vit_ms']:.0f} "
+                  f"+ prefill {expected['prefill_ms']:.0f} = **{expected['floor_ms']:.0f} ms**; capacity "
+                  f"{floor.capacity(w):.2f} req/s per GPU; rates {rates}.", "", HEADER]
+        for topology in ordered_labels(r["topology"] for r in mine):
+            idle = unloaded_row(topology, w, unloaded)
+            if idle:
+                lines.append(row_text(idle))
+            lines += [row_text(r) for r in sorted(mine, key=lambda r: r["request_rate"]) if r["topology"] == topology]
+    lines += ["", "## epd plan against the measurements", "",
+              "| workload | rate (req/s) | measured best (TTFT ms) | plan's pick | right | predicted TTFT of the best (error) "
+              "| every topology: predicted (model alone) / measured (ms) |", "|---|---|---|---|---|---|---|"]
+    for p in plan:
+        measured = {r["topology"]: r["summary"]["ttft_ms"]["mean"] for r in runs
+                    if r["workload"] == p["workload"] and r["request_rate"] == p["rate"]}
+        each = "; ".join(f"{label} {ms(q['ttft_ms'])} ({ms(q['model_ttft_ms'])}) / {ms(measured.get(label))}"
+                         for label, q in p["predictions"].items())
+        best = p["measured_best"]
+        err = p.get("prediction_error")
+        lines.append(f"| {p['workload']} | {p['rate']:g} | {best} ({ms(p['measured_best_ttft_ms'])}) | {p['plan_pick']} "
+                     f"| {'yes' if p.get('pick_right') else 'no'} | "
+                     f"{ms(p['predictions'][best]['ttft_ms']) if best else '-'}"
+                     f"{f' ({err:+.0%})' if err is not None else ''} | {each} |")
+    lines += ["", "## Targets", "", "| target | measured | target | met |", "|---|---|---|---|"]
+    lines += [f"| {g['target']} | {g['measured']} | {g['target_value']} | {'yes' if g['met'] else 'no'} |" for g in goals]
+    return "\n".join(lines) + "\n"
+
+
+def ordered_labels(labels) -> list[str]:
+    """Topology labels in the order the layouts are listed (aggregated first), however the runs were split."""
+    order = [layout.label() for gpus in (1, 2, 3, 4, 8) for layout in bench_layouts(gpus)]
+    unique = list(dict.fromkeys(labels))
+    return sorted(unique, key=lambda label: (order.index(label) if label in order else len(order), unique.index(label)))
+
+
+def describe(w: dict) -> str:
+    images = (f"1-{w['image_count']}" if w.get("random_image_count") else str(w["image_count"])) + \
+        f" x {w['image_resolution']}"
+    text = f"{w['text_ratio']:.0%} text only, the rest " if w.get("text_ratio") else ""
+    return f"{text}{images}; {w['input_len']} text tokens in, {w['output_len']} out"
+
+
+# -- the whole run -----------------------------------------------------------------------------------------
+def tokenizer_dir(tiny: bool, model: str = "qwen2.5-vl-7b") -> str:
     from shared.model.presets import materialize_preset
     from shared.model.tiny import default_tiny_checkpoint
 
     return str(default_tiny_checkpoint() if tiny else materialize_preset(model))
 
 
-def run_plan(args, out: Path) -> dict:
-    """`epd plan` for the heaviest workload (its costs cover the others: same resolution, fewer images)."""
-    heavy = case_workload(CASES[0], args.tiny)
-    cmd = [sys.executable, "-m", "launcher.cli", "plan", "--gpus", str(max(1, args.gpus)), "--out", str(out),
-           "--image-count", str(heavy["image_count"]), "--random-image-count", "--image-resolution",
-           heavy["image_resolution"], "--input-len", str(heavy["input_len"]), "--output-len", str(heavy["output_len"]),
-           "--request-rate", ",".join(str(r * max(1, args.gpus)) for r in CASES[0].quick_rates)]
-    if not args.tiny:
-        cmd += ["--model", args.model, "--load-format", "dummy", "--max-model-len", "32768"]
-    else:
-        cmd += ["--max-model-len", "1024", "--decode-batch", "4"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    subprocess.run(cmd, cwd=ROOT, env={**env, "PYTHONPATH": path}, check=True)
-    return json.loads(out.read_text())
+def chosen_cases(args) -> list[Case]:
+    names = [c.name for c in CASES]
+    wanted = args.workloads.split(",") if args.workloads else names
+    if unknown := set(wanted) - set(names):
+        raise SystemExit(f"unknown workload(s) {', '.join(sorted(unknown))}; choose from {', '.join(names)}")
+    return [c for c in CASES if c.name in wanted]
 
 
-def predicted_ttft(plan: dict, layout: Layout, workload: dict, rate: float) -> float | None:
-    planner = Planner(Costs.from_json(plan["costs"]), plan["data_plane_gbs"], plan["embedding_bytes"])
-    prediction = planner.predict(layout, traffic(Workload(**workload), rate))
-    return prediction.ttft_ms if prediction.stable else None
+def chosen_topologies(args) -> list[Topology]:
+    every = topologies(args.gpus, args.tiny)
+    wanted = args.topologies.split(",") if args.topologies else [t.label for t in every]
+    if unknown := set(wanted) - {t.label for t in every}:
+        raise SystemExit(f"unknown topolog(ies) {', '.join(sorted(unknown))}; on {max(1, args.gpus)} GPU(s): "
+                         f"{', '.join(t.label for t in every)}")
+    return [t for t in every if t.label in wanted]
 
 
-def sweep(args, topology: Topology, plan: dict, tokenizer: str) -> list[dict]:
-    stack = StackProcess(list(topology.args), stack_env(args))
-    runs = []
-    try:
-        api = stack.wait_ready(900)
-        print(f"\n## {topology.label}: {api}", flush=True)
-        chosen = [c for c in CASES if not args.workloads or c.name in args.workloads.split(",")]
-        points = [(case, rate) for case in chosen for rate in rates(args, case)]
-        for number, (case, rate) in enumerate(points):
-            run = measure(args, api, topology, case, rate, tokenizer, seed=args.seed + 100 * number)
-            run["predicted_ttft_ms"] = (predicted_ttft(plan, topology.layout, case_workload(case, args.tiny), rate)
-                                        if plan else None)
-            runs.append(run)
-            print(row(run), flush=True)
-    finally:
-        stack.stop()
-    return runs
-
-
-def measure(args, api: str, topology: Topology, case: Case, rate: float, tokenizer: str, seed: int) -> dict:
-    """One point of the sweep. Each point has its own seed: images never repeat across points, so no
-    embedding cache serves a later point from an earlier one."""
-    if args.num_prompts:
-        prompts = args.num_prompts
-    elif args.tiny:
-        prompts = 4
-    else:
-        seconds, least = (10, 8) if args.quick else (20, 16)
-        prompts = max(least, min(100, round(rate * seconds)))
-    settings = BenchSettings(base_url=api, label=topology.label, num_prompts=prompts, request_rate=rate, seed=seed,
-                             warmup=2, tokenizer=tokenizer, progress=False, timeout=300,
-                             **case_workload(case, args.tiny))
-    run = asyncio.run(bench_with_stages(settings))
-    run.update(workload=case.name, topology=topology.label)
-    return run
-
-
-async def bench_with_stages(settings: BenchSettings) -> dict:
-    """A bench run, plus where its requests' time went: the frontend's per-stage histograms
-    (``epd_stage_seconds``) read before the measured requests and after them."""
-    before: dict[str, tuple[float, float]] = {}
-
-    async def mark() -> None:
-        before.update(await stage_totals(settings.base_url))
-
-    run = await bench(settings, before_measured=mark)
-    after = await stage_totals(settings.base_url)
-    run["stages_ms"] = {stage: (total - before.get(stage, (0, 0))[0]) / count * 1e3
-                        for stage, (total, seen) in after.items()
-                        if (count := seen - before.get(stage, (0, 0))[1]) > 0}
-    return run
-
-
-async def stage_totals(api: str) -> dict[str, tuple[float, float]]:
-    """{stage: (seconds summed, requests)} from the frontend's /metrics."""
-    async with httpx.AsyncClient(timeout=30) as client:
-        text = (await client.get(api.removesuffix("/v1") + "/metrics")).text
-    totals: dict[str, list[float]] = {}
-    for kind, stage, value in re.findall(r'^epd_stage_seconds_(sum|count)\{stage="(\w+)"\} (\S+)$', text, re.M):
-        totals.setdefault(stage, [0.0, 0.0])[kind == "count"] = float(value)
-    return {stage: (total, count) for stage, (total, count) in totals.items()}
-
-
-def rates(args, case: Case) -> list[float]:
-    if args.rates:
-        return [float(r) for r in args.rates.split(",")]
-    per_gpu = case.quick_rates if args.quick or args.tiny else case.rates
-    return [r * max(1, args.gpus) for r in per_gpu]
-
-
-HEADER = ("| workload | topology | rate (req/s) | achieved (req/s) | TTFT mean / p99 (ms) | predicted TTFT (ms) "
-          "| text / image TTFT mean (ms) | media / encode / to first token (ms) | TPOT mean / p99 (ms) | E2E mean (ms) "
-          "| output tok/s | failed |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
-
-
-def row(run: dict) -> str:
-    s = run["summary"]
-    predicted = f"{run['predicted_ttft_ms']:.0f}" if run.get("predicted_ttft_ms") is not None else "unstable"
-    stages = run.get("stages_ms", {})
-    split = " / ".join(f"{stages[k]:.0f}" if k in stages else "-" for k in ("media", "encode", "first_token"))
-    classes = run.get("classes", {})
-    by_kind = " / ".join(f"{classes[k]['ttft_ms']['mean']:.0f}" if k in classes else "-" for k in ("text", "image"))
-    return (f"| {run['workload']} | {run['topology']} | {run['request_rate']:g} | {s['request_throughput']:.2f} "
-            f"| {s['ttft_ms']['mean']:.0f} / {s['ttft_ms']['p99']:.0f} | {predicted} | {by_kind} | {split} "
-            f"| {s['tpot_ms']['mean']:.1f} / {s['tpot_ms']['p99']:.1f} | {s['e2e_ms']['mean']:.0f} "
-            f"| {s['output_throughput']:.0f} | {s['failed']} |")
-
-
-def table(runs: list[dict]) -> str:
-    ordered = sorted(runs, key=lambda r: ([c.name for c in CASES].index(r["workload"]), r["topology"],
-                                          r["request_rate"]))
-    return "\n".join([HEADER, *(row(r) for r in ordered)])
-
-
-def hardware() -> str:
-    if shutil.which("nvidia-smi"):
-        found = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                               capture_output=True, text=True).stdout.strip()
-        if found:
-            return found.replace("\n", "; ")
-    return f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-
-
-def versions() -> dict[str, str]:
-    out = {"python": platform.python_version()}
-    for name in ("torch", "triton", "transformers", "httpx", "nats-py", "pyzmq"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
+def points(args, cases: list[Case], floor: Floor | None) -> list[Point]:
+    out = []
+    for case in cases:
+        for fraction, rate in rates_of(args, case, floor):
+            out.append(Point(case, fraction, rate, args.seed + 100 * len(out)))
     return out
 
 
-def visible_gpus() -> int:
-    if not shutil.which("nvidia-smi"):
-        return 0
-    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
-    count = len(re.findall(r"^GPU \d+", listed, flags=re.M))
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return min(count, len(visible.split(","))) if visible else count
+def estimate(args, chosen: list[Topology], classes: list[RequestClass], todo: list[Point]) -> dict[str, float]:
+    """Seconds each part should take on one H200 (from BASELINES.md-like costs): for --dry-run."""
+    warm_ups = len({c.workload["image_resolution"] if c.workload["image_count"] else "text" for c in classes})
+    unloaded = (len(classes) * args.unloaded + warm_ups) * 0.5
+    loaded = 0.0
+    for p in todo:  # arrivals, the last request's decode (~10 ms a token), reading the metrics
+        prompts = max(args.min_prompts, min(150, round(p.rate * args.seconds)))
+        loaded += prompts / p.rate + case_workload(p.case, False)["output_len"] * 0.010 + 1.0
+    per_stack = 30 + 8 + unloaded + loaded  # start (7B, dummy weights; measured ~30 s) + stop + measuring
+    floor = 0.0 if args.floor else 75.0  # load the 7B once, capture graphs, time every shape
+    return {"floor": floor, "per topology": per_stack, "total": floor + per_stack * len(chosen)}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="bench/results/epd_vs_aggregated", help="directory for results")
-    parser.add_argument("--quick", action="store_true", help="fewer rates (image-heavy: 3, others: 1) and prompts "
-                                                             "(10 s of arrivals per point; ~7 min on two GPUs)")
-    parser.add_argument("--tiny", action="store_true", help="CPU smoke test on the built-in tiny model")
-    parser.add_argument("--model", default="qwen2.5-vl-7b", choices=sorted(PRESETS),
-                        help="the preset every stack runs (random weights)")
-    parser.add_argument("--gpus", type=int, default=-1, help="GPUs to use (default: every visible one)")
-    parser.add_argument("--topologies", default="", help="comma-separated labels to run (default: all)")
-    parser.add_argument("--rates", default="", help="override every workload's rates, e.g. 1,2")
-    parser.add_argument("--num-prompts", type=int, default=0, help="override the prompts per point")
-    parser.add_argument("--kv-cache-mb", type=int, default=20480, help="KV pool of every LM process (MiB)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--workloads", default="", help="comma-separated workloads to run (default: all)")
-    parser.add_argument("--no-plan", action="store_true", help="skip `epd plan` (no predicted TTFT column)")
-    parser.add_argument("--plan", default="", help="predict from this earlier `epd plan` JSON instead of measuring")
-    parser.add_argument("--transport", default="zmq", choices=("zmq", "ucx"), help="the stacks' data plane")
-    args = parser.parse_args()
-    args.gpus = visible_gpus() if args.gpus < 0 else args.gpus
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.time()
-    if args.plan:
-        plan = json.loads(Path(args.plan).read_text())
-    else:
-        plan = None if args.no_plan else run_plan(args, out / "plan.json")
-    tokenizer = tokenizer_dir(args.tiny, args.model)
-    runs = []
-    for topology in topologies(args.gpus):
-        if args.topologies and topology.label not in args.topologies.split(","):
-            continue
-        runs.extend(sweep(args, topology, plan, tokenizer))
-    model = "tiny" if args.tiny else args.model
-    markdown = (f"Model: {model}\nHardware: {hardware()}\nVersions: {json.dumps(versions())}\n"
-                f"Command: {' '.join(sys.argv)}\nWall time: {time.time() - started:.0f} s\n\n{table(runs)}\n")
+def dry_run(args, chosen, classes, todo, floor: Floor | None) -> int:
+    print(f"floor: python -m tools.plan.floor (in-process, every shape of {len({p.case.name for p in todo})} "
+          f"workload(s)) {'— from ' + args.floor if args.floor else ''}")
+    print(f"rates from {'the floor file' if floor else 'nominal H200 capacities (the real run sets them from the floor)'}")
+    for p in todo:
+        prompts = 3 if args.tiny else max(args.min_prompts, min(150, round(p.rate * args.seconds)))
+        print(f"  point {p.case.name:12} {p.rate:6g} req/s" + (f" ({p.fraction:.0%} of capacity)" if p.fraction else "")
+              + f", {prompts} requests, seed {p.seed}")
+    print("unloaded classes (one request at a time; one warm-up request per resolution first): "
+          + "; ".join(c.key for c in classes))
+    for t in chosen:
+        print(f"stack {t.label:12} python -m launcher.cli up --port 0 {' '.join(t.args)}")
+    if not args.tiny:
+        times = estimate(args, chosen, classes, todo)
+        print(f"estimated: floor ~{times['floor']:.0f} s, ~{times['per topology']:.0f} s per topology, "
+              f"total ~{times['total'] / 60:.1f} min")
+        fit = max(1, int((540 - times["floor"]) // times["per topology"]))  # topologies per 10-minute call
+        if len(chosen) > fit:  # the baseline and the MPS layouts first: the likeliest best
+            ranked = sorted(chosen, key=lambda t: (t.layout.topology != "aggregated", not t.layout.mps))
+            print(f"more than one 10-minute call: run --topologies {','.join(t.label for t in ranked[:fit])} "
+                  f"--deadline 560, then --topologies {','.join(t.label for t in ranked[fit:])} --floor <the "
+                  f"first's floor.json> (the same rates), and merge them with --report-from A/results.json "
+                  f"B/results.json")
+    return 0
+
+
+def finish(args, out: Path, meta: dict, floor: Floor, runs, unloaded, stacks, chosen, partial: bool = False) -> int:
+    cases = {c.name: c for c in CASES}
+    for run in runs:
+        run["floor_ms"] = floor.mean(case_workload(cases[run["workload"]], args.tiny), run["requests"])
+    for record in unloaded:
+        w = {k: record["config"][k] for k in ("image_resolution", "input_len")}
+        record["floor_ms"] = floor.mean(w, record["requests"])
+    plan = plan_points(floor, runs, unloaded, chosen, args.tiny)
+    goals = targets(runs, plan)
+    markdown = report(meta, floor, runs, unloaded, plan, goals, stacks, args.tiny)
     (out / "results.md").write_text(markdown)
-    (out / "results.json").write_text(json.dumps({"model": model, "hardware": hardware(), "versions": versions(),
-                                                  "command": sys.argv, "runs": runs}, indent=1))
+    (out / "results.json").write_text(json.dumps({**meta, "gpus": args.gpus, "tiny": args.tiny, "floor": floor.data,
+                                                  "stacks": stacks, "unloaded": unloaded, "runs": runs, "plan": plan,
+                                                  "targets": goals, "partial": partial}, indent=1, default=json_default))
+    if partial:
+        return 0
     print("\n" + markdown)
     try:
-        plot(runs, str(out / "latency_vs_rate.png"), "EPD vs aggregated" + (" (tiny, CPU)" if args.tiny else ""))
+        from tools.bench.plot import plot
+
+        plot(runs, str(out / "latency_vs_rate.png"), "Every topology against its floor" + (" (tiny, CPU)" if args.tiny else ""))
     except ImportError:  # no matplotlib here: draw it elsewhere from results.json
         print(f"matplotlib missing: run `epd bench plot {out / 'results.json'}` where it is installed")
-    return 0 if all(r["summary"]["failed"] == 0 for r in runs) else 1
+    lost = sum(r["summary"]["failed"] for r in runs)
+    return 0 if not lost and all("error" not in s for s in stacks) else 1
+
+
+def report_from(args, out: Path) -> int:
+    """Rebuild the report from earlier results.json files (merged; the first one's floor), with today's planner."""
+    loaded = [json.loads(Path(f).read_text()) for f in args.report_from]
+    first = loaded[0]
+    args.tiny, args.gpus = first["tiny"], first["gpus"]
+    stacks = [s for data in loaded for s in data["stacks"]]
+    labels = [s["topology"] for s in stacks]
+    chosen = [Topology(label, Layout(**next(s["layout"] for s in stacks if s["topology"] == label)), ())
+              for label in dict.fromkeys(labels)]
+    meta = {**{k: first[k] for k in ("hardware", "versions")}, "command": sys.argv, "transport": first.get("transport"),
+            "wall_s": sum(d["wall_s"] for d in loaded)}
+    for data in loaded:
+        for run in data["runs"]:
+            run.setdefault("floor_ms", {})
+    return finish(args, out, meta, Floor(first["floor"], first.get("transport", "zmq")), [r for d in loaded for r in d["runs"]],
+                  [u for d in loaded for u in d["unloaded"]], stacks, chosen)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench/results/epd_vs_aggregated", help="directory for results")
+    parser.add_argument("--quick", action="store_true", help="one point per workload at 50 %% of its capacity "
+                                                             "(image-heavy: 50 and 80 %%)")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke test of the same path on the built-in tiny model")
+    parser.add_argument("--dry-run", "--plan-only", action="store_true", help="print what would run and how long")
+    parser.add_argument("--gpus", type=int, default=-1, help="GPUs to use (default: every visible one)")
+    parser.add_argument("--topologies", default="", help="comma-separated labels to run (default: all)")
+    parser.add_argument("--workloads", default="", help="comma-separated workloads to run (default: all)")
+    parser.add_argument("--fractions", default="", help="points as fractions of each workload's capacity, e.g. 0.5,0.8")
+    parser.add_argument("--rates", default="", help="absolute rates for every workload instead (req/s), e.g. 1,2")
+    parser.add_argument("--seconds", type=float, default=8.0, help="seconds of arrivals per loaded point")
+    parser.add_argument("--min-prompts", type=int, default=8, help="requests per loaded point at least")
+    parser.add_argument("--unloaded", type=int, default=5, help="requests per class measured one at a time")
+    parser.add_argument("--request-timeout", type=float, default=60.0, help="seconds one request may take (a "
+                        "collapsed point must not eat the GPU time of the rest)")
+    parser.add_argument("--kv-cache-mb", type=int, default=20480, help="KV pool of every LM process (MiB)")
+    parser.add_argument("--model", default="qwen2.5-vl-7b", choices=sorted(PRESETS),
+                        help="the preset every stack serves with dummy weights (qwen3-vl-30b-a3b: the MoE model the "
+                             "references run EPD on; give it a smaller --kv-cache-mb on one GPU)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--deadline", type=float, default=0, help="seconds: start no topology that would end the "
+                                                                  "run past this (judged by the previous one's time)")
+    parser.add_argument("--floor", default="", help="reuse an earlier run's floor (its floor.json or results.json) "
+                                                    "instead of measuring it: the same rates, e.g. to split a sweep")
+    parser.add_argument("--transport", default="auto", choices=("auto", "zmq", "ucx"),
+                        help="the stacks' data plane; auto: ucx where ucxx is installed (GPU to GPU), else zmq")
+    parser.add_argument("--report-from", nargs="+", default=[], metavar="RESULTS_JSON",
+                        help="no measuring: rebuild results.md/json from earlier results.json files (merged)")
+    args = parser.parse_args(argv)
+    if args.transport == "auto":
+        args.transport = "ucx" if not args.tiny and ucx_works() else "zmq"
+    return args
+
+
+def ucx_works() -> bool:
+    """Whether ucxx imports (in a child: a broken UCX install must not take this process with it)."""
+    if importlib.util.find_spec("ucxx") is None:
+        return False
+    return subprocess.run([sys.executable, "-c", "import ucxx"], capture_output=True, timeout=120).returncode == 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.report_from:
+        return report_from(args, out)
+    args.gpus = (0 if args.tiny else visible_gpus()) if args.gpus < 0 else args.gpus
+    cases, chosen = chosen_cases(args), chosen_topologies(args)
+    classes = request_classes(cases, args.tiny)
+    floor = None
+    if args.floor:  # a floor.json, or an earlier run's results.json (its floor)
+        data = json.loads(Path(args.floor).read_text())
+        floor = Floor(data.get("floor", data), args.transport)
+        if missing := [shape for case in cases for shape in floor.missing(case_workload(case, args.tiny))]:
+            raise SystemExit(f"--floor {args.floor} did not measure {', '.join(missing)}: take the floor of a run "
+                             "with these workloads (and --tiny alike)")
+    if args.dry_run:
+        return dry_run(args, chosen, classes, points(args, cases, floor), floor)
+    args.started = time.monotonic()
+    floor = floor or Floor(measure_floor(args, cases, out / "floor.json"), args.transport)
+    todo = points(args, cases, floor)
+    tokenizer = tokenizer_dir(args.tiny, args.model)
+    meta = {"hardware": hardware(), "versions": versions(), "command": sys.argv, "transport": args.transport}
+
+    def checkpoint(unloaded, runs, stacks, partial=True) -> int:
+        meta["wall_s"] = time.monotonic() - args.started
+        return finish(args, out, meta, floor, runs, unloaded, stacks, chosen, partial)
+
+    unloaded, runs, stacks = sweep(args, chosen, classes, todo, tokenizer, checkpoint)
+    return checkpoint(unloaded, runs, stacks, partial=False)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""`epd bench` against a real stack, the three topologies' greedy answers against HF, and `epd plan`."""
+"""`epd bench` against a real stack, the three topologies' greedy answers against HF, `epd plan` (its
+layouts, its model, its CLI), and bench/epd_vs_aggregated.py end to end on the tiny model."""
 
 from __future__ import annotations
 
@@ -11,10 +12,16 @@ from pathlib import Path
 
 import pytest
 
+from tools.bench.client import RequestResult
 from tools.bench.dataset import build_requests
+from tools.bench.metrics import Slo, request_itl_p99, summarize
+from tools.bench.scrape import parse, stage_means
+from tools.plan.costs import Costs
+from tools.plan.layouts import Layout, bench_layouts, layouts
+from tools.plan.model import TIMESLICE, Planner, traffic
 from tools.plan.queueing import erlang_c, mdc_wait
 from tools.bench.runner import arrival_times
-from tools.bench.settings import BenchSettings
+from tools.bench.settings import BenchSettings, Workload
 from launcher.up import UpSettings
 from shared.settings import parse_settings
 from tests.support import chat_messages, make_image
@@ -190,7 +197,7 @@ def test_topologies_run_the_processes_they_name(topology_stacks):
     assert {"aggregated", "frontend"} <= kinds and not kinds & {"encoder", "prefill", "decode"}
     colocated, _ = topology_stacks["colocated"]
     placed = {command_kind(pid): gpu_env(pid) for pid in descendants(colocated.process.pid)}
-    assert {placed[kind] for kind in ("encoder", "language")} == {"0"}  # all on --gpus 0
+    assert {placed[kind] for kind in ("encoder", "language")} == {"0"}  # joined (E/PD), all on --gpus 0
 
 
 def command_kind(pid: int) -> str:
@@ -210,14 +217,191 @@ def test_plan_recommends_a_topology(tiny_model, tmp_path):
     out = tmp_path / "plan.json"
     done = epd("plan", "--model", str(tiny_model), "--image-count", "2", "--image-resolution", "112x112",
                "--input-len", "16", "--output-len", "8", "--request-rate", "0.1", "--gpus", "2",
-               "--max-model-len", "512", "--decode-batch", "2", "--out", str(out))
+               "--max-model-len", "512", "--decode-batch", "2", "--corun-seconds", "0.1", "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "recommended:" in done.stdout
     plan = json.loads(out.read_text())
     [at_rate] = plan["rates"]
     topologies = {p["topology"] for p in at_rate["predictions"]}
     assert topologies == {"aggregated", "colocated", "disaggregated"}
+    assert {p["layout"] for p in at_rate["predictions"]} == {layout.label() for layout in layouts(2)}
     best = at_rate["recommended"]
     assert best["stable"] and best["layout"] in done.stdout
     # A lightly loaded stack answers in about one request's own work: at least its prompt's prefill.
     assert best["ttft_ms"] >= min(plan["costs"]["prefill_ms"].values())
+    pairs = {"vit|decode", "decode|vit", "vit|prefill", "prefill|vit"}  # streams (MPS-like), processes (time-sliced)
+    assert set(plan["costs"]["corun"]) == pairs | {f"ts:{pair}" for pair in pairs}
+
+
+# -- goodput with an ITL SLO ------------------------------------------------------------------------------
+def result(ttft: float, gaps: list[float], ok: bool = True) -> RequestResult:
+    return RequestResult(0, "image", 1, ok=ok, ttft=ttft, e2e=ttft + sum(gaps), itl=gaps,
+                         completion_tokens=len(gaps) + 1)
+
+
+def test_itl_slo_holds_each_request_to_its_own_p99_gap():
+    steady = result(0.5, [0.01] * 199 + [0.3])  # one 300 ms stall in 200 gaps: its p99 is still 10 ms
+    stalled = result(0.5, [0.01] * 49 + [0.3])  # the same stall in 50 gaps is past its 99th percentile
+    assert request_itl_p99(steady) == pytest.approx(0.01)
+    assert request_itl_p99(stalled) > 0.1
+    slo = Slo(ttft_ms=2000, itl_ms=100)
+    assert slo.met(steady) and not slo.met(stalled)
+    assert slo.met(result(1.9, [])) and not slo.met(result(2.1, []))  # one token: no gaps to hold
+    assert not slo.met(result(0.5, [0.01], ok=False))
+    summary = summarize([steady, stalled, result(2.5, [0.01] * 10)], duration=2.0, slo=slo)
+    assert summary["good"] == 1 and summary["goodput"] == pytest.approx(0.5)
+    assert summary["slo"] == {"ttft_ms": 2000, "tpot_ms": 0.0, "itl_ms": 100}
+    assert summary["itl_ms"]["p99"] < 300  # pooled over every gap of the run: the stalls are rare
+    assert summary["request_itl_p99_ms"]["p50"] == pytest.approx(10.0)
+    assert summarize([steady, stalled], 1.0)["good"] == 2  # no SLO set: every finished request is good
+
+
+def test_stage_means_from_the_frontends_metrics():
+    def metrics(media: float, requests: int, vit: float, images: int) -> str:
+        return "\n".join([f'epd_stage_seconds_sum{{stage="media"}} {media}',
+                          f'epd_stage_seconds_count{{stage="media"}} {requests}',
+                          f'epd_service_stat{{instance="encoder-a",service="epd-encoder",stat="vit_forward_seconds_total"}} {vit}',
+                          f'epd_service_stat{{instance="encoder-a",service="epd-encoder",stat="vit_forward_count"}} {images}',
+                          'epd_service_stat{instance="encoder-b",service="epd-encoder",stat="vit_forward_count"} 1',
+                          'epd_service_stat{instance="encoder-b",service="epd-encoder",stat="vit_forward_seconds_total"} 0.1'])
+    before, after = parse(metrics(1.0, 10, 2.0, 20)), parse(metrics(1.5, 15, 2.4, 30))
+    frontend, encoder = stage_means(before, after)
+    assert frontend == {"media": pytest.approx(100.0)} and encoder == {"vit_forward": pytest.approx(40.0)}
+    assert after.images_encoded == 31  # both encoders
+
+
+# -- the planner's layouts and model ----------------------------------------------------------------------
+def test_layouts_are_what_epd_up_accepts():
+    assert [layout.label() for layout in bench_layouts(1)] == ["aggregated", "E/PD", "E/PD+MPS", "E/P/D", "E/P/D+MPS"]
+    for gpus in (1, 2, 3):
+        for layout in layouts(gpus) + bench_layouts(gpus):
+            settings = parse_settings(UpSettings, layout.up_args(), "epd up")
+            placed = settings.placements()
+            assert len(placed) == layout.processes, layout
+            assert {p.gpu for p in placed} <= {None, *map(str, range(gpus))}
+            assert settings.mps == ("on" if layout.mps else "off") or layout.topology == "aggregated"
+    disagg = parse_settings(UpSettings, Layout("disaggregated", 3, "split", False, 1, 1, 1).up_args(), "epd up")
+    assert [(p.kind, p.gpu) for p in disagg.placements()] == [("encoder", "2"), ("prefill", "0"), ("decode", "1")]
+    with pytest.raises(ValueError):
+        Layout("disaggregated", 1, encoder_gpus=1)
+
+
+def h200_like(corun: dict[str, float] | None = None) -> Costs:
+    """Costs of the order of Qwen2.5-VL-7B's on one H200 (docs/benchmarks.md), 448x448 images."""
+    corun = {"vit|decode": 1.3, "decode|vit": 1.4, "vit|prefill": 1.8, "prefill|vit": 1.6} if corun is None else corun
+    return Costs("7b", "cuda", "bf16", "448x448", 256, 0.0, 2, {1: 5.0, 10: 40.0}, {152: 8.0, 2732: 62.0},
+                 [(1, 256, 4.45), (32, 256, 5.3), (32, 4096, 6.9)], "torch", 2.0, 4, corun, {10: 8.0})
+
+
+DYNAMO = Workload(image_count=10, image_resolution="448x448", input_len=128, output_len=1024)
+
+
+def test_plan_unloaded_is_the_floor_and_load_adds_to_it():
+    planner = Planner(h200_like(), 5.0, 3584 * 2)
+    idle = traffic(DYNAMO, 1e-6)
+    floor = planner.floor(idle, 10)
+    assert floor == pytest.approx((8 + 40 + 62) / 1e3)
+    capacity = planner.capacity(idle)
+    for layout in bench_layouts(1):
+        alone = planner.predict(layout, idle)
+        assert alone.stable and floor * 1e3 <= alone.ttft_ms <= floor * 1e3 + 15  # + the embeddings' transfer
+        half = planner.predict(layout, traffic(DYNAMO, 0.5 * capacity))
+        assert half.stable and half.ttft_ms > alone.ttft_ms and half.tpot_ms > alone.tpot_ms
+    assert not planner.predict(Layout("aggregated", 1), traffic(DYNAMO, 1.05 * capacity)).stable
+    # a stack's fixed costs (calibration) add to every request's TTFT
+    calibrated = planner.predict(Layout("colocated", 1), idle, overheads=lambda n: 0.1 * (n > 0))
+    assert calibrated.ttft_ms == pytest.approx(planner.predict(Layout("colocated", 1), idle).ttft_ms + 100)
+
+
+def test_plan_models_sharing_a_gpu():
+    planner = Planner(h200_like(), 5.0, 3584 * 2)
+    t = traffic(DYNAMO, 0.5 * planner.capacity(traffic(DYNAMO, 1.0)))
+    predict = {layout.label(): planner.predict(layout, t) for layout in bench_layouts(1)}
+    # measured co-run factors below time-slicing's: MPS wins for both language sides
+    assert predict["E/PD+MPS"].ttft_ms < predict["E/PD"].ttft_ms
+    assert predict["E/P/D+MPS"].ttft_ms < predict["E/P/D"].ttft_ms
+    # a decode worker of its own decodes faster than a language worker that also prefills
+    assert predict["E/P/D+MPS"].tpot_ms < predict["E/PD+MPS"].tpot_ms
+    assert predict["E/P/D+MPS"].busy["slowdown_prefill"] > 1  # slowed by decode and the ViT beside it
+    # with side-by-side as costly as time-slicing, MPS buys nothing
+    same = Planner(h200_like(dict.fromkeys(("vit|decode", "decode|vit", "vit|prefill", "prefill|vit"), TIMESLICE)))
+    assert same.predict(Layout("colocated", 1, "split", True), t).ttft_ms == pytest.approx(
+        same.predict(Layout("colocated", 1, "split", False), t).ttft_ms)
+    # aggregated: one engine thread, so nothing slows it but its own queue
+    assert predict["aggregated"].busy["vit+prefill"] == pytest.approx(t.rate * (0.040 + 0.062))
+
+
+
+# -- bench/epd_vs_aggregated.py end to end, tiny --------------------------------------------------------
+def eva(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_") or k == "EPD_CACHE_DIR"}
+    return subprocess.run([sys.executable, "bench/epd_vs_aggregated.py", *args], cwd=Path(__file__).parents[1],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tiny_sweep(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path_factory.mktemp("eva")
+    return eva("--tiny", "--out", str(out)), out
+
+
+# Five stacks (16 worker processes) start on CPU: ~160 CPU-seconds, 1.5 min on two idle cores, more on busy ones.
+@pytest.mark.timeout(900)
+def test_tiny_sweep_measures_every_topology_and_workload(tiny_sweep):
+    from bench.epd_vs_aggregated import CASES, request_classes, topologies
+
+    done, out = tiny_sweep
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    labels = [t.label for t in topologies(0, tiny=True)]
+    assert [s["topology"] for s in results["stacks"]] == labels and not any("error" in s for s in results["stacks"])
+    points = {(r["workload"], r["topology"]) for r in results["runs"]}
+    assert points == {(c.name, label) for c in CASES for label in labels}
+    assert all(r["summary"]["failed"] == 0 and r["summary"]["completed"] == 3 for r in results["runs"])
+    for run in results["runs"]:
+        assert run["floor_ms"]["floor_ms"] > 0 and run["resumed"] == 0
+        assert {"first_token"} <= set(run["stages_ms"]) and run["predicted_ttft_ms"] is not None
+        assert run["summary"]["slo"] == {"ttft_ms": 2000, "tpot_ms": 0.0, "itl_ms": 100}
+        if run["workload"] != "dynamo-mix" or run["classes"].get("image"):
+            assert {"media", "encode"} <= set(run["stages_ms"]) and "vit_forward" in run["encoder_ms"]
+    classes = {c.key for c in request_classes(CASES, tiny=True)}
+    assert {(u["request_class"], u["topology"]) for u in results["unloaded"]} == {(c, t) for c in classes for t in labels}
+    shapes = {(s["resolution"], s["images"]) for s in results["floor"]["shapes"]}
+    assert {("224x224", n) for n in range(4)} | {("112x112", 0), ("112x112", 3)} == shapes
+    assert set(results["floor"]["costs"]) == {"224x224", "112x112"}
+    corun = results["floor"]["costs"]["224x224"]["corun"]  # two streams (MPS-like) and two processes (time-sliced)
+    assert set(corun) == {f"{p}{x}|{y}" for p in ("", "ts:") for x, y in
+                          (("vit", "decode"), ("decode", "vit"), ("vit", "prefill"), ("prefill", "vit"))}
+    assert len(results["plan"]) == 7 and all(set(p["predictions"]) == set(labels) for p in results["plan"])
+    assert all(p["plan_pick"] in labels and p["measured_best"] in labels for p in results["plan"])
+    assert len(results["targets"]) >= 12  # six floors, Dynamo's three, image-heavy's two rates, the plan's two
+
+
+@pytest.mark.timeout(900)
+def test_tiny_sweep_writes_the_report(tiny_sweep, tmp_path):
+    done, out = tiny_sweep
+    markdown = (out / "results.md").read_text()
+    for heading in ("## Floor", "## image-heavy", "## dynamo-1024", "## dynamo-mix", "## epd plan against", "## Targets"):
+        assert heading in markdown
+    assert markdown.count("| unloaded |") == 6 * 5  # every workload's table, every topology
+    assert (out / "latency_vs_rate.png").read_bytes().startswith(b"\x89PNG")
+    again = eva("--report-from", str(out / "results.json"), "--out", str(tmp_path))  # no stack: CPU only
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert (tmp_path / "results.md").read_text().split("## Floor")[1] == markdown.split("## Floor")[1]
+
+
+def test_dry_run_lists_the_stacks_and_points():
+    done = eva("--quick", "--dry-run", "--gpus", "1", "--workloads", "dynamo-1024,dynamo-mix", "--topologies",
+               "aggregated,E/P/D+MPS")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--topology colocated --pd split --encoders 1 --prefills 1 --decodes 1 --mps on" in done.stdout
+    assert done.stdout.count("  point ") == 2 and "estimated:" in done.stdout
+
+
+def test_overheads_fit_ignores_one_slow_request():
+    from bench.epd_vs_aggregated import theil_sen
+
+    points = [(1, 0.11), (2, 0.12), (3, 0.13), (4, 0.14), (2, 0.9)]
+    intercept, slope = theil_sen(points)
+    assert slope == pytest.approx(0.01) and intercept == pytest.approx(0.10)
+    assert theil_sen([(10, 0.2), (10, 0.3), (10, 0.25)]) == (0.25, 0.0)

@@ -61,6 +61,9 @@ def draw_row(axes, runs: list[dict], workload: str) -> None:
             line, = ax.plot(rates, [r["summary"][metric]["mean"] for r in group], marker="o", label=f"{label} mean")
             ax.plot(rates, [r["summary"][metric]["p99"] for r in group], linestyle="--", color=line.get_color(),
                     alpha=0.6, label=f"{label} p99")
+    floors = [r["floor_ms"]["floor_ms"] for r in runs if r.get("floor_ms", {}).get("floor_ms")]
+    if floors:  # the requests' own compute (bench/epd_vs_aggregated.py): what TTFT cannot beat
+        axes[0].axhline(sum(floors) / len(floors), color="black", linestyle=":", label="floor")
     for ax, (_, name) in zip(axes, PANELS):
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(name)

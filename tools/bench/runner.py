@@ -22,7 +22,7 @@ import numpy as np
 
 from tools.bench.client import RequestResult, request_body, send
 from tools.bench.dataset import ImagePool, RequestSpec, build_requests
-from tools.bench.metrics import by_class, format_summary, summarize
+from tools.bench.metrics import Slo, by_class, format_summary, summarize
 from tools.bench.settings import BenchSettings
 
 WARMUP_TOKENS = 16  # a warm-up request exercises every stage; a long output would only add time
@@ -115,8 +115,8 @@ async def bench(settings: BenchSettings, before_measured: Callable[[], Awaitable
 
 
 def report(settings: BenchSettings, model: str, results: list[RequestResult], duration: float) -> dict:
-    slo = (settings.slo_ttft, settings.slo_tpot)
-    summary = summarize(results, duration, *slo)
+    slo = Slo(settings.slo_ttft, settings.slo_tpot, settings.slo_itl)
+    summary = summarize(results, duration, slo)
     rate = settings.request_rate
     return {
         "label": settings.label or "endpoint",
@@ -127,7 +127,7 @@ def report(settings: BenchSettings, model: str, results: list[RequestResult], du
         "environment": {"python": sys.version.split()[0], "platform": platform.platform(),
                         "httpx": httpx.__version__},
         "summary": summary,
-        "classes": by_class(results, duration, *slo),
+        "classes": by_class(results, duration, slo),
         "errors": sorted({r.error for r in results if r.error})[:10],
         "requests": [r.record() for r in results],
     }

@@ -76,6 +76,8 @@ class BenchSettings(BaseSettings, Workload):
     ignore_eos: bool = Field(True, description="force --output-len tokens (vLLM's ignore_eos extension)")
     slo_ttft: float = Field(0.0, ge=0, description="goodput SLO on time to first token, ms (0: none)")
     slo_tpot: float = Field(0.0, ge=0, description="goodput SLO on time per output token, ms (0: none)")
+    slo_itl: float = Field(0.0, ge=0, description="goodput SLO on inter-token latency, ms, held against each "
+                                                  "request's own 99th-percentile gap (0: none)")
     timeout: float = Field(600.0, gt=0, description="seconds one request may take")
     out: str = Field("", description="write the results (summary, per class, per request) to this JSON file")
     progress: bool = Field(True, description="show a progress bar (stderr)")

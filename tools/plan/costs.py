@@ -1,18 +1,28 @@
 """What this model costs on this hardware, measured in-process through our own tower and engine.
 
-- media: the frontend's decode (and content hash) of one image of the workload's resolution and format;
-- ViT: one batch of 1..N images of the workload's resolution (ms per batch); the image processor's
-  CPU time per image, or, where encoders preprocess on the GPU, that work inside each ViT batch's time;
-- prefill: one prompt of the workload's text plus 0..N images (ms, by prompt tokens);
+- media: the frontend's decode (and content hash) of images of the workload's resolution and format,
+  one, or several at once in a pool of the frontend's size;
+- ViT: one forward over 1..N images of a resolution (ms per forward); the image processor's CPU time per
+  image, or, where encoders preprocess on the GPU, that work inside each forward's time;
+- prefill: one prompt of the workload's text plus 0..N images (ms, by prompt tokens), first token sampled;
 - decode: one engine step at batch 1 and batch B, at a short and a long context (ms per step). The
   sequences are reserved with their KV in place (as a decode worker holds them), so no prefill is paid
-  to set them up; the step's cost does not depend on the KV's values.
+  to set them up; the step's cost does not depend on the KV's values;
+- co-run: a ViT forward beside decode steps, and beside a prefill, each in a thread of its own on a CUDA
+  stream of its own, against each alone: how much two processes slow each other when their kernels run
+  side by side (what CUDA MPS does; one process's two streams are its closest in-process stand-in); and
+  the same with the ViT in a second process (``timeslice.py``), which the GPU time-slices without MPS.
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import threading
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
@@ -40,6 +50,8 @@ class Costs:
     preprocess: str = "pil"  # where the encoders preprocess: pil (CPU threads) or torch (the ViT's device)
     media_ms: float = 0.0  # the frontend decoding one image (plans written before it was measured: 0)
     media_threads: int = 4
+    corun: dict[str, float] = field(default_factory=dict)  # "x|y": x's time beside y / alone (vit, prefill, decode)
+    media_batch_ms: dict[int, float] = field(default_factory=dict)  # images → ms to decode them all (measured)
 
     def vit_per_image(self, batch: float) -> float:
         """ms per image when ``batch`` images share a forward (interpolated between measured batches)."""
@@ -78,6 +90,7 @@ class Costs:
         data["vit_ms"] = {int(k): v for k, v in data["vit_ms"].items()}
         data["prefill_ms"] = {int(k): v for k, v in data["prefill_ms"].items()}
         data["decode_ms"] = [tuple(row) for row in data["decode_ms"]]
+        data["media_batch_ms"] = {int(k): v for k, v in data.get("media_batch_ms", {}).items()}
         return cls(**data)
 
 
@@ -102,119 +115,223 @@ class Timer:
             torch.cuda.synchronize()
 
 
-def measure_media(settings) -> float:
-    """ms for the frontend to decode one image of the workload's size, sent as the workload sends it."""
-    import base64
-
+def measure_media(width: int, height: int, fmt: str, count: int = 1, threads: int = 1) -> float:
+    """ms for the frontend's decoder to decode ``count`` images of this size, sent as ``fmt`` data as the
+    workload sends them, ``threads`` at a time (as its pool does)."""
     from tools.bench.dataset import data_url, make_image
     from services.frontend.media import decode_image
 
-    width, height = settings.image_size
-    payload = base64.b64decode(data_url(make_image(0, width, height), settings.image_format).split(",", 1)[1])
-    return Timer(torch.device("cpu")).ms(lambda: decode_image(payload, width * height), repeat=5)
+    payloads = [base64.b64decode(data_url(make_image(i, width, height), fmt).split(",", 1)[1]) for i in range(count)]
+    with ThreadPoolExecutor(threads) as pool:
+        return Timer(torch.device("cpu")).ms(lambda: list(pool.map(lambda p: decode_image(p, width * height),
+                                                                   payloads)), repeat=5)
 
 
-def measure_vision(settings, config, path, batches: list[int], mode: str) -> tuple[int, float, dict[int, float]]:
-    """(tokens per image, CPU preprocess ms, {batch: ViT ms}); with ``mode`` torch, each batch's time
-    includes moving its pixels to the device and preprocessing them there, as the encoder does."""
-    from tools.bench.dataset import make_image
-    from shared.model.loader import load_vision_tower
-    from shared.model.processor import ImagePreprocessor, TorchImagePreprocessor
+class VisionProbe:
+    """The vision tower, loaded once, timed on batches of images of any size, preprocessed as the
+    encoders do (``mode`` torch: on the device, inside the timed forward; pil: on CPU, timed apart)."""
 
-    device, dtype = settings.torch_device(), settings.torch_dtype()
-    timer = Timer(device)
-    width, height = settings.image_size
-    pixels = np.asarray(make_image(0, width, height))
-    tower = load_vision_tower(path, config, device, dtype, settings.load_format)
-    if mode == "torch":
-        prepare, source = TorchImagePreprocessor(path, dtype), torch.from_numpy(pixels.copy())
-        grid, preprocess_ms = prepare.grid(height, width), 0.0
+    def __init__(self, settings, config, path, mode: str):
+        from shared.model.loader import load_vision_tower
 
-        def patches(batch: int) -> torch.Tensor:
-            return torch.cat([prepare(source.to(device)) for _ in range(batch)])
-    else:
-        preprocess = ImagePreprocessor(path)
-        preprocess_ms = timer.ms(lambda: preprocess(pixels))
+        self.device, self.dtype = settings.torch_device(), settings.torch_dtype()
+        self.config, self.path, self.mode = config, path, mode
+        self.tower = load_vision_tower(path, config, self.device, self.dtype, settings.load_format)
+        self.timer = Timer(self.device)
+
+    def unit(self, width: int, height: int, batch: int) -> tuple[Callable[[], torch.Tensor], Grid, float]:
+        """(one forward over ``batch`` images, their grid, CPU preprocessing ms per image)."""
+        from tools.bench.dataset import make_image
+        from shared.model.processor import ImagePreprocessor, TorchImagePreprocessor
+
+        pixels = np.asarray(make_image(0, width, height))
+        if self.mode == "torch":
+            prepare, source = TorchImagePreprocessor(self.path, self.dtype), torch.from_numpy(pixels.copy())
+            grid = prepare.grid(height, width)
+
+            def forward() -> torch.Tensor:
+                return self.tower(torch.cat([prepare(source.to(self.device)) for _ in range(batch)]), [grid] * batch)
+            return forward, grid, 0.0
+        preprocess = ImagePreprocessor(self.path)
+        preprocess_ms = self.timer.ms(lambda: preprocess(pixels))
         flat, grid = preprocess(pixels)
-        one = torch.from_numpy(flat).to(device, dtype)
+        one = torch.from_numpy(flat).to(self.device, self.dtype)
+        return (lambda: self.tower(one.repeat(batch, 1), [grid] * batch)), grid, preprocess_ms
 
-        def patches(batch: int) -> torch.Tensor:
-            return one.repeat(batch, 1)
-    vit_ms = {}
-    with torch.inference_mode():
-        for batch in batches:
-            vit_ms[batch] = timer.ms(lambda: tower(patches(batch), [grid] * batch))
-    tokens = grid_tokens(grid, config.vision.merge_size)
-    return tokens, preprocess_ms, vit_ms
-
-
-def measure_prefill(engine, config, timer: Timer, input_len: int, images: int, image_tokens: int,
-                    grid: Grid, tag: str) -> float:
-    device, dtype = engine.runner.device, engine.runner.dtype
-    rng = np.random.default_rng(images)
-    ids = rng.integers(16, config.text.vocab_size, input_len + TEMPLATE_TOKENS).tolist()
-    slots = []
-    for i in range(images):
-        slots.append(ImageInput(len(ids) + 1, grid, torch.randn(image_tokens, config.embedding_width,
-                                                                device=device, dtype=dtype)))
-        ids += [config.vision_start_token_id] + [config.image_token_id] * image_tokens + [config.vision_end_token_id]
-    count = [0]
-
-    def once() -> None:
-        count[0] += 1
-        seq = Sequence(f"plan-{tag}-{count[0]}", list(ids), len(ids), SamplingParams(max_tokens=1, temperature=0),
-                       images=slots)
-        engine.add_prompt(seq)
-        while engine.has_work():
-            engine.step()
-
-    return timer.ms(once, repeat=2)
+    def measure(self, width: int, height: int, batches: list[int]) -> tuple[int, float, dict[int, float]]:
+        """(tokens per image, CPU preprocess ms per image, {batch: ms per forward})."""
+        vit_ms, preprocess_ms, grid = {}, 0.0, None
+        with torch.inference_mode():
+            for batch in batches:
+                forward, grid, preprocess_ms = self.unit(width, height, batch)
+                vit_ms[batch] = self.timer.ms(forward)
+        return grid_tokens(grid, self.config.vision.merge_size), preprocess_ms, vit_ms
 
 
-def measure_decode(engine, config, timer: Timer, batch: int, context: int) -> float:
-    """ms per decode step of ``batch`` sequences holding ``context`` tokens of KV each."""
-    sampling = SamplingParams(max_tokens=1 << 20, ignore_eos=True, temperature=0)
-    ids = [config.image_token_id + 1] * (context + 1)
-    names = [f"plan-decode-{batch}-{context}-{i}" for i in range(batch)]
-    for name in names:
-        engine.reserve(Sequence(name, list(ids), context, sampling, num_computed=context))
-        engine.activate(name)
-    try:
-        return timer.ms(engine.step, repeat=5, warmup=2)
-    finally:
+class EngineProbe:
+    """Our engine (prefill and decode in one), timed on prompts and decode batches."""
+
+    def __init__(self, settings):
+        from shared.engine.builder import build_engine
+
+        # the same random prompts are timed again and again: a prefix cache would serve the repeats
+        self.engine, self.config = build_engine(settings.model_copy(update={"prefix_caching": False}), "both")
+        self.timer = Timer(settings.torch_device())
+        self._count = 0
+
+    def prompt(self, input_len: int, images: int, image_tokens: int, grid: Grid) -> Callable[[], None]:
+        """One prefill of ``input_len`` text tokens (+ the template) and ``images`` images, to its first token."""
+        runner, config = self.engine.runner, self.config
+        rng = np.random.default_rng(images)
+        ids = rng.integers(16, config.text.vocab_size, input_len + TEMPLATE_TOKENS).tolist()
+        slots = []
+        for _ in range(images):
+            slots.append(ImageInput(len(ids) + 1, grid, torch.randn(image_tokens, config.embedding_width,
+                                                                    device=runner.device, dtype=runner.dtype)))
+            ids += [config.vision_start_token_id] + [config.image_token_id] * image_tokens + [config.vision_end_token_id]
+
+        def once() -> None:
+            self._count += 1
+            seq = Sequence(f"plan-prefill-{self._count}", list(ids), len(ids),
+                           SamplingParams(max_tokens=1, temperature=0), images=slots)
+            self.engine.add_prompt(seq)
+            while self.engine.has_work():
+                self.engine.step()
+        return once
+
+    def prefill_ms(self, input_len: int, images: int, image_tokens: int, grid: Grid) -> float:
+        return self.timer.ms(self.prompt(input_len, images, image_tokens, grid), repeat=2)
+
+    @contextlib.contextmanager
+    def decoding(self, batch: int, context: int) -> Iterator[Callable[[], None]]:
+        """``batch`` running sequences holding ``context`` tokens of KV each; yields one decode step."""
+        sampling = SamplingParams(max_tokens=1 << 20, ignore_eos=True, temperature=0)
+        ids = [self.config.image_token_id + 1] * (context + 1)
+        self._count += 1
+        names = [f"plan-decode-{self._count}-{i}" for i in range(batch)]
         for name in names:
-            engine.abort(name)
+            self.engine.reserve(Sequence(name, list(ids), context, sampling, num_computed=context))
+            self.engine.activate(name)
+        try:
+            yield self.engine.step
+        finally:
+            for name in names:
+                self.engine.abort(name)
+
+    def decode_ms(self, batch: int, context: int) -> float:
+        """ms per decode step of ``batch`` sequences holding ``context`` tokens of KV each."""
+        with self.decoding(batch, context) as step:
+            return self.timer.ms(step, repeat=5, warmup=2)
+
+    def decode_steps(self, batch: int) -> list[tuple[int, int, float]]:
+        short = min(256, self.engine.max_model_len // 4)
+        long = max(short + 1, min(4096, self.engine.max_model_len - 8))
+        return [(b, ctx, self.decode_ms(b, ctx)) for b, ctx in ((1, short), (batch, short), (batch, long))]
+
+
+def corun(first: Callable[[], object], second: Callable[[], object], device: torch.device,
+          seconds: float) -> tuple[float, float]:
+    """(first's time per call beside second / alone, the same for second): each calls its function in a
+    loop, in a thread and on a CUDA stream of its own. A loop keeps going until both have measured for
+    ``seconds``, so every measured call of the slower one has the other running beside it."""
+    alone = [_loops([fn], device, seconds)[0] for fn in (first, second)]
+    together = _loops([first, second], device, seconds)
+    return together[0] / alone[0], together[1] / alone[1]
+
+
+def _loops(fns: list[Callable[[], object]], device: torch.device, seconds: float) -> list[float]:
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)  # inputs made on the default stream are ready for the loops' streams
+    ready = threading.Barrier(len(fns))
+    measured = threading.Semaphore(0)
+    done = threading.Event()
+    per_call = [0.0] * len(fns)
+    errors: list[BaseException] = []
+
+    def loop(i: int) -> None:
+        try:
+            stream = torch.cuda.Stream(device) if cuda else None
+            sync = stream.synchronize if cuda else (lambda: None)
+            with torch.inference_mode(), (torch.cuda.stream(stream) if cuda else contextlib.nullcontext()):
+                fns[i]()  # warm
+                sync()
+                ready.wait()
+                start, calls = time.perf_counter(), 0
+                while True:
+                    fns[i]()
+                    sync()
+                    calls += 1
+                    if not per_call[i] and time.perf_counter() - start >= seconds:
+                        per_call[i] = (time.perf_counter() - start) / calls * 1e3
+                        measured.release()
+                    if done.is_set():
+                        return
+        except BaseException as err:  # noqa: BLE001 - reported by the caller
+            errors.append(err)
+            ready.abort()
+            measured.release()
+
+    threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(len(fns))]
+    for thread in threads:
+        thread.start()
+    for _ in fns:
+        measured.acquire()
+    done.set()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return per_call
+
+
+def measure_corun(vision: VisionProbe, engine: EngineProbe, image_size: tuple[int, int], images: int,
+                  prompt: Callable[[], None], decode_batch: int, seconds: float) -> dict[str, float]:
+    """{"vit|decode", "decode|vit", "vit|prefill", "prefill|vit": slowdown} (see the module docstring)."""
+    forward, _, _ = vision.unit(*image_size, images)
+    with engine.decoding(decode_batch, min(1024, engine.engine.max_model_len // 2)) as step:
+        vit_decode, decode_vit = corun(forward, step, vision.device, seconds)
+    vit_prefill, prefill_vit = corun(forward, prompt, vision.device, seconds)
+    return {"vit|decode": vit_decode, "decode|vit": decode_vit, "vit|prefill": vit_prefill, "prefill|vit": prefill_vit}
 
 
 def measure_costs(settings) -> Costs:
     """Every cost ``epd plan`` needs for ``settings``' workload (see the module's docstring)."""
-    from shared.engine.builder import build_engine
     from shared.model.config import ModelConfig
     from shared.model.processor import preprocess_mode
+    from tools.plan.timeslice import measure_timeslice, ready_or_none, vit_child
 
     path = settings.model_path()
     config = ModelConfig.from_checkpoint(path)
     counts = [n for n in settings.image_counts() if n > 0]
     batches = sorted({1, min(4, max(counts, default=1)), max(counts, default=1)})
     mode = preprocess_mode(settings.preprocess, settings.torch_device())
-    image_tokens, preprocess_ms, vit_ms = measure_vision(settings, config, path, batches, mode)
+    vision = VisionProbe(settings, config, path, mode)
+    width, height = settings.image_size
+    image_tokens, preprocess_ms, vit_ms = vision.measure(width, height, batches)
     grid = _grid(settings, path)
-    # the same random prompt is timed again and again: a prefix cache would serve the repeats
-    engine, _ = build_engine(settings.model_copy(update={"prefix_caching": False}), "both")
-    timer = Timer(settings.torch_device())
-    prefill_ms = {}
-    for n in sorted({0, *_spread(counts)}):
-        tokens = settings.input_len + TEMPLATE_TOKENS + n * (image_tokens + PER_IMAGE_TOKENS)
-        prefill_ms[tokens] = measure_prefill(engine, config, timer, settings.input_len, n, image_tokens, grid, str(n))
-    short = min(256, engine.max_model_len // 4)
-    long = max(short + 1, min(4096, engine.max_model_len - 8))
-    decode_ms = [(b, ctx, measure_decode(engine, config, timer, b, ctx))
-                 for b, ctx in ((1, short), (settings.decode_batch, short), (settings.decode_batch, long))]
+    corun_images = min(4, max(counts, default=1))
+    with vit_child(settings, settings.image_resolution, corun_images) as child:  # starts while the LM loads
+        engine = EngineProbe(settings)
+        child = ready_or_none(child)
+        prefill_counts = sorted({0, *spread(counts)})
+        prefill_ms = {}
+        for n in prefill_counts:
+            tokens = settings.input_len + TEMPLATE_TOKENS + n * (image_tokens + PER_IMAGE_TOKENS)
+            prefill_ms[tokens] = engine.prefill_ms(settings.input_len, n, image_tokens, grid)
+        corun = {}
+        if settings.corun_seconds > 0:
+            prompt = engine.prompt(settings.input_len, prefill_counts[len(prefill_counts) // 2], image_tokens, grid)
+            corun = measure_corun(vision, engine, (width, height), corun_images, prompt, settings.decode_batch,
+                                  settings.corun_seconds)
+            if child is not None:
+                corun.update(measure_timeslice(child, engine, settings.decode_batch, prompt, settings.corun_seconds))
+        decode_ms = engine.decode_steps(settings.decode_batch)
     return Costs(model=path.name, device=str(settings.torch_device()), dtype=str(settings.torch_dtype()),
                  resolution=settings.image_resolution, image_tokens=image_tokens, preprocess_ms=preprocess_ms,
                  preprocess_threads=settings.preprocess_threads, vit_ms=vit_ms, prefill_ms=prefill_ms,
-                 decode_ms=decode_ms, preprocess=mode, media_ms=measure_media(settings),
-                 media_threads=settings.media_threads)
+                 decode_ms=decode_ms, preprocess=mode, media_ms=measure_media(width, height, settings.image_format),
+                 media_threads=settings.media_threads, corun=corun)
 
 
 def _grid(settings, path) -> Grid:
@@ -224,7 +341,7 @@ def _grid(settings, path) -> Grid:
     return ImageGeometry.from_checkpoint(path).grid(height, width)
 
 
-def _spread(counts: list[int]) -> list[int]:
+def spread(counts: list[int]) -> list[int]:
     """At most four image counts spanning ``counts`` (prefill is interpolated between them)."""
     if len(counts) <= 4:
         return counts

@@ -1,0 +1,89 @@
+"""Where a stack's time went, from the frontend's ``/metrics``, read before and after a measurement.
+
+- ``epd_stage_seconds{stage}`` (histogram): per request, media (fetch + decode its images), encode (all
+  its images, as the frontend waits for them), first_token (prefill job submitted → first token);
+- ``epd_service_stat{service,instance,stat}`` (gauges of every worker's NATS stats): the encoders'
+  own split of the encode stage — ``vit_queue`` (an image waiting for a ViT forward), ``vit_forward``
+  (the forward its batch took), ``job_pull`` (pulling its pixels), ``job_encode`` (preprocessing + ViT
+  as its job saw it) — as ``<stage>_seconds_total`` / ``<stage>_count`` summed over instances.
+
+The gauges are the frontend's copy of a listing it refreshes about once a second, so a reading right
+after a measurement may miss its last images (and the frontend records a request's stages as it closes
+it, just after its last chunk); ``settled`` polls until both have counted what the measurement sent (or a
+few seconds passed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+ENCODER_STAGES = ("vit_queue", "vit_forward", "job_pull", "job_encode")
+_STAGE = re.compile(r'^epd_stage_seconds_(sum|count)\{stage="(\w+)"\} (\S+)$', re.M)
+_STAT = re.compile(r'^epd_service_stat\{([^}]*)\} (\S+)$', re.M)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+@dataclass
+class Reading:
+    stages: dict[str, tuple[float, float]] = field(default_factory=dict)  # stage → (seconds, requests)
+    encoder: dict[str, tuple[float, float]] = field(default_factory=dict)  # stage → (seconds, images)
+
+    @property
+    def images_encoded(self) -> float:
+        return self.encoder.get("vit_forward", (0.0, 0.0))[1]
+
+    @property
+    def requests_seen(self) -> float:
+        """Requests the frontend has timed to their first token."""
+        return self.stages.get("first_token", (0.0, 0.0))[1]
+
+
+def parse(text: str) -> Reading:
+    reading = Reading()
+    stages: dict[str, list[float]] = {}
+    for kind, stage, value in _STAGE.findall(text):
+        stages.setdefault(stage, [0.0, 0.0])[kind == "count"] = float(value)
+    reading.stages = {stage: (total, count) for stage, (total, count) in stages.items()}
+    encoder: dict[str, list[float]] = {}
+    for labels, value in _STAT.findall(text):
+        stat = dict(_LABEL.findall(labels)).get("stat", "")
+        for stage in ENCODER_STAGES:
+            if stat in (f"{stage}_seconds_total", f"{stage}_count"):
+                encoder.setdefault(stage, [0.0, 0.0])[stat.endswith("_count")] += float(value)
+    reading.encoder = {stage: (total, count) for stage, (total, count) in encoder.items()}
+    return reading
+
+
+async def read(api: str) -> Reading:
+    async with httpx.AsyncClient(timeout=30) as client:
+        return parse((await client.get(api.removesuffix("/v1") + "/metrics")).text)
+
+
+async def settled(api: str, images: float, requests: float = 0.0, timeout: float = 3.0) -> Reading:
+    """A reading once the encoders have counted ``images`` ViT images and the frontend ``requests``
+    requests, in all (or after ``timeout`` s)."""
+    deadline = time.monotonic() + timeout
+    reading = await read(api)
+    while (reading.images_encoded < images or reading.requests_seen < requests) and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+        reading = await read(api)
+    return reading
+
+
+def _means_ms(after: dict[str, tuple[float, float]], before: dict[str, tuple[float, float]]) -> dict[str, float]:
+    out = {}
+    for stage, (total, count) in after.items():
+        seen = count - before.get(stage, (0.0, 0.0))[1]
+        if seen > 0:
+            out[stage] = (total - before.get(stage, (0.0, 0.0))[0]) / seen * 1e3
+    return out
+
+
+def stage_means(before: Reading, after: Reading) -> tuple[dict[str, float], dict[str, float]]:
+    """({frontend stage: mean ms per request}, {encoder stage: mean ms per image}) between two readings."""
+    return _means_ms(after.stages, before.stages), _means_ms(after.encoder, before.encoder)

@@ -1,0 +1,57 @@
+"""Markdown rows of a sweep's records (``bench/epd_vs_aggregated.py``): one run or one unloaded summary per
+row, beside its floor and the plan's prediction.
+
+A record is ``epd bench``'s results plus ``topology``, ``request_rate`` (None: unloaded),
+``stages_ms`` / ``encoder_ms`` (``measure.py``), ``floor_ms`` and ``predicted_ttft_ms`` where known.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tools.plan.layouts import bench_layouts
+
+
+def stages(means: dict, keys=("media", "encode", "first_token")) -> str:
+    """``a / b / c`` of the stage means (ms), ``-`` for a stage not seen."""
+    return " / ".join(f"{means[k]:.0f}" if k in means else "-" for k in keys)
+
+
+def ms(value) -> str:
+    return f"{value:.0f}" if value is not None and math.isfinite(value) else "unstable"
+
+
+HEADER = ("| topology | offered req/s | achieved | TTFT mean / p99 (ms) | × floor | text / image TTFT (ms) "
+          "| ITL p99 (ms) | TPOT mean (ms) | goodput (req/s) | failed / resumed | media / encode / to first token (ms) "
+          "| ViT queue / forward, pull / job (ms per image) | predicted TTFT (ms, error) |\n"
+          + "|---" * 13 + "|")
+
+
+def row_text(run: dict) -> str:
+    """One record as a row under ``HEADER``."""
+    s = run["summary"]
+    classes = run.get("classes", {})
+    kinds = " / ".join(f"{classes[k]['ttft_ms']['mean']:.0f}" if k in classes else "-" for k in ("text", "image"))
+    floor = run.get("floor_ms", {}).get("floor_ms")
+    times = f"{s['ttft_ms']['mean'] / floor:.2f}" if floor else "-"
+    predicted = run.get("predicted_ttft_ms")
+    error = f" ({predicted / s['ttft_ms']['mean'] - 1:+.0%})" if predicted and math.isfinite(predicted) and \
+        s["ttft_ms"]["mean"] else ""
+    rate = "unloaded" if run.get("request_rate") is None else f"{run['request_rate']:g}"
+    achieved = "-" if run.get("request_rate") is None else f"{s['request_throughput']:.2f}"
+    goodput = "-" if run.get("request_rate") is None else f"{s['goodput']:.2f}"
+    itl, tpot = ("-", "-") if run.get("request_rate") is None else \
+        (f"{s['itl_ms']['p99']:.0f}", f"{s['tpot_ms']['mean']:.1f}")  # unloaded: a few tokens only
+    return (f"| {run['topology']} | {rate} | {achieved} | {s['ttft_ms']['mean']:.0f} / {s['ttft_ms']['p99']:.0f} "
+            f"| {times} | {kinds} | {itl} | {tpot} | {goodput} "
+            f"| {s['failed']} / {run.get('resumed', 0)} | {stages(run.get('stages_ms', {}))} "
+            f"| {stages(run.get('encoder_ms', {}), ('vit_queue', 'vit_forward'))}, "
+            f"{stages(run.get('encoder_ms', {}), ('job_pull', 'job_encode'))} "
+            f"| {ms(predicted) if predicted is not None else '-'}{error} |")
+
+
+def ordered_labels(labels) -> list[str]:
+    """Topology labels in the order the layouts are listed (aggregated first), however the runs were split."""
+    order = [layout.label() for gpus in (1, 2, 3, 4, 8) for layout in bench_layouts(gpus)]
+    unique = list(dict.fromkeys(labels))
+    return sorted(unique, key=lambda label: (order.index(label) if label in order else len(order), unique.index(label)))

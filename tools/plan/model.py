@@ -1,0 +1,250 @@
+"""The latency model of ``epd plan``: mean TTFT and TPOT of a layout at a request rate, from measured costs.
+
+Every time in seconds; λ requests/s per replica; a request carries n images (0: text) with probability
+p_n; L output tokens. Per request: media m(n) (the frontend decoding its images, ``--media-threads`` at
+a time), ViT v(n) (one forward over its n images, preprocessing on the device included), prefill P(n)
+(its prompt), transfer x(n) (its embeddings over the data plane, not in aggregated). A decode step of
+B sequences costs t(B) = a + b·B + c·B·ctx; B follows from Little's law, B = λ·L·TPOT.
+
+Queues (Poisson arrivals, ``queueing.py``): a server whose service time varies with n is M/G/1,
+W = λ·E[S²] / 2(1 − ρ). Layouts:
+- aggregated: one engine thread does everything: a ViT batch between two engine steps, prefill before
+  decode. E+P work w(n) = v(n) + P(n) queues as one M/G/1 server; an arrival also waits for the decode
+  step in progress, and an image request for one more (its ViT batch and its prefill run in different
+  engine iterations): TTFT = m + W + α_D·t·(½ + [n>0]) + v + P; TPOT = t(B) / (1 − ρ_w).
+- joined language worker (E/PD, colocated or disaggregated): the encoder is a server of its own
+  (M/G/1 over requests' image sets, a request's images split over the encoders it may use); prefill
+  queues M/G/1 ahead of decode in its engine: TTFT = m + W_E + v + W_P + α_D·t/2 + P + x;
+  TPOT = t(B) / (1 − ρ_P).
+- split (E/P/D): prefill workers queue M/G/1 with no decode step in the way; decode runs alone in its
+  process: TTFT = m + W_E + v + W_P + P + x; TPOT = t(B).
+Sharing a GPU: processes on one GPU slow each other. A stage x runs s_x = 1 + Σ_y α_y·(k[x|y] − 1)
+times slower, over the activities y of the *other* processes on its GPU, α_y the share of time y keeps
+the GPU busy (ViT and prefill: their utilisation, already slowed; decode: the share of time a sequence is
+running, 1 − e^−B, less the joined engine's prefill share), solved as a fixed point with B. k[x|y]:
+- with MPS, measured in ``costs.py`` (a ViT forward and decode steps, a ViT forward and a prefill, on two
+  CUDA streams at once against alone); prefill beside decode is taken as the ViT beside decode (both
+  are compute-bound GEMM streams next to a bandwidth-bound one);
+- time-sliced (no MPS), measured in ``timeslice.py`` the same way with the ViT in a second process
+  (prefill beside decode taken as above); without that measurement, a model: both busy means each gets
+  the GPU half the time, plus the switch between contexts: k = ``TIMESLICE`` for every pair.
+Stages in one process never overlap on the GPU (the aggregated engine thread, a joined worker's engine).
+
+Calibration: a stack also pays fixed costs no in-process measurement sees (encode jobs, pulls, replies,
+NATS hops). Given ``Overheads`` (measured unloaded TTFT minus this model's TTFT at no load, per request
+class), each request's TTFT is raised by its class's overhead.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tools.plan.costs import Costs
+from tools.plan.layouts import Layout
+from tools.plan.queueing import mg1_wait
+from tools.bench.settings import Workload
+
+TIMESLICE = 2.1  # slowdown of a stage while another process keeps a time-sliced GPU busy (model, not measured)
+MPS_UNMEASURED = 1.5  # k under MPS when the costs carry no co-run measurement (plans written before them)
+
+
+@dataclass
+class Traffic:
+    """The workload as the model sees it, at one rate."""
+
+    rate: float
+    image_share: float
+    counts: list[int]  # image counts of image requests, equally likely
+    input_len: int
+    output_len: int
+
+    @property
+    def mean_images(self) -> float:
+        return sum(self.counts) / len(self.counts) if self.counts else 0.0
+
+    def classes(self) -> list[tuple[float, int]]:
+        """(probability, images) of every request kind."""
+        text = [(1 - self.image_share, 0)] if self.image_share < 1 else []
+        return text + [(self.image_share / len(self.counts), n) for n in self.counts if self.image_share > 0]
+
+    def mean(self, fn: Callable[[int], float]) -> float:
+        return sum(p * fn(n) for p, n in self.classes())
+
+
+def traffic(workload: Workload, rate: float) -> Traffic:
+    counts = [n for n in workload.image_counts() if n > 0]
+    share = 0.0 if not counts else 1 - workload.text_ratio
+    return Traffic(rate, share, counts, workload.input_len, workload.output_len)
+
+
+@dataclass
+class Prediction:
+    layout: str
+    topology: str
+    encoders: int
+    rate: float
+    ttft_ms: float
+    tpot_ms: float
+    stable: bool
+    ttft_by_images_ms: dict[int, float] = field(default_factory=dict)  # per request class (0: text)
+    busy: dict[str, float] = field(default_factory=dict)  # share of time each stage keeps its GPU busy
+
+
+Overheads = Callable[[int], float]  # images → seconds a stack adds to a request's TTFT
+
+
+def decode_batch(rate: float, length: int, step: Callable[[float], float], slowdown: float = 1.0,
+                 max_batch: float = math.inf) -> tuple[float, float]:
+    """(B, TPOT s) with B = rate·L·TPOT and TPOT = step(B)·slowdown; (inf, inf) when decode cannot keep
+    up (or would need more than ``max_batch`` sequences running)."""
+    batch = 0.0
+    for _ in range(200):  # fixed point; step() is increasing and affine in B
+        tpot = step(batch) * slowdown
+        nxt = rate * length * tpot
+        if nxt > min(1e6, max_batch):
+            return math.inf, math.inf
+        if abs(nxt - batch) < 1e-6:
+            break
+        batch = nxt
+    tpot = step(batch) * slowdown
+    return (batch, tpot) if rate * length * tpot <= batch * 1.01 + 1e-9 else (math.inf, math.inf)
+
+
+def decode_busy(batch: float) -> float:
+    """Share of time at least one sequence is decoding: running sequences are Poisson (M/G/∞) of mean B."""
+    return 1 - math.exp(-batch)
+
+
+class Planner:
+    def __init__(self, costs: Costs, data_plane_gbs: float = 5.0, hidden_bytes: int = 0, max_batch: int = 256):
+        self.costs = costs
+        self.bandwidth = data_plane_gbs * 1e9
+        self.hidden_bytes = hidden_bytes  # bytes of one token's embedding (for the E→P transfer)
+        self.max_batch = max_batch  # sequences an engine runs at once (--max-num-seqs)
+
+    # -- per-request pieces (seconds) ----------------------------------------------------------------
+    def vit(self, n: int) -> float:
+        """One forward over n images (CPU preprocessing, where encoders do it there, in parallel threads)."""
+        if not n:
+            return 0.0
+        cpu = math.ceil(n / self.costs.preprocess_threads) * self.costs.preprocess_ms
+        return (n * self.costs.vit_per_image(n) + cpu) / 1e3
+
+    def prefill(self, t: Traffic, n: int) -> float:
+        return self.costs.prefill(self.costs.prompt_tokens(t.input_len, n)) / 1e3
+
+    def media(self, n: int) -> float:
+        """The frontend decoding a request's images (its pool decodes several at once)."""
+        if n in self.costs.media_batch_ms:
+            return self.costs.media_batch_ms[n] / 1e3
+        return math.ceil(n / self.costs.media_threads) * self.costs.media_ms / 1e3 if n else 0.0
+
+    def transfer(self, n: int) -> float:
+        return n * self.costs.image_tokens * self.hidden_bytes / self.bandwidth
+
+    def floor(self, t: Traffic, n: int) -> float:
+        """A request's own compute, one part after the other: media, ViT, prefill."""
+        return self.media(n) + self.vit(n) + self.prefill(t, n)
+
+    def step(self, t: Traffic) -> Callable[[float], float]:
+        context = t.mean(lambda n: self.costs.prompt_tokens(t.input_len, n)) + t.output_len / 2
+        return lambda batch: self.costs.decode_step(batch, context) / 1e3
+
+    def capacity(self, t: Traffic) -> float:
+        """Requests/s one GPU sustains doing only this traffic's compute, one stage after another at full
+        speed, decode batched up to ``max_batch``: 1 / (E[v + P] + L·(b + c·ctx) + L·a / max_batch)."""
+        context = t.mean(lambda n: self.costs.prompt_tokens(t.input_len, n)) + t.output_len / 2
+        a, b, c = self.costs.decode_fit()
+        per_request = t.mean(lambda n: self.vit(n) + self.prefill(t, n)) * 1e3 + \
+            t.output_len * (b + c * context + a / self.max_batch)
+        return 1e3 / per_request
+
+    # -- sharing a GPU -------------------------------------------------------------------------------
+    def k(self, x: str, y: str, mps: bool) -> float:
+        """Slowdown of stage x while stage y runs in another process on the same GPU."""
+        pair = {"prefill|decode": "vit|decode", "decode|prefill": "decode|vit"}.get(f"{x}|{y}", f"{x}|{y}")
+        if not mps:
+            return max(1.0, self.costs.corun.get(f"ts:{pair}", TIMESLICE))
+        return max(1.0, self.costs.corun.get(pair, MPS_UNMEASURED))
+
+    # -- layouts -------------------------------------------------------------------------------------
+    def predict(self, layout: Layout, t: Traffic, overheads: Overheads | None = None) -> Prediction:
+        ttft, tpot, busy = self._solve(layout, t)
+        ttft = {n: s + self.media(n) + (overheads(n) if overheads else 0.0) for n, s in ttft.items()}
+        mean = sum(p * ttft[n] for p, n in t.classes())
+        stable = math.isfinite(mean) and math.isfinite(tpot)
+        return Prediction(layout.label(), layout.topology, layout.encoders, t.rate,
+                          mean * 1e3 if stable else math.inf, tpot * 1e3 if stable else math.inf, stable,
+                          {n: s * 1e3 for n, s in ttft.items()} if stable else {}, busy)
+
+    def _solve(self, layout: Layout, t: Traffic) -> tuple[dict[int, float], float, dict[str, float]]:
+        """({images: TTFT s without media}, TPOT s, busy shares) for one replica of the layout."""
+        unstable = ({n: math.inf for _, n in t.classes()}, math.inf, {})
+        if layout.topology == "aggregated":
+            return self._aggregated(t.rate / layout.gpus, t) or unstable
+        return self._workers(layout, t) or unstable
+
+    def _aggregated(self, rate: float, t: Traffic):
+        work = t.mean(lambda n: self.vit(n) + self.prefill(t, n))
+        spread = t.mean(lambda n: (self.vit(n) + self.prefill(t, n)) ** 2)
+        if rate * work >= 1:
+            return None
+        step = self.step(t)
+        batch, tpot = decode_batch(rate, t.output_len, step, 1 / (1 - rate * work), self.max_batch)
+        if not math.isfinite(tpot):
+            return None
+        active = max(0.0, decode_busy(batch) - rate * work)  # share of time a decode step is running
+        wait = mg1_wait(rate, work, spread)
+        ttft = {n: wait + active * step(batch) * (0.5 + (n > 0)) + self.vit(n) + self.prefill(t, n)
+                for _, n in t.classes()}
+        return ttft, tpot, {"vit+prefill": rate * work, "decode": active}
+
+    def _workers(self, layout: Layout, t: Traffic):
+        """Encoders and language workers, sharing GPUs as the layout says."""
+        lm_rate = t.rate / (layout.prefill_gpus or layout.lm_gpus)  # requests per prefilling worker
+        decode_rate = t.rate / (layout.decode_gpus or layout.lm_gpus)
+        encoders = layout.encoders
+        image_rate = t.rate * t.image_share  # image requests over the whole encoder tier
+        vit_own = {n: self.vit(math.ceil(n / encoders)) if n else 0.0 for _, n in t.classes()}
+        image_classes = [n for _, n in t.classes() if n]
+        vit_mean = sum(vit_own[n] for n in image_classes) / len(image_classes) if image_classes else 0.0
+        vit_sq = sum(vit_own[n] ** 2 for n in image_classes) / len(image_classes) if image_classes else 0.0
+        prefill_mean = t.mean(lambda n: self.prefill(t, n))
+        prefill_sq = t.mean(lambda n: self.prefill(t, n) ** 2)
+        joined = layout.pd == "joined"
+        # who shares a GPU with whom (activities of other processes on the same GPU)
+        peers = {"vit": [], "prefill": [], "decode": []}
+        if layout.topology == "colocated":
+            peers = {"vit": ["prefill", "decode"], "prefill": ["vit"] + ([] if joined else ["decode"]),
+                     "decode": ["vit"] + ([] if joined else ["prefill"])}
+        elif layout.shared_pd:
+            peers = {"vit": [], "prefill": ["decode"], "decode": ["prefill"]}
+        slow = dict.fromkeys(peers, 1.0)
+        step = self.step(t)
+        for _ in range(100):
+            vit_busy = image_rate * vit_mean * slow["vit"]  # per encoder: every request sends each its share
+            prefill_busy = lm_rate * prefill_mean * slow["prefill"]
+            if vit_busy >= 1 or prefill_busy >= 1:
+                return None
+            batch, tpot = decode_batch(decode_rate, t.output_len, step,
+                                       slow["decode"] / (1 - prefill_busy if joined else 1), self.max_batch)
+            if not math.isfinite(tpot):
+                return None
+            decode_active = max(0.0, decode_busy(batch) - (prefill_busy if joined else 0.0))
+            busy = {"vit": vit_busy, "prefill": prefill_busy, "decode": decode_active}
+            new = {x: 1 + sum(busy[y] * (self.k(x, y, layout.mps) - 1) for y in ys) for x, ys in peers.items()}
+            if all(abs(new[x] - slow[x]) < 1e-6 for x in slow):
+                break
+            slow = {x: 0.5 * (slow[x] + new[x]) for x in slow}  # damped: the shares and slowdowns feed each other
+        encode_wait = mg1_wait(image_rate, vit_mean * slow["vit"], vit_sq * slow["vit"] ** 2) if image_classes else 0.0
+        prefill_wait = mg1_wait(lm_rate, prefill_mean * slow["prefill"], prefill_sq * slow["prefill"] ** 2)
+        if not math.isfinite(encode_wait) or not math.isfinite(prefill_wait):
+            return None
+        in_the_way = decode_active * step(batch) * slow["decode"] / 2 if joined else 0.0
+        ttft = {}
+        for _, n in t.classes():
+            encode = encode_wait + vit_own[n] * slow["vit"] if n else 0.0
+            ttft[n] = encode + prefill_wait + in_the_way + self.prefill(t, n) * slow["prefill"] + self.transfer(n)
+        return ttft, tpot, {**busy, **{f"slowdown_{x}": s for x, s in slow.items()}}
