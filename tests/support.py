@@ -52,10 +52,11 @@ class Reference:
                                                       add_generation_prompt=True)
         inputs: dict = {}
         if images:
+            # the layout is given: HF guesses it from the shape, and reads a 1×1 or 3×N image as channels-first
             pixels = self.processor(images=[np.asarray(i) for i in images], return_tensors="pt",
-                                    input_data_format="channels_last")  # HF guesses 1x1 and 3xN images wrong
+                                    input_data_format="channels_last")
             pieces = rendered.split("<|image_pad|>")
-            counts = [int(g.prod()) // 4 for g in pixels["image_grid_thw"]]
+            counts = [int(g.prod()) // self.processor.merge_size**2 for g in pixels["image_grid_thw"]]
             rendered = pieces[0] + "".join("<|image_pad|>" * n + pieces[i + 1] for i, n in enumerate(counts))
             inputs.update(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
         ids = self.tokenizer(rendered, return_tensors="pt").input_ids

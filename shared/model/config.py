@@ -24,6 +24,11 @@ class MoEConfig:
     norm_topk_prob: bool  # the top-k routing weights are renormalized to sum to 1
     layers: tuple[int, ...]  # decoder layers whose MLP is the mixture; the others are dense
 
+# What transformers assumes when a config leaves these out: a hand-written config.json is read as the
+# reference reads it, not with defaults of our own.
+HF_DEFAULT_MROPE_SECTION = (16, 24, 24)
+HF_DEFAULT_FULLATT_BLOCKS = (7, 15, 23, 31)
+
 
 @dataclass(frozen=True)
 class TextConfig:
@@ -143,7 +148,8 @@ def _text_config(raw: dict, top: dict, family: str) -> TextConfig:
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     num_heads = raw["num_attention_heads"]
     head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
-    section = tuple(rope.get("mrope_section") or (head_dim // 2 - 2 * (head_dim // 6), head_dim // 6, head_dim // 6))
+    # Absent from a config, transformers falls back to the 7B's split (which fits head_dim 128 only)
+    section = tuple(rope.get("mrope_section") or HF_DEFAULT_MROPE_SECTION)
     if sum(section) != head_dim // 2:
         raise ValueError(f"mrope_section {list(section)} must sum to head_dim/2 = {head_dim // 2}")
     qwen3 = family in QWEN3_FAMILIES
@@ -213,7 +219,7 @@ def _vision_config(family: str, raw: dict, lm_hidden: int) -> VisionConfig:
             act=raw.get("hidden_act", "silu"),
             out_dim=raw.get("out_hidden_size", lm_hidden),
             window_size=raw.get("window_size", 112),
-            fullatt_blocks=tuple(raw.get("fullatt_block_indexes", ())),
+            fullatt_blocks=tuple(raw.get("fullatt_block_indexes", HF_DEFAULT_FULLATT_BLOCKS)),
             **common,
         )
     width = raw["embed_dim"]

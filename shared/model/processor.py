@@ -6,8 +6,8 @@ How many tokens an image becomes is ``shared.model.geometry`` (no pixels touched
   output is exactly the reference's;
 - ``TorchImagePreprocessor``: the same steps as tensor operations on the encoder's device (the GPU),
   where a 1080p image takes well under a millisecond instead of ~100 ms of CPU. Both resize in two
-  8-bit passes in the same order (rows first, except where Pillow ≥ 13 resamples columns first);
-  PIL's fixed-point weights and torch's float ones may put a pixel one 8-bit step apart.
+  8-bit passes, in the order the installed Pillow chooses (``vertical_pass_first``); PIL's fixed-point
+  weights and torch's float ones may then put a pixel one 8-bit step apart.
 """
 
 from __future__ import annotations
@@ -47,19 +47,29 @@ class ImagePreprocessor:
 _PIL_BICUBIC = 3
 
 
-def _pillow_major() -> int:
+def _pillow_version() -> tuple[int, int]:
     import PIL
 
-    return int(PIL.__version__.split(".")[0])
+    major, minor = PIL.__version__.split(".")[:2]
+    return int(major), int(minor)
 
 
-def resize_passes(height: int, width: int, h: int, w: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """The sizes after each of PIL's two resampling passes from ``height × width`` to ``h × w``: the
-    width first, except that Pillow 13 takes the height first when it shrinks by more than twice what
-    the width does (the order changes every pixel near an edge, by up to ~17 8-bit steps)."""
-    if _pillow_major() >= 13 and height - h > 0 and height - h > 2 * (width - w):
-        return (h, width), (h, w)
-    return (height, w), (h, w)
+def vertical_pass_first(height: int, width: int, new_height: int, new_width: int,
+                        pillow: tuple[int, int] | None = None) -> bool:
+    """Whether Pillow's two-pass resize of ``height × width`` to ``new_height × new_width`` resamples the
+    columns (vertical pass) before the rows. Each pass rounds to 8 bits, so the order shows: done the other
+    way, pixels near edges land up to ~20 steps apart — enough to move a greedy token.
+
+    Pillow < 12.2: rows always first. 12.2: columns first for images over 100 times taller than wide whose
+    height shrinks. 13: columns first when the height shrinks by more than twice as many pixels as the width
+    does (so always when the height shrinks and the width does not: 200×300 → 196×308 is one).
+    """
+    pillow = pillow or _pillow_version()
+    if pillow >= (13, 0):
+        return new_height < height and height - new_height > 2 * (width - new_width)
+    if pillow >= (12, 2):
+        return height > 100 * width and new_height < height
+    return False
 
 
 def preprocess_mode(setting: str, device: torch.device) -> str:
@@ -83,6 +93,7 @@ class TorchImagePreprocessor:
                              "preprocess with its own processor (--preprocess pil)")
         self.geometry = ImageGeometry.from_checkpoint(path)
         self.dtype = dtype
+        self._pillow = _pillow_version()  # the reference's pass order is the installed Pillow's
         std = torch.tensor(processor.image_std, dtype=torch.float32).view(3, 1, 1)
         mean = torch.tensor(processor.image_mean, dtype=torch.float32).view(3, 1, 1)
         # (x * rescale - mean) / std as one multiply-add
@@ -97,8 +108,9 @@ class TorchImagePreprocessor:
         height, width = int(pixels.shape[0]), int(pixels.shape[1])
         h, w = g.resized(height, width)
         image = pixels.permute(2, 0, 1).unsqueeze(0).float()
-        # PIL resamples in two passes, each back to 8 bits (clipping the bicubic overshoot)
-        for size in resize_passes(height, width, h, w):
+        # two passes as PIL makes them, each back to 8 bits (clipping the bicubic overshoot)
+        first = (h, width) if vertical_pass_first(height, width, h, w, self._pillow) else (height, w)
+        for size in (first, (h, w)):
             if tuple(image.shape[2:]) != size:
                 image = F.interpolate(image, size=size, mode="bicubic", antialias=True, align_corners=False)
                 image = image.round_().clamp_(0, 255)

@@ -22,12 +22,22 @@ from shared.model.rope import VisionRotaryEmbedding, rotate_half
 from shared.model.text import RMSNorm
 
 
+_ACTIVATIONS = {  # the checkpoint's ``hidden_act``, as transformers' ACT2FN reads it
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "relu": F.relu,
+}
+
+
 def _activation(name: str):
-    if name == "quick_gelu":
-        return lambda x: x * torch.sigmoid(1.702 * x)
-    if name == "gelu":
-        return F.gelu
-    return F.silu
+    # An unknown name is refused: silently running another activation gives plausible, wrong embeddings.
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"unsupported vision hidden_act {name!r}; supported: {', '.join(sorted(_ACTIVATIONS))}")
+    return _ACTIVATIONS[name]
 
 
 class VisionAttention(nn.Module):
@@ -216,7 +226,10 @@ def packed_layout(grids: Sequence[Grid], config: VisionConfig) -> PackedLayout:
         else:
             order.append(index.reshape(-1))
         base += t * gh * gw
-        cu_images.extend(cu_images[-1] + h * w * (i + 1) for i in range(t))
+        # one full-attention segment per frame (the reference's convention); the bounds are computed from
+        # this image's start, not from the list's last entry while it grows
+        start = cu_images[-1]
+        cu_images.extend(start + h * w * (i + 1) for i in range(t))
         rr, cc = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
         block = (gh, m, gw, m)
         coords.append(torch.stack([rr.reshape(block).transpose(1, 2).flatten(),

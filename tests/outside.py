@@ -1,0 +1,106 @@
+"""Checkpoints built as someone outside the project builds them, and HF's view of a multi-image prompt.
+
+The project's tiny checkpoint (``shared.model.tiny``) fixes one geometry: windows of 2×2 merged patches,
+one full-attention block, at most 64 tokens an image. The outside checkpoints here come straight from
+transformers' config classes (``from_config`` + ``save_pretrained``, so config.json is what transformers
+writes) and vary what the tiny one cannot show: the real models' 4×4-merged-patch windows, images of many
+windows with partial edge windows, several full-attention blocks, deeper towers, other head sizes, the
+Qwen2-VL family. Only the tokenizer, chat template and image-processor writer are the project's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from shared.model.tiny import SPECIAL_TOKENS, image_processor_config, write_tokenizer
+
+
+@dataclass(frozen=True)
+class OutsideSpec:
+    family: str
+    vision: dict
+    text: dict = field(default_factory=dict)
+    max_pixels: int = 28 * 28 * 512  # up to 512 tokens an image: a 640×480 image spans 4×3 windows and more
+
+
+OUTSIDE = {
+    # the real models' window (112 px: 4×4 merged patches), two full-attention blocks
+    "qwen2_5_vl-w112": OutsideSpec("qwen2_5_vl", dict(
+        depth=4, hidden_size=32, intermediate_size=60, num_heads=2, window_size=112, fullatt_block_indexes=[1, 3])),
+    # deeper, ViT head_dim 20 and LM head_dim 24 (neither a power of two), no full-attention block first
+    "qwen2_5_vl-deep": OutsideSpec("qwen2_5_vl", dict(
+        depth=6, hidden_size=40, intermediate_size=100, num_heads=2, window_size=112, fullatt_block_indexes=[2, 5]),
+        text=dict(hidden_size=96, num_attention_heads=4, num_key_value_heads=4,
+                  rope_scaling={"type": "mrope", "mrope_section": [4, 4, 4]})),
+    # the other family: every block attends over the whole image; ViT head_dim 16 over 3 heads
+    "qwen2_vl": OutsideSpec("qwen2_vl", dict(depth=3, embed_dim=48, num_heads=3, mlp_ratio=2)),
+}
+
+
+def write_outside_checkpoint(path: Path, spec: OutsideSpec, seed: int = 0) -> Path:
+    from transformers import AutoModelForImageTextToText, AutoTokenizer, Qwen2_5_VLConfig, Qwen2VLConfig
+
+    path.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(path, vocab_size=600)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2,
+                rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, bos_token_id=ids["<|endoftext|>"],
+                eos_token_id=ids["<|im_end|>"], initializer_range=0.2)
+    text.update(spec.text)
+    vision = dict(patch_size=14, spatial_merge_size=2, temporal_patch_size=2, initializer_range=0.2, **spec.vision)
+    if spec.family == "qwen2_5_vl":
+        config_class = Qwen2_5_VLConfig
+        vision.setdefault("out_hidden_size", text["hidden_size"])
+    else:
+        config_class = Qwen2VLConfig
+        vision.setdefault("hidden_size", text["hidden_size"])
+    config = config_class(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                          video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                          vision_end_token_id=ids["<|vision_end|>"])
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = ids["<|im_end|>"]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    model.save_pretrained(path)
+    processor = image_processor_config(spec.family, spec.max_pixels)
+    (path / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
+    return path
+
+
+Part = str | Image.Image  # a chat message's content, in order: text and images
+
+
+def hf_inputs(reference, parts: list[Part]) -> dict:
+    """HF's model inputs for one user turn of ``parts`` (text and images interleaved as given): the chat
+    template renders it, each image placeholder expands to its grid's token count, the processor (told the
+    pixel layout) makes the patches. ``reference`` is a ``tests.support.Reference``."""
+    images = [p for p in parts if isinstance(p, Image.Image)]
+    content = [{"type": "image"} if isinstance(p, Image.Image) else {"type": "text", "text": p} for p in parts]
+    rendered = reference.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                       add_generation_prompt=True)
+    inputs: dict = {}
+    if images:
+        pixels = reference.processor(images=[np.asarray(i) for i in images], return_tensors="pt",
+                                     input_data_format="channels_last")
+        unit = reference.processor.merge_size ** 2
+        pieces = rendered.split("<|image_pad|>")
+        counts = [int(g.prod()) // unit for g in pixels["image_grid_thw"]]
+        rendered = pieces[0] + "".join("<|image_pad|>" * n + pieces[i + 1] for i, n in enumerate(counts))
+        inputs.update(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
+    ids = reference.tokenizer(rendered, return_tensors="pt").input_ids
+    inputs.update(input_ids=ids, attention_mask=torch.ones_like(ids),
+                  mm_token_type_ids=(ids == reference.model.config.image_token_id).int())
+    return inputs
+
+
+def image_starts(ids: list[int], image_token_id: int) -> list[int]:
+    """Where each run of image placeholder tokens begins."""
+    return [i for i, t in enumerate(ids) if t == image_token_id and (i == 0 or ids[i - 1] != image_token_id)]
