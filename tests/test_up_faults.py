@@ -144,6 +144,14 @@ def test_abandoned_requests_are_cancelled_everywhere(up):
     def leave_early(stream: bool) -> None:
         payload = {"messages": chat_messages(f"go on {stream}", []), "max_tokens": 1500, "temperature": 0,
                    "ignore_eos": True, "stream": stream}
+        if stream:  # read a few chunks, then hang up
+            with httpx.stream("POST", f"{up.api}/chat/completions", json=payload, timeout=30) as response:
+                assert response.status_code == 200
+                deadline = time.monotonic() + 1.5
+                for _ in response.iter_lines():
+                    if time.monotonic() > deadline:
+                        return
+            pytest.fail("the stream ended before the client left")
         try:
             response = httpx.post(f"{up.api}/chat/completions", json=payload, timeout=1.5)
         except httpx.TimeoutException:
