@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import copy
 import io
+import tempfile
 from pathlib import Path
 
 import av
@@ -25,11 +26,20 @@ from tests.support import Reference, data_url
 
 
 def make_clip(seed: int, frames: int, height: int, width: int, fps: float = 10, codec: str = "libx264",
-              container: str = "mp4") -> bytes:
-    """A seeded clip: each frame a smooth random picture (blocks of colour, so the codec keeps it close)."""
+              container: str = "mp4", faststart: bool = False) -> bytes:
+    """A seeded clip: each frame a smooth random picture (blocks of colour, so the codec keeps it close).
+    ``faststart``: an mp4's index before its frames (as streaming sites serve them)."""
     rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    with av.open(buf, "w", format=container) as out:
+    with tempfile.TemporaryDirectory() as tmp:  # faststart rewrites the file: a real one, not a buffer
+        path = Path(tmp) / f"clip.{container}"
+        _encode(rng, path, frames, height, width, fps, codec, container, faststart)
+        return path.read_bytes()
+
+
+def _encode(rng, path: Path, frames: int, height: int, width: int, fps: float, codec: str, container: str,
+            faststart: bool) -> None:
+    options = {"movflags": "faststart"} if faststart else {}
+    with av.open(str(path), "w", format=container, options=options) as out:
         stream = out.add_stream(codec, rate=fps if float(fps).is_integer() else _fraction(fps))
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         for _ in range(frames):
@@ -40,7 +50,6 @@ def make_clip(seed: int, frames: int, height: int, width: int, fps: float = 10, 
                 out.mux(packet)
         for packet in stream.encode():
             out.mux(packet)
-    return buf.getvalue()
 
 
 def _fraction(fps: float):
@@ -70,11 +79,21 @@ class VideoReference:
         self.video = VideoPreprocessor.from_checkpoint(path)
 
     def decode(self, clip: bytes):
-        """HF's PyAV reader with the processor's sampling: frames [T, H, W, 3] and their metadata."""
-        from transformers.video_utils import read_video_pyav
+        """HF's PyAV reader with the processor's sampling: frames [T, H, W, 3] and their metadata. HF's
+        reader needs the container's frame count; for those without one (webm) the frames are counted."""
+        from transformers.video_utils import VideoMetadata, read_video_pyav
 
-        return read_video_pyav(io.BytesIO(clip), lambda metadata, **_: self.geometry.sample(
-            metadata.total_num_frames, metadata.fps))
+        with av.open(io.BytesIO(clip)) as container:
+            counted = container.streams.video[0].frames
+        if counted:
+            return read_video_pyav(io.BytesIO(clip), lambda metadata, **_: self.geometry.sample(
+                metadata.total_num_frames, metadata.fps))
+        with av.open(io.BytesIO(clip)) as container:
+            fps = float(container.streams.video[0].average_rate)
+            frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+        indices = self.geometry.sample(len(frames), fps)
+        return np.stack([frames[i] for i in indices]), VideoMetadata(total_num_frames=len(frames), fps=fps,
+                                                                     frames_indices=indices)
 
     def inputs(self, text: str, parts: list[tuple[str, object]]) -> dict:
         tok, model = self.reference.tokenizer, self.reference.model

@@ -77,7 +77,7 @@ def decode_video(data: bytes, geometry: VideoGeometry, limits: VideoLimits) -> D
     overshoots, the clip is sampled again from the frames it really has (one more decode)."""
     with _open(data) as container:
         stream = container.streams.video[0]
-        total, fps, counted = _check_header(stream, limits)
+        total, fps, counted = _check_header(container, stream, limits)
         indices = _sample(geometry, total, fps, limits)
         frames, decoded = _decode_frames(container, stream, indices, limits.decode_timeout)
     if frames is None and not counted and decoded >= 1:
@@ -116,7 +116,7 @@ def _sample(geometry: VideoGeometry, total: int, fps: float, limits: VideoLimits
     return indices
 
 
-def _check_header(stream, limits: VideoLimits) -> tuple[int, float, bool]:
+def _check_header(container, stream, limits: VideoLimits) -> tuple[int, float, bool]:
     """(frames, frame rate, whether the container counted the frames) as HF's reader takes them."""
     if stream.codec_context is None or stream.codec_context.codec is None:
         raise ApiError(400, "the video's codec is not supported")
@@ -131,8 +131,10 @@ def _check_header(stream, limits: VideoLimits) -> tuple[int, float, bool]:
     if not 0 < fps <= limits.max_fps:
         raise ApiError(400, f"video frame rate {fps:g} is outside (0, {limits.max_fps:g}] frames per second")
     total = counted = stream.frames
-    if total <= 0 and stream.duration and stream.time_base:  # containers without a frame count (webm, ts)
-        total = round(float(stream.duration * stream.time_base) * fps)
+    if total <= 0:  # containers without a frame count (webm, mpeg-ts): from the stream's or the file's duration
+        seconds = float(stream.duration * stream.time_base) if stream.duration and stream.time_base else \
+            (container.duration or 0) / av.time_base
+        total = round(seconds * fps)
     if total <= 0:
         raise ApiError(400, "the video's length is unknown or zero")
     if total / fps > limits.max_seconds:
