@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import openai
 import pytest
+import torch
 
 from shared.model.tiny import write_tiny_checkpoint
 from tests.support import Reference, RunningStack, endpoint_data, make_image
@@ -18,7 +19,8 @@ MAX_TOKENS = 12
 CLIP = (7, 20, 60, 80, 10)  # seed, frames, height, width, fps: 2 s → 4 sampled frames, grid (2, 4, 6)
 CASES = {
     "one-video": ("Describe the video in one sentence.", [("video", CLIP)]),
-    "image-and-video": ("What colour is the square?", [("image", (11, 100, 150)), ("video", (8, 31, 48, 64, 12))]),
+    # 40 frames at 12 fps: 6 sampled, three temporal patches (each frame's attention its own)
+    "image-and-video": ("What colour is the square?", [("image", (11, 100, 150)), ("video", (8, 40, 48, 64, 12))]),
     "two-videos-webm": ("Hello!", [("video", (9, 16, 56, 56, 8, "libvpx-vp9", "webm")), ("video", CLIP)]),
 }
 
@@ -147,3 +149,20 @@ def test_qwen2_vl_video_equals_hf_in_the_aggregated_process(qwen2_vl):
     running, reference = qwen2_vl
     for case in ("one-video", "image-and-video"):
         assert ask(running.client(), case)[0] == expected(reference, case)[0], case
+
+
+def test_the_tower_attends_within_each_frame_like_hf(reference, tiny_model):
+    """Many temporal patches (windows and full-attention blocks of Qwen2.5-VL, per frame) and an image in
+    one packed forward: the rows HF's tower gives each."""
+    from shared.model.config import ModelConfig
+    from shared.model.loader import load_vision_tower
+
+    config = ModelConfig.from_checkpoint(tiny_model)
+    tower = load_vision_tower(tiny_model, config, "cpu", torch.float32, "auto")
+    torch.manual_seed(0)
+    grids = [(5, 8, 12), (1, 4, 4), (3, 4, 8)]
+    patches = torch.randn(sum(t * h * w for t, h, w in grids), config.vision.patch_dim)
+    with torch.no_grad():
+        ours = tower(patches, grids)
+        hf = reference.model.model.get_video_features(patches, torch.tensor(grids)).pooler_output
+    assert torch.allclose(ours, torch.cat(hf), atol=1e-4)

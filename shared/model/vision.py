@@ -216,7 +216,8 @@ def packed_layout(grids: Sequence[Grid], config: VisionConfig) -> PackedLayout:
         else:
             order.append(index.reshape(-1))
         base += t * gh * gw
-        cu_images.extend(cu_images[-1] + h * w * (i + 1) for i in range(t))
+        first = cu_images[-1]  # not read inside the generator: extend appends as it iterates
+        cu_images.extend(first + h * w * (i + 1) for i in range(t))  # one segment per frame
         rr, cc = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
         block = (gh, m, gw, m)
         coords.append(torch.stack([rr.reshape(block).transpose(1, 2).flatten(),
