@@ -8,6 +8,7 @@ references run EPD on; `--load-format dummy`, output forced with ignore_eos):
   image-heavy   1-8 x 1080p images (uniform), 128 text tokens in, 256 out
   mixed         50 % text only, 50 % 1-4 x 1080p; 128 in, 128 out
   image-light   1 x 1080p, 128 in, 1024 out
+  video-heavy   1 x 20 s 720p clip (30 fps, 2 frames/s sampled: 40 frames), 128 in, 128 out
 
 Topologies, by the GPUs visible (rates are scaled by the GPU count: every topology uses all of them):
   1 GPU    aggregated; colocated (encoder, prefill and decode processes sharing the GPU)
@@ -70,8 +71,12 @@ CASES = [
                        input_len=128, output_len=128), (1.0, 2.0, 4.0, 6.0), (3.0,)),
     Case("image-light", dict(image_count=1, image_resolution="1080p", input_len=128, output_len=1024),
          (1.0, 2.0, 4.0, 8.0), (2.0,)),
+    # one 20 s 720p clip a request (30 fps source, 2 frames a second sampled: 40 frames, --video-seconds)
+    Case("video-heavy", dict(image_count=0, video_count=1, video_seconds=20.0, video_resolution="720p",
+                             video_fps=30.0, input_len=128, output_len=128), (0.1, 0.25, 0.5, 1.0), (0.25,)),
 ]
 TINY = dict(image_resolution="224x224", input_len=32)  # and counts/outputs cut down, below
+TINY_VIDEO = dict(video_seconds=2.0, video_resolution="160x120", video_fps=10.0)
 
 
 @dataclass(frozen=True)
@@ -156,10 +161,12 @@ def stack_env(args) -> dict[str, str]:
     return env
 
 
-def case_workload(case: Case, tiny: bool) -> dict:
+def case_workload(case: Case, tiny: bool, video_seconds: float = 0) -> dict:
+    if video_seconds and case.workload.get("video_count"):
+        case = Case(case.name, {**case.workload, "video_seconds": video_seconds}, case.rates, case.quick_rates)
     if not tiny:
         return dict(case.workload)
-    out = {**case.workload, **TINY}
+    out = {**case.workload, **TINY, **(TINY_VIDEO if case.workload.get("video_count") else {})}
     out["image_count"] = min(out["image_count"], 3)
     out["output_len"] = max(8, out["output_len"] // 32)
     return out
@@ -205,8 +212,9 @@ def sweep(args, topology: Topology, plan: dict, tokenizer: str) -> list[dict]:
         points = [(case, rate) for case in chosen for rate in rates(args, case)]
         for number, (case, rate) in enumerate(points):
             run = measure(args, api, topology, case, rate, tokenizer, seed=args.seed + 100 * number)
+            video = bool(case.workload.get("video_count"))  # `epd plan` models images, not clips
             run["predicted_ttft_ms"] = (predicted_ttft(plan, topology.layout, case_workload(case, args.tiny), rate)
-                                        if plan else None)
+                                        if plan and not video else None)
             runs.append(run)
             print(row(run), flush=True)
     finally:
@@ -226,7 +234,7 @@ def measure(args, api: str, topology: Topology, case: Case, rate: float, tokeniz
         prompts = max(least, min(100, round(rate * seconds)))
     settings = BenchSettings(base_url=api, label=topology.label, num_prompts=prompts, request_rate=rate, seed=seed,
                              warmup=2, tokenizer=tokenizer, progress=False, timeout=300,
-                             **case_workload(case, args.tiny))
+                             **case_workload(case, args.tiny, args.video_seconds))
     run = asyncio.run(bench_with_stages(settings))
     run.update(workload=case.name, topology=topology.label)
     return run
@@ -335,6 +343,8 @@ def main() -> int:
     parser.add_argument("--no-plan", action="store_true", help="skip `epd plan` (no predicted TTFT column)")
     parser.add_argument("--plan", default="", help="predict from this earlier `epd plan` JSON instead of measuring")
     parser.add_argument("--transport", default="zmq", choices=("zmq", "ucx"), help="the stacks' data plane")
+    parser.add_argument("--video-seconds", type=float, default=0,
+                        help="video-heavy's clip length (default 20 s; the issue's range is 10-30 s)")
     args = parser.parse_args()
     args.gpus = visible_gpus() if args.gpus < 0 else args.gpus
     out = Path(args.out)

@@ -52,7 +52,7 @@ def by_class(results: list[RequestResult], duration: float, slo_ttft_ms: float =
              slo_tpot_ms: float = 0.0) -> dict[str, dict]:
     """The same figures for text-only and for image requests (throughputs over the whole run)."""
     return {kind: summarize([r for r in results if r.kind == kind], duration, slo_ttft_ms, slo_tpot_ms)
-            for kind in ("text", "image") if any(r.kind == kind for r in results)}
+            for kind in ("text", "image", "video") if any(r.kind == kind for r in results)}
 
 
 def format_summary(label: str, rate: float, summary: dict, classes: dict[str, dict]) -> str:
