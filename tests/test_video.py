@@ -166,3 +166,34 @@ def test_the_tower_attends_within_each_frame_like_hf(reference, tiny_model):
         ours = tower(patches, grids)
         hf = reference.model.model.get_video_features(patches, torch.tensor(grids)).pooler_output
     assert torch.allclose(ours, torch.cat(hf), atol=1e-4)
+
+
+@pytest.mark.parametrize("limit,value,message", [
+    ("max_frames", 3, "samples 4 frames; at most 3"),
+    ("max_frame_pixels", 60 * 80 - 1, "exceed the limit of"),
+    ("max_seconds", 1.5, "exceeds the limit of 1.5 s"),
+    ("max_fps", 5, "frame rate 10 is outside"),
+    ("decode_timeout", 0, "took more than 0 s to decode"),
+])
+def test_each_decode_limit_is_its_own_400(limit, value, message):
+    from services.frontend.errors import ApiError
+    from services.frontend.video import VideoLimits, decode_video
+    from shared.model.tiny import video_processor_config
+    from shared.model.video import VideoGeometry
+
+    geometry = VideoGeometry.from_config("qwen2_5_vl", video_processor_config("qwen2_5_vl"))
+    limits = dict(max_seconds=600, max_fps=240, max_frames=256, max_frame_pixels=1 << 30, decode_timeout=60)
+    with pytest.raises(ApiError) as err:
+        decode_video(make_clip(*CLIP), geometry, VideoLimits(**{**limits, limit: value}))
+    assert err.value.status == 400 and message in str(err.value)
+    assert decode_video(make_clip(*CLIP), geometry, VideoLimits(**limits)).num_frames == 4
+
+
+def test_the_video_byte_cap_applies_before_decoding():
+    from services.frontend.media import MediaLoader
+    from services.frontend.settings import FrontendSettings
+    from services.frontend.errors import ApiError
+
+    loader = MediaLoader(FrontendSettings(max_video_bytes=1000), executor=None)
+    with pytest.raises(ApiError, match="video exceeds 1000 bytes"):
+        loader._data_url(video_url(make_clip(*CLIP)), "video")

@@ -180,6 +180,9 @@ class Pipeline:
                 raise ApiError(500, "internal error: an image was encoded at another size than counted")
             video = {}
             if (plan := prompt.videos.get(index)) is not None:
+                if result.timing is None or abs(result.timing.second_per_grid - plan.second_per_grid) > 1e-9:
+                    log.error("encode.timing_mismatch", frontend=plan.second_per_grid, encoder=result.timing)
+                    raise ApiError(500, "internal error: a video was encoded with other timing than counted")
                 video = dict(video=True, second_per_grid=plan.second_per_grid, frame_offsets=plan.frame_offsets)
             slots.append(ImageSlot(offset=offset, grid=grid, embedding=result.embedding, content_hash=image.content_hash,
                                    **video))
