@@ -2,8 +2,9 @@
 ``tests/test_video_geometry.py`` checks our arithmetic against.
 
 HF's video processors need torchvision, which has no build beside the CPU torch we pin, so this script
-runs where torchvision does (the GPU machine: ``python3 tests/hf_video_reference.py OUT_DIR`` with
-transformers 5.24 on the path). For each processor config and clip it records what HF computes:
+runs where torchvision does (the GPU machine: ``python3 tests/hf_video_reference.py OUT_DIR``; its
+transformers 5.17 runs the same video arithmetic as 5.24 — sampling, cap, resize, patchify, timestamps —
+and the fixture records the versions). For each processor config and clip it records what HF computes:
 the sampled frame indices, the grid, Qwen2.5-VL's ``second_per_grid_ts``, Qwen3-VL's frame timestamps,
 and for small seeded clips a SHA-256 of the float32 ``pixel_values_videos`` (on CPU). It also compares our
 ``shared.model.video`` / ``video_processor`` with HF on the spot, on CPU and, where there is one, on the GPU.

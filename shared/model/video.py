@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.model.config import QWEN3_FAMILIES
-from shared.model.geometry import MAX_ASPECT_RATIO, Grid, grid_tokens
+from shared.model.geometry import MAX_ASPECT_RATIO, Grid, ImageGeometry, grid_tokens
 
 # The class defaults of HF's two video processors, before a checkpoint's config overrides them.
 _DEFAULTS = {
@@ -141,7 +141,8 @@ class VideoGeometry:
             total = int(self.max_video_tokens * factor * factor * 0.9)
             max_pixels = max(min(max_pixels, total * self.temporal_patch_size // num_frames),
                              int(self.min_pixels * 1.05))
-        return _smart_resize(height, width, factor, self.min_pixels, max_pixels)
+        rule = ImageGeometry(self.patch_size, self.merge_size, self.temporal_patch_size, self.min_pixels, max_pixels)
+        return rule.resized(height, width)  # the image rule (HF's smart_resize), per frame
 
     def _resized_qwen3(self, num_frames: int, height: int, width: int, factor: int) -> tuple[int, int]:
         tps = self.temporal_patch_size
@@ -189,18 +190,3 @@ def _check_aspect(height: int, width: int) -> None:
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
         raise ValueError(f"video aspect ratio must be below {MAX_ASPECT_RATIO}:1")
 
-
-def _smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """HF's ``smart_resize`` of Qwen2-VL (the image rule, per frame)."""
-    if min(height, width) <= 0:
-        raise ValueError("video has no pixels")
-    _check_aspect(height, width)
-    h, w = round(height / factor) * factor, round(width / factor) * factor
-    if h * w > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
-        h = max(factor, math.floor(height / beta / factor) * factor)
-        w = max(factor, math.floor(width / beta / factor) * factor)
-    elif h * w < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
-    return h, w
