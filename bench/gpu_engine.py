@@ -21,6 +21,10 @@ model) with random bf16 weights (timing does not depend on weight values):
   vit         vision tower, 1 and 4 x 1080p (and 8), ours against HF's
   preprocess  one 1080p image to patches: HF's PIL processor on one CPU thread against the torch path on
               the GPU (pixels copied over included), and how far apart their patches are
+  video       10 s and 30 s 720p clips (2 sampled frames a second, the video processor's token budget):
+              frames → patches on the GPU, the ViT over one clip and four (patches/s, frames/s), HF's tower
+              on the 10 s clip, and the frontend's PyAV decode of the 30 fps source per frame decoded
+              (needs PyAV on the GPU machine: carry its wheel)
 
     python bench/gpu_engine.py --out results/ [--sections decode1,hf] [--preset qwen3-vl-30b-a3b] [--tiny]
 
@@ -56,7 +60,7 @@ from shared.model.loader import load_language_model, load_vision_tower  # noqa: 
 from shared.model.presets import PRESETS, materialize_preset  # noqa: E402
 
 SECTIONS = ["ceilings", "check", "decode1", "decode64", "prefill", "chunked", "memory", "hf", "vit", "preprocess",
-            "profile"]
+            "video", "profile"]
 RESULTS: dict = {}
 
 
@@ -677,6 +681,70 @@ def preprocess(ctx):
                              "share_differing": (difference > step / 2).float().mean().item()}
     log(f"preprocess {width}x{height}: PIL (1 CPU thread) {pil_ms:.1f} ms, torch on {dev.type} {torch_ms:.2f} ms "
         f"({pil_ms / torch_ms:.0f}x); patches differ by <= {difference.max().item() / step:.2f} 8-bit steps")
+
+
+def video(ctx):
+    """The ViT over video clips (720p at 2 sampled frames a second, the processor's budget): frames →
+    patches on the device, one clip's forward and four clips batched (patches and frames per second,
+    against the compute floor for full-attention towers), HF's tower on the short clip; and the
+    frontend's cost: PyAV decoding of the clip (30 fps source) against the frames it decodes."""
+    from shared.model.video_processor import VideoPreprocessor
+
+    dev, cfg, timer = ctx["device"], ctx["config"], ctx["timer"]
+    path = materialize_preset(ctx["preset"]) if ctx["big"] else ctx["tiny_path"]
+    processor = VideoPreprocessor.from_checkpoint(path, ctx["dtype"])
+    g = processor.geometry
+    tower = load_vision_tower(None, cfg, dev, ctx["dtype"], load_format="dummy")
+    hf_visual = _hf_vision(ctx)
+    height, width = (720, 1280) if ctx["big"] else (120, 160)
+    out = {"resolution": f"{width}x{height}", "budget": {"cap_pixels_per_frame": g.cap_pixels_per_frame,
+                                                          "max_video_tokens": g.max_video_tokens}}
+    for seconds in ((10, 30) if ctx["big"] else (2, 4)):
+        frames = g.sampled_count(seconds * 30, 30.0)
+        grid = g.grid(frames, height, width)
+        pixels = torch.randint(0, 256, (frames, height, width, 3), dtype=torch.uint8)
+        repeat = 5 if ctx["big"] else 2
+        prep_ms = timer.ms(lambda: processor(pixels.to(dev)), repeat=repeat, warmup=1)
+        patches, _ = processor(pixels.to(dev))
+        row = {"frames": frames, "grid": grid, "patches": patches.shape[0],
+               "tokens": patches.shape[0] // cfg.vision.merge_size ** 2, "preprocess_ms": prep_ms}
+        with torch.inference_mode():
+            for clips in (1, 4):
+                batch = patches.repeat(clips, 1)
+                ms = timer.ms(lambda: tower(batch, [grid] * clips), repeat=repeat, warmup=1)
+                floor = vit_flops(cfg.vision, grid[1] * grid[2], grid[0] * clips) / ctx.get("matmul_rate", math.inf) \
+                    * 1e3 if cfg.vision.window_size == 0 else None
+                row[f"vit_{clips}"] = {"ms": ms, "patches_per_s": batch.shape[0] / ms * 1e3,
+                                       "sampled_frames_per_s": frames * clips / ms * 1e3, "compute_floor_ms": floor}
+            if seconds == (10 if ctx["big"] else 2):
+                thw = torch.tensor([grid], device=dev)
+                row["hf_vit_ms"] = timer.ms(lambda: hf_visual(patches, grid_thw=thw), repeat=2, warmup=1)
+        row["decode"] = _decode_cost(seconds, width, height, g)
+        out[f"{seconds}s"] = row
+        log(f"video {seconds}s {width}x{height}: {frames} frames → grid {grid} ({row['tokens']} tokens); "
+            f"preprocess {prep_ms:.1f} ms, ViT {row['vit_1']['ms']:.1f} ms ({row['vit_1']['patches_per_s']:.3g} "
+            f"patches/s), 4 clips {row['vit_4']['ms']:.1f} ms, HF {row.get('hf_vit_ms')}; decode {row['decode']}")
+    RESULTS["video"] = out
+
+
+def _decode_cost(seconds: int, width: int, height: int, geometry) -> dict:
+    """The frontend's decode of one synthetic H.264 clip at 30 fps (CPU, frame threads), per frame decoded."""
+    try:
+        from services.frontend.video import VideoLimits, decode_video
+        from tools.bench.video import make_clip
+    except ImportError as err:  # PyAV missing on this machine
+        return {"skipped": f"{err}"}
+    data = make_clip(0, seconds, 30, width, height)
+    limits = VideoLimits(max_seconds=600, max_fps=240, max_frames=768, max_frame_pixels=1 << 30, decode_timeout=600)
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        decoded = decode_video(data, geometry, limits)
+        times.append((time.perf_counter() - start) * 1e3)
+    ms = statistics.median(times)
+    decoded_frames = decoded.sampling.frame_indices[-1] + 1  # decoding stops after the last sampled frame
+    return {"bytes": len(data), "ms": ms, "frames_decoded": decoded_frames, "frames_sampled": decoded.num_frames,
+            "ms_per_decoded_frame": ms / decoded_frames}
 
 
 def _copy_vision_weights(hf_visual, tower):

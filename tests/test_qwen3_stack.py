@@ -106,3 +106,18 @@ def test_plan_sizes_embeddings_with_their_deepstack_levels(family_model, tmp_pat
     assert "recommended:" in done.stdout
     config = ModelConfig.from_checkpoint(path)
     assert json.loads(out.read_text())["embedding_bytes"] == config.embedding_width * 4  # float32 on CPU
+
+
+def test_video_equals_hf(qwen3_stack, family_model):
+    """Qwen3-VL video: a timestamp before each temporal patch's run, every run its own (1, h, w) grid in
+    M-RoPE, deepstack rows sliced per run; with an image beside it."""
+    from tests.test_video import ask as ask_video, expected as expected_video
+    from tests.video_support import VideoReference
+
+    _, path, reference = family_model
+    video_reference = VideoReference(reference, path)
+    for case in ("one-video", "image-and-video"):
+        content, usage = ask_video(qwen3_stack.client(), case)
+        text, completion_tokens, prompt_tokens = expected_video(video_reference, case)
+        assert content == text, case
+        assert (usage.completion_tokens, usage.prompt_tokens) == (completion_tokens, prompt_tokens)

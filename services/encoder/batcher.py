@@ -34,9 +34,10 @@ log = get_logger(__name__)
 
 @dataclass
 class _Item:
-    source: torch.Tensor  # patches [N, patch_dim], or pixels [H, W, 3] uint8 when the batcher prepares them
+    source: torch.Tensor  # patches [N, patch_dim], or pixels [H, W, 3] uint8 (video: [T, H, W, 3]) to prepare
     grid: Grid
     future: asyncio.Future
+    prepare: Callable[[torch.Tensor], torch.Tensor] | None = None  # pixels on the device → patches
     queued_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -84,11 +85,13 @@ class VisionBatcher:
             self._queue.put(None)
             self._thread.join(timeout=30)
 
-    def encode(self, source: torch.Tensor, grid: Grid) -> asyncio.Future:
-        """Queue one image (its patches, or its pixels with ``prepare``); the future resolves to its
-        embeddings ``[tokens, out_dim]``."""
+    def encode(self, source: torch.Tensor, grid: Grid,
+               prepare: Callable[[torch.Tensor], torch.Tensor] | None = None) -> asyncio.Future:
+        """Queue one image or video clip (its patches, or its pixels with the batcher's ``prepare`` or its
+        own); the future resolves to its embeddings ``[tokens, out_dim]``. A clip's temporal patches
+        attend within their frame (Qwen2.5-VL: within windows of it), like any image of the batch."""
         future = self.loop.create_future()
-        self._queue.put(_Item(source, grid, future))
+        self._queue.put(_Item(source, grid, future, prepare or self.prepare))
         self.wake()
         return future
 
@@ -148,10 +151,8 @@ class VisionBatcher:
 
     @torch.inference_mode()
     def _forward(self, batch: list[_Item]) -> list[torch.Tensor]:
-        if self.prepare is None:
-            patches = torch.cat([item.source for item in batch]).to(self.device, self.dtype, non_blocking=True)
-        else:
-            patches = torch.cat([self.prepare(item.source.to(self.device)) for item in batch])
+        patches = torch.cat([item.source.to(self.device, self.dtype, non_blocking=True) if item.prepare is None
+                             else item.prepare(item.source.to(self.device)).to(self.dtype) for item in batch])
         grids = [item.grid for item in batch]
         embeds = self.tower(patches, grids)
         self.batches += 1

@@ -3,7 +3,8 @@
 ``Encoder`` is what the encoder service serves, and what the aggregated worker runs beside its engine
 (there its ViT forwards run in the engine's thread, see ``batcher``). It answers three requests:
 
-1. ``encode`` (the queue group, and this instance's own subject for routed images): pull the pixels,
+1. ``encode`` (the queue group, and this instance's own subject for routed images): pull the pixels
+   (a video job: its sampled frames, resized within the video processor's budget),
    find the embeddings cheapest first (``EmbeddingSource``: cache, a concurrent job, a peer encoder,
    the ViT), publish a one-pull handle, reply with it and the patch grid;
 2. ``fetch``: lend an image this encoder holds to another encoder;
@@ -36,10 +37,11 @@ from shared.embedding_index import EmbeddingIndex, embedding_key
 from shared.errors import ServiceError
 from shared.logging import get_logger
 from shared.messages import pack, unpack
-from shared.messages.encode import EmbeddingFetch, EmbeddingLoan, EncodeJob, EncodeResult
+from shared.messages.encode import EmbeddingFetch, EmbeddingLoan, EncodeJob, EncodeResult, VideoTiming
 from shared.model.config import ModelConfig
 from shared.model.loader import load_vision_tower
 from shared.model.processor import ImagePreprocessor, TorchImagePreprocessor, preprocess_mode
+from shared.model.video_processor import VideoPreprocessor
 
 log = get_logger(__name__)
 
@@ -59,6 +61,9 @@ class Encoder:
         self.preprocess_mode = ""
         self.on_device: TorchImagePreprocessor | None = None  # pixels → patches on the tower's device
         self._cpu_preprocess: ImagePreprocessor | None = None  # or the checkpoint's processor on CPU threads
+        self.video: VideoPreprocessor | None = None  # frames → patches: in the pool (pil) or on the device (torch)
+        self.videos = 0  # clips through the ViT
+        self.video_frames = 0  # their sampled frames
         self._pool: ThreadPoolExecutor | None = None
         self.times = StageTimes(("pull", "encode"))
         self.jobs: dict[str, set[asyncio.Task]] = {}  # request id → its encode jobs running here
@@ -73,12 +78,13 @@ class Encoder:
         tower = await asyncio.to_thread(load_vision_tower, path, config, s.torch_device(), s.torch_dtype(),
                                         s.load_format)
         self.preprocess_mode = preprocess_mode(s.preprocess, s.torch_device())
+        self.video = VideoPreprocessor.from_checkpoint(path, s.torch_dtype())
         if self.preprocess_mode == "torch":
             self.on_device = TorchImagePreprocessor(path, s.torch_dtype())  # run by the batcher, before the forward
         else:
             self._cpu_preprocess = ImagePreprocessor(path)
-            self._pool = ThreadPoolExecutor(s.preprocess_threads, thread_name_prefix="preprocess")
-            resources.callback(self._pool.shutdown, wait=False, cancel_futures=True)
+        self._pool = ThreadPoolExecutor(s.preprocess_threads, thread_name_prefix="preprocess")  # and videos on CPU
+        resources.callback(self._pool.shutdown, wait=False, cancel_futures=True)
         self.fingerprint = await asyncio.to_thread(encoder_fingerprint, path, s.load_format, str(s.torch_dtype()),
                                                    self.preprocess_mode)
         self.batcher = VisionBatcher(tower, asyncio.get_running_loop(), s.max_batch_images, s.max_batch_patches,
@@ -116,37 +122,63 @@ class Encoder:
     async def handle_encode(self, request: Request) -> bytes:
         job = unpack(EncodeJob, request.data)
         self._check(job)
+        # a video's content hash covers its frames and sampling: the key names the embeddings and the timing
         key = embedding_key(job.content_hash, self.fingerprint)
         task = asyncio.current_task()
         self.jobs.setdefault(job.request_id, set()).add(task)
         try:
-            embedding, origin = await self.embeddings.obtain(key, lambda: self._encode(job.image))
+            embedding, origin = await self.embeddings.obtain(key, lambda: self._encode(job))
         finally:
             tasks = self.jobs.get(job.request_id, set())
             tasks.discard(task)
             if not tasks:
                 self.jobs.pop(job.request_id, None)
         return pack(EncodeResult(embedding=self._publish(embedding), grid=embedding.grid, encoder_id=self.instance,
-                                 cached=origin != "computed"))
+                                 cached=origin != "computed", timing=self._timing(job)))
 
     def _check(self, job: EncodeJob) -> None:
         image = job.image
-        if image.dtype != "uint8" or len(image.shape) != 3 or image.shape[2] != 3:
+        if job.video is not None:
+            self._check_video(job)
+        elif image.dtype != "uint8" or len(image.shape) != 3 or image.shape[2] != 3:
             raise ServiceError(400, "image must be uint8 pixels of shape [height, width, 3]")
-        if image.shape[0] * image.shape[1] > self.settings.max_image_pixels:
+        if image.shape[-3] * image.shape[-2] > self.settings.max_image_pixels:
             raise ServiceError(400, "image has too many pixels")
         if len(job.content_hash) < MIN_CONTENT_HASH:
             raise ServiceError(400, f"content_hash must be a hash of the image ({MIN_CONTENT_HASH}+ characters)")
 
-    async def _encode(self, image: TensorHandle) -> Embedding:
+    def _check_video(self, job: EncodeJob) -> None:
+        frames, sampling = job.image, job.video
+        if frames.dtype != "uint8" or len(frames.shape) != 4 or frames.shape[3] != 3:
+            raise ServiceError(400, "video must be uint8 frames of shape [frames, height, width, 3]")
+        if frames.shape[0] != len(sampling.frame_indices) or frames.shape[0] > self.settings.max_video_frames:
+            raise ServiceError(400, f"video must hold one frame per sampled index, at most "
+                                    f"{self.settings.max_video_frames}")
+        if max(sampling.frame_indices) >= sampling.total_frames:
+            raise ServiceError(400, "video frame index past the clip's frames")
+        try:
+            self.video.grid(*frames.shape[:3])
+        except ValueError as err:
+            raise ServiceError(400, f"video cannot be processed: {err}") from None
+
+    def _timing(self, job: EncodeJob) -> VideoTiming | None:
+        if job.video is None:
+            return None
+        s = job.video
+        timing = self.video.geometry.timing(s.frame_indices, s.total_frames, s.source_fps)
+        return VideoTiming(second_per_grid=timing.second_per_grid, timestamps=list(timing.timestamps))
+
+    async def _encode(self, job: EncodeJob) -> Embedding:
         started = time.monotonic()
         try:
-            pixels = await self.plane.pull(image)
+            pixels = await self.plane.pull(job.image)
         except DataPlaneError as err:
             raise ServiceError(502 if err.code != "expired" else 504, f"could not fetch the image: {err.message}")
         pulled = time.monotonic()
         self.times.add("pull", pulled - started)
-        if self.on_device is not None:  # preprocessed on the tower's device, by the batcher
+        if job.video is not None:
+            tensor, grid = await self._encode_video(pixels)
+        elif self.on_device is not None:  # preprocessed on the tower's device, by the batcher
             grid = self.on_device.grid(pixels.shape[0], pixels.shape[1])
             tensor = await self.batcher.encode(pixels, grid)
         else:
@@ -155,6 +187,20 @@ class Encoder:
             tensor = await self.batcher.encode(torch.from_numpy(patches), grid)
         self.times.add("encode", time.monotonic() - pulled)
         return Embedding(tensor, grid)
+
+    async def _encode_video(self, frames: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        """A clip's frames through the video processor (on the tower's device with torch preprocessing,
+        else on a CPU thread), then the ViT with other requests' images and clips."""
+        grid = self.video.grid(*frames.shape[:3])
+        if self.preprocess_mode == "torch":
+            tensor = await self.batcher.encode(frames, grid, prepare=lambda f: self.video(f)[0])
+        else:
+            loop = asyncio.get_running_loop()
+            patches, grid = await loop.run_in_executor(self._pool, self.video, frames)
+            tensor = await self.batcher.encode(patches, grid)
+        self.videos += 1
+        self.video_frames += int(frames.shape[0])
+        return tensor, grid
 
     def _publish(self, embedding: Embedding) -> TensorHandle:
         """A new one-pull handle: the cache keeps the tensor, so every job gets its own handle to it."""
@@ -182,6 +228,8 @@ class Encoder:
         b, e, c = self.batcher, self.embeddings, self.cache
         return {
             "images": b.images if b else 0,  # images through the ViT (cache hits are not)
+            "videos": self.videos,  # clips through the ViT (counted among the images too)
+            "video_frames": self.video_frames,
             "images_per_s": b.images_rate.rate() if b else 0.0,  # through the ViT, last 10 s
             "batches": b.batches if b else 0,
             "patches": b.patches if b else 0,

@@ -13,16 +13,18 @@ from pathlib import Path
 
 from shared.model.loader import checkpoint_files
 from shared.model.processor import load_image_processor
+from shared.model.video import video_processor_config
 
 _SAMPLE_BYTES = 1 << 20  # read this much at each end of every weights file
 
 
 def encoder_fingerprint(path: Path, load_format: str, dtype: str, preprocess: str) -> str:
-    """Hex digest over the image processor's resolved settings and implementation (``pil``/``torch``),
+    """Hex digest over the image (and video) processor's resolved settings and implementation (``pil``/``torch``),
     the model config, and the weights' identity."""
     digest = hashlib.blake2b(digest_size=8)
     processor = load_image_processor(path).to_dict()
     digest.update(json.dumps(processor, sort_keys=True, default=str).encode())
+    digest.update(json.dumps(video_processor_config(path), sort_keys=True).encode())  # videos' budget and rule
     digest.update(preprocess.encode())
     digest.update((path / "config.json").read_bytes())
     digest.update(f"{load_format}/{dtype}".encode())

@@ -18,7 +18,9 @@ class EncoderSettings(CommonSettings):
                             "threads (exactly the reference); torch = tensor operations on the encoder's device "
                             "(pixels may differ from PIL's by one 8-bit step); auto = torch on a GPU, else pil")
     preprocess_threads: int = Field(2, ge=1, description="threads resizing and patchifying images (pil)")
-    max_image_pixels: int = Field(64_000_000, ge=1, description="largest decoded image accepted (pixels)")
+    max_image_pixels: int = Field(64_000_000, ge=1, description="largest decoded image (or video frame) "
+                                                                "accepted (pixels)")
+    max_video_frames: int = Field(768, ge=1, description="sampled frames of one video accepted at most")
     encoder_cache_mb: int = Field(4096, ge=0, description="embedding cache of this encoder, least recently used "
                                                           "out (MiB); 0: no cache, no index")
     cache_index: bool = Field(True, description="share which encoder holds which image through a JetStream KV "

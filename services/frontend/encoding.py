@@ -1,5 +1,5 @@
 """A request's images → embedding handles: pixels published once on the frontend's data plane, one
-``EncodeJob`` per image to the encoder the router picks, all in parallel.
+``EncodeJob`` per image (or video clip: its sampled frames) to the encoder the router picks, all in parallel.
 
 A failed attempt — a server error, a timeout, the encoder gone — goes again to the queue group (NATS
 picks a live encoder), up to ``--encode-attempts`` tries. Nobody serving the queue group at all is a
@@ -45,7 +45,8 @@ class EncodeFanout:
         lease = s.encode_timeout * s.encode_attempts + 30
         handles = [self.plane.publish(torch.from_numpy(i.pixels), consumers=None, lease=lease) for i in images]
         try:
-            jobs = [EncodeJob(request_id=request_id, image=h, content_hash=i.content_hash)
+            jobs = [EncodeJob(request_id=request_id, image=h, content_hash=i.content_hash,
+                              video=getattr(i, "sampling", None))  # a DecodedVideo's frames are sampled
                     for h, i in zip(handles, images)]
             targets = await self.router.targets([i.content_hash for i in images])
             return list(await asyncio.gather(*(self._encode_one(job, t) for job, t in zip(jobs, targets))))

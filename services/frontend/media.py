@@ -1,4 +1,5 @@
-"""Fetching and decoding images for the frontend: bounded, off the event loop, and hard to abuse.
+"""Fetching and decoding images (and video clips, ``video.py``) for the frontend: bounded, off the event
+loop, and hard to abuse. Videos follow the same URL, SSRF and byte rules with caps of their own.
 
 - ``data:`` URLs always; ``https:`` by default (``http:`` on request); ``file:`` only inside a configured
   directory. Hosts may be restricted to an allowlist.
@@ -29,6 +30,8 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from services.frontend.errors import ApiError
+from services.frontend.video import DecodedVideo, VideoLimits, decode_video
+from shared.model.video import VideoGeometry
 
 FORMATS = {"PNG", "JPEG", "WEBP", "GIF", "BMP"}
 MAX_REDIRECTS = 3
@@ -85,9 +88,10 @@ def _address_allowed(address: str) -> bool:
 
 
 class MediaLoader:
-    def __init__(self, settings, executor: Executor):
+    def __init__(self, settings, executor: Executor, video_geometry: VideoGeometry | None = None):
         self.settings = settings
         self.executor = executor
+        self.video_geometry = video_geometry  # None: this model takes no video
         self.client = httpx.AsyncClient(follow_redirects=False, trust_env=False,
                                         timeout=httpx.Timeout(settings.fetch_timeout))
 
@@ -102,33 +106,52 @@ class MediaLoader:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, decode_image, data, self.settings.max_image_pixels)
 
-    async def _read(self, url: str) -> bytes:
+    # -- video ------------------------------------------------------------------------------------
+    async def load_media(self, parts: list[tuple[str, str]]) -> list[DecodedImage | DecodedVideo]:
+        """``(kind, url)`` pairs, ``kind`` "image" or "video", decoded in parallel, in their order."""
+        return list(await asyncio.gather(*(self.load_video(u) if k == "video" else self.load(u) for k, u in parts)))
+
+    async def load_video(self, url: str) -> DecodedVideo:
+        if self.video_geometry is None:
+            raise ApiError(400, "this model does not take video input")
+        data = await self._read(url, "video")
+        s = self.settings
+        limits = VideoLimits(max_seconds=s.max_video_seconds, max_fps=s.max_video_fps, max_frames=s.max_video_frames,
+                             max_frame_pixels=s.max_video_frame_pixels, decode_timeout=s.video_decode_timeout)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, decode_video, data, self.video_geometry, limits)
+
+    def _cap(self, kind: str) -> int:
+        return self.settings.max_video_bytes if kind == "video" else self.settings.max_image_bytes
+
+    # -- bytes of either kind ---------------------------------------------------------------------
+    async def _read(self, url: str, kind: str = "image") -> bytes:
         scheme = url.split(":", 1)[0].lower()
         if scheme == "data":
-            return self._data_url(url)
+            return self._data_url(url, kind)
         if scheme == "https" or (scheme == "http" and self.settings.allow_http_media):
             try:
-                return await asyncio.wait_for(self._fetch(url), self.settings.fetch_timeout)
+                return await asyncio.wait_for(self._fetch(url, kind), self.settings.fetch_timeout)
             except asyncio.TimeoutError:
-                raise ApiError(400, "fetching the image URL timed out") from None
+                raise ApiError(400, f"fetching the {kind} URL timed out") from None
         if scheme == "file" and self.settings.local_media_dir:
-            return await asyncio.to_thread(self._local_file, url)
+            return await asyncio.to_thread(self._local_file, url, kind)
         allowed = "data:, https:" + (", http:" if self.settings.allow_http_media else "") + \
                   (", file:" if self.settings.local_media_dir else "")
-        raise ApiError(400, f"unsupported image URL scheme; allowed: {allowed}")
+        raise ApiError(400, f"unsupported {kind} URL scheme; allowed: {allowed}")
 
-    def _data_url(self, url: str) -> bytes:
+    def _data_url(self, url: str, kind: str = "image") -> bytes:
         header, sep, payload = url.partition(",")
-        if not sep or not header.lower().startswith("data:image/") or not header.lower().endswith(";base64"):
-            raise ApiError(400, "image data URLs must look like data:image/<type>;base64,<data>")
-        if len(payload) * 3 // 4 > self.settings.max_image_bytes:
-            raise ApiError(400, f"image exceeds {self.settings.max_image_bytes} bytes")
+        if not sep or not header.lower().startswith(f"data:{kind}/") or not header.lower().endswith(";base64"):
+            raise ApiError(400, f"{kind} data URLs must look like data:{kind}/<type>;base64,<data>")
+        if len(payload) * 3 // 4 > self._cap(kind):
+            raise ApiError(400, f"{kind} exceeds {self._cap(kind)} bytes")
         try:
             return base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
-            raise ApiError(400, "image data URL is not valid base64") from None
+            raise ApiError(400, f"{kind} data URL is not valid base64") from None
 
-    def _local_file(self, url: str) -> bytes:
+    def _local_file(self, url: str, kind: str = "image") -> bytes:
         root = Path(self.settings.local_media_dir).resolve()
         parts = urlsplit(url)
         if parts.netloc not in ("", "localhost"):
@@ -136,41 +159,41 @@ class MediaLoader:
         path = (root / unquote(parts.path).lstrip("/")).resolve()
         if not path.is_relative_to(root) or not path.is_file():
             raise ApiError(400, "file URL is outside the local media directory or does not exist")
-        if path.stat().st_size > self.settings.max_image_bytes:
-            raise ApiError(400, f"image exceeds {self.settings.max_image_bytes} bytes")
+        if path.stat().st_size > self._cap(kind):
+            raise ApiError(400, f"{kind} exceeds {self._cap(kind)} bytes")
         return path.read_bytes()
 
-    async def _fetch(self, url: str) -> bytes:
+    async def _fetch(self, url: str, kind: str = "image") -> bytes:
         for _ in range(MAX_REDIRECTS + 1):
             target, host_header, host = await self._checked_target(url)
-            request = self.client.build_request("GET", target, headers={"Host": host_header, "Accept": "image/*"},
+            request = self.client.build_request("GET", target, headers={"Host": host_header, "Accept": f"{kind}/*"},
                                                 extensions={"sni_hostname": host})
             try:
                 response = await self.client.send(request, stream=True)
             except httpx.HTTPError:
-                raise ApiError(400, "the image URL could not be fetched") from None
+                raise ApiError(400, f"the {kind} URL could not be fetched") from None
             try:
                 if response.is_redirect:
                     location = response.headers.get("location", "")
                     url = urljoin(url, location)
                     continue
                 if response.status_code != 200:
-                    raise ApiError(400, f"fetching the image URL returned HTTP {response.status_code}")
-                return await self._capped_body(response)
+                    raise ApiError(400, f"fetching the {kind} URL returned HTTP {response.status_code}")
+                return await self._capped_body(response, kind)
             finally:
                 await response.aclose()
-        raise ApiError(400, "the image URL redirects too often")
+        raise ApiError(400, f"the {kind} URL redirects too often")
 
-    async def _capped_body(self, response: httpx.Response) -> bytes:
-        cap = self.settings.max_image_bytes
+    async def _capped_body(self, response: httpx.Response, kind: str = "image") -> bytes:
+        cap = self._cap(kind)
         declared = response.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > cap:
-            raise ApiError(400, f"image exceeds {cap} bytes")
+            raise ApiError(400, f"{kind} exceeds {cap} bytes")
         body = bytearray()
         async for chunk in response.aiter_raw():
             body += chunk
             if len(body) > cap:
-                raise ApiError(400, f"image exceeds {cap} bytes")
+                raise ApiError(400, f"{kind} exceeds {cap} bytes")
         return bytes(body)
 
     async def _checked_target(self, url: str) -> tuple[str, str, str]:

@@ -1,7 +1,8 @@
 """The request path at the frontend, top to bottom: media → prompt → encode → prefill → a Generation.
 
-1. ``start``: fetch and decode the images (bounded pool), render and tokenize the prompt with each
-   image's placeholders expanded (off the event loop), check sampling against the context;
+1. ``start``: fetch and decode the images and video clips (bounded pool), render and tokenize the prompt
+   with each image's and clip's placeholders expanded (off the event loop), check sampling against the
+   context;
 2. subscribe to the request's stream, then encode every image (``EncodeFanout``);
 3. ``submit`` the prefill job to the intake worker the router picks, watching it: a worker that is
    gone before it accepted gets the job again elsewhere at once; embeddings whose holder vanished
@@ -15,6 +16,7 @@ A request that ends before its answer starts (the client left, an error) cancels
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +28,8 @@ from services.frontend.encoding import EncodeFanout
 from services.frontend.errors import ApiError
 from services.frontend.generation import Generation, Timing
 from services.frontend.media import DecodedImage, MediaLoader
-from services.frontend.prompt import Prompt, PromptBuilder, image_urls
+from services.frontend.video import DecodedVideo
+from services.frontend.prompt import Prompt, PromptBuilder, VideoShape, media_parts
 from services.frontend.protocol import ChatCompletionRequest
 from services.frontend.routing import IntakeRouter
 from services.frontend.stream import TokenStream
@@ -41,6 +44,7 @@ from shared.messages import pack, unpack
 from shared.messages.control import Cancel
 from shared.messages.encode import EncodeResult
 from shared.messages.prefill import EMBEDDINGS_GONE, ImageSlot, PrefillAccepted, PrefillJob
+from shared.model.geometry import grid_tokens
 
 log = get_logger(__name__)
 
@@ -68,15 +72,15 @@ class Pipeline:
     async def start(self, request: ChatCompletionRequest, slot) -> Generation:
         if not self.nc.is_connected:
             raise ApiError(503, "the message bus is unavailable")
-        urls = image_urls(request.messages)
-        if len(urls) > self.settings.max_images_per_request:
-            raise ApiError(400, f"too many images: {len(urls)} (at most {self.settings.max_images_per_request})",
-                           "messages")
+        parts = media_parts(request.messages)
+        self._check_counts(parts)
         timing = Timing(arrived=time.time())
-        images = await self.media.load_all(urls)
+        images = await self.media.load_media(parts)  # images and videos, in message order
         loaded = time.time()
+        stills = [(i.height, i.width) for i in images if not isinstance(i, DecodedVideo)]
         prompt = await asyncio.get_running_loop().run_in_executor(
-            self.prompts, self.builder.build, request.messages, [(i.height, i.width) for i in images])
+            self.prompts, self.builder.build, request.messages, stills, self._video_shapes(images))
+        self._check_video_tokens(prompt)
         sampling = self.sampling(request, len(prompt.token_ids))
         request_id = uuid.uuid4().hex
         stream = TokenStream(self.nc, self.subjects.stream(request_id), self.directory,
@@ -97,6 +101,26 @@ class Pipeline:
             generation.close()
             raise
         return generation
+
+    def _check_counts(self, parts: list[tuple[str, str]]) -> None:
+        s = self.settings
+        for kind, limit in (("image", s.max_images_per_request), ("video", s.max_videos_per_request)):
+            count = sum(k == kind for k, _ in parts)
+            if count > limit:
+                raise ApiError(400, f"too many {kind}s: {count} (at most {limit})", "messages")
+
+    def _video_shapes(self, media: list) -> list[VideoShape]:
+        geometry = self.media.video_geometry
+        return [VideoShape(v.num_frames, v.height, v.width,
+                           geometry.timing(v.sampling.frame_indices, v.sampling.total_frames, v.sampling.source_fps))
+                for v in media if isinstance(v, DecodedVideo)]
+
+    def _check_video_tokens(self, prompt: Prompt) -> None:
+        merge = self.builder.config.vision.merge_size
+        tokens = sum(grid_tokens(prompt.image_grids[i], merge) for i in prompt.videos)
+        if tokens > self.settings.max_video_tokens:
+            raise ApiError(400, f"the videos of this request take {tokens} tokens; at most "
+                                f"{self.settings.max_video_tokens} are allowed", "messages")
 
     def sampling(self, request: ChatCompletionRequest, prompt_len: int) -> SamplingParams:
         room = self.max_model_len - prompt_len
@@ -149,11 +173,19 @@ class Pipeline:
     def prefill_job(self, request_id: str, prompt: Prompt, images: list[DecodedImage], results: list[EncodeResult],
                     sampling: SamplingParams, stream: str, output_offset: int = 0) -> PrefillJob:
         slots = []
-        for offset, grid, image, result in zip(prompt.image_offsets, prompt.image_grids, images, results):
+        for index, (offset, grid, image, result) in enumerate(zip(prompt.image_offsets, prompt.image_grids, images,
+                                                                  results)):
             if tuple(result.grid) != tuple(grid):
                 log.error("encode.grid_mismatch", frontend=grid, encoder=tuple(result.grid))
                 raise ApiError(500, "internal error: an image was encoded at another size than counted")
-            slots.append(ImageSlot(offset=offset, grid=grid, embedding=result.embedding, content_hash=image.content_hash))
+            video = {}
+            if (plan := prompt.videos.get(index)) is not None:
+                if result.timing is None or abs(result.timing.second_per_grid - plan.second_per_grid) > 1e-9:
+                    log.error("encode.timing_mismatch", frontend=plan.second_per_grid, encoder=result.timing)
+                    raise ApiError(500, "internal error: a video was encoded with other timing than counted")
+                video = dict(video=True, second_per_grid=plan.second_per_grid, frame_offsets=plan.frame_offsets)
+            slots.append(ImageSlot(offset=offset, grid=grid, embedding=result.embedding, content_hash=image.content_hash,
+                                   **video))
         return PrefillJob(request_id=request_id, token_ids=prompt.token_ids, images=slots, sampling=sampling,
                           stream=stream, output_offset=output_offset)
 
@@ -168,7 +200,7 @@ class Pipeline:
         self.cancel_soon(generation.stream.attempt, "resumed elsewhere")
         attempt = f"{generation.request_id}.{generation.resumes}"
         base = generation.prompt
-        prompt = Prompt(base.token_ids + generation.generated, base.image_offsets, base.image_grids)
+        prompt = dataclasses.replace(base, token_ids=base.token_ids + generation.generated)
         results = await self.encoding.encode(attempt, generation.images)
         sampling = msgspec.structs.replace(generation.sampling,
                                            max_tokens=generation.sampling.max_tokens - len(generation.generated))

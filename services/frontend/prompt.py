@@ -13,9 +13,10 @@ import secrets
 from dataclasses import dataclass, field
 
 from services.frontend.errors import ApiError
-from services.frontend.protocol import ChatMessage, ImagePart
+from services.frontend.protocol import ChatMessage, ImagePart, VideoPart
 from shared.model.config import ModelConfig
 from shared.model.geometry import Grid, ImageGeometry, grid_tokens
+from shared.model.video import VideoGeometry, VideoTiming
 
 
 @dataclass
@@ -23,6 +24,7 @@ class Prompt:
     token_ids: list[int]
     image_offsets: list[int] = field(default_factory=list)
     image_grids: list[Grid] = field(default_factory=list)
+    videos: dict[int, "VideoSlotPlan"] = field(default_factory=dict)  # index into image_offsets → its video plan
 
 
 def image_urls(messages: list[ChatMessage]) -> list[str]:
@@ -31,15 +33,19 @@ def image_urls(messages: list[ChatMessage]) -> list[str]:
 
 
 class PromptBuilder:
-    def __init__(self, tokenizer, config: ModelConfig, geometry: ImageGeometry):
+    def __init__(self, tokenizer, config: ModelConfig, geometry: ImageGeometry,
+                 video_geometry: VideoGeometry | None = None):
         if not tokenizer.chat_template:
             raise ValueError("the checkpoint's tokenizer has no chat template")
         self.tokenizer = tokenizer
         self.config = config
         self.geometry = geometry
+        self.video_geometry = video_geometry
 
-    def build(self, messages: list[ChatMessage], image_sizes: list[tuple[int, int]]) -> Prompt:
-        """``image_sizes``: (height, width) of each image, in the order the messages carry them."""
+    def build(self, messages: list[ChatMessage], image_sizes: list[tuple[int, int]],
+              videos: list["VideoShape"] = ()) -> Prompt:
+        """``image_sizes``: (height, width) of each image, ``videos`` each video's sampled shape, in the
+        order the messages carry them."""
         sentinel = f"\x00{secrets.token_hex(8)}:"
         texts: list[str] = []
         conversation = [self._template_message(m, sentinel, texts) for m in messages]
@@ -48,7 +54,7 @@ class PromptBuilder:
         except Exception:  # a template that rejects the conversation (roles out of order, …)
             raise ApiError(400, "the conversation does not fit the model's chat template") from None
         ids = self._tokenize(rendered, sentinel, texts)
-        return self._expand_images(ids, image_sizes)
+        return self._expand_images(ids, image_sizes, list(videos))
 
     @staticmethod
     def _template_message(message: ChatMessage, sentinel: str, texts: list[str]) -> dict:
@@ -60,8 +66,8 @@ class PromptBuilder:
 
         if message.content is None or isinstance(message.content, str):
             return {"role": role, "content": text(message.content or "")}
-        parts = [{"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": text(p.text)}
-                 for p in message.content]
+        parts = [{"type": "image"} if isinstance(p, ImagePart) else {"type": "video"} if isinstance(p, VideoPart)
+                 else {"type": "text", "text": text(p.text)} for p in message.content]
         return {"role": role, "content": parts}
 
     def _tokenize(self, rendered: str, sentinel: str, texts: list[str]) -> list[int]:
@@ -89,22 +95,89 @@ class PromptBuilder:
             return []
         return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
-    def _expand_images(self, ids: list[int], image_sizes: list[tuple[int, int]]) -> Prompt:
-        image_token = self.config.image_token_id
-        slots = [i for i, t in enumerate(ids) if t == image_token]
-        if len(slots) != len(image_sizes):
+    def _expand_images(self, ids: list[int], image_sizes: list[tuple[int, int]],
+                       videos: list["VideoShape"] = ()) -> Prompt:
+        image_token, video_token = self.config.image_token_id, self.config.video_token_id
+        slots = [(i, t) for i, t in enumerate(ids) if t in (image_token, video_token)]
+        if sum(t == image_token for _, t in slots) != len(image_sizes):
             raise ApiError(400, "the chat template did not place every image")
+        if sum(t == video_token for _, t in slots) != len(videos):
+            raise ApiError(400, "the chat template did not place every video")
+        sizes, clips = iter(image_sizes), iter(videos)
         prompt = Prompt(token_ids=[])
         start = 0
-        for slot, (height, width) in zip(slots, image_sizes):
+        for slot, token in slots:
+            prompt.token_ids += ids[start:slot]
+            start = slot + 1
+            if token == video_token:
+                start += self._place_video(prompt, ids, slot, next(clips))
+                continue
+            height, width = next(sizes)
             try:
                 grid = self.geometry.grid(height, width)
             except ValueError as err:
                 raise ApiError(400, f"image cannot be processed: {err}") from None
-            prompt.token_ids += ids[start:slot]
             prompt.image_offsets.append(len(prompt.token_ids))
             prompt.image_grids.append(grid)
             prompt.token_ids += [image_token] * grid_tokens(grid, self.geometry.merge_size)
-            start = slot + 1
         prompt.token_ids += ids[start:]
         return prompt
+
+    # -- video ------------------------------------------------------------------------------------
+    def _place_video(self, prompt: Prompt, ids: list[int], slot: int, video: "VideoShape") -> int:
+        """Expand one video placeholder; returns how many template tokens after it were consumed.
+
+        Qwen2-VL / Qwen2.5-VL: one run of ``t·h·w/merge²`` video tokens. Qwen3-VL: the template's
+        ``<|vision_start|><|video_pad|><|vision_end|>`` becomes, per temporal patch,
+        ``<{seconds:.1f} seconds><|vision_start|>`` + its ``h·w/merge²`` tokens + ``<|vision_end|>`` (the
+        Qwen3-VL processor's layout as the model was trained and vLLM serves it; transformers 5.24 keeps the
+        template's outer pair too). Each timestamp is tokenized on its own, as vLLM does."""
+        g, c = self.video_geometry, self.config
+        if g is None:
+            raise ApiError(400, "this model does not take video input")
+        try:
+            grid = g.grid(video.num_frames, video.height, video.width)
+        except ValueError as err:
+            raise ApiError(400, f"video cannot be processed: {err}") from None
+        prompt.videos[len(prompt.image_offsets)] = plan = VideoSlotPlan(video.timing.second_per_grid)
+        prompt.image_grids.append(grid)
+        if g.rule != "qwen3":
+            prompt.image_offsets.append(len(prompt.token_ids))
+            prompt.token_ids += [c.video_token_id] * grid_tokens(grid, g.merge_size)
+            return 0
+        if not (prompt.token_ids and prompt.token_ids[-1] == c.vision_start_token_id and slot + 1 < len(ids)
+                and ids[slot + 1] == c.vision_end_token_id):
+            raise ApiError(400, "the chat template does not frame the video with vision start and end tokens")
+        prompt.token_ids.pop()
+        per_frame = grid[1] * grid[2] // g.merge_size ** 2
+        for seconds in video.timing.timestamps:
+            prompt.token_ids += self.tokenizer.encode(f"<{seconds:.1f} seconds>", add_special_tokens=False)
+            prompt.token_ids.append(c.vision_start_token_id)
+            plan.frame_offsets.append(len(prompt.token_ids))
+            prompt.token_ids += [c.video_token_id] * per_frame
+            prompt.token_ids.append(c.vision_end_token_id)
+        prompt.image_offsets.append(plan.frame_offsets[0])
+        return 1
+
+
+@dataclass(frozen=True)
+class VideoShape:
+    """What prompt building needs of a decoded clip: its sampled frames' shape and their timing."""
+
+    num_frames: int
+    height: int
+    width: int
+    timing: VideoTiming
+
+
+@dataclass
+class VideoSlotPlan:
+    second_per_grid: float  # Qwen2.5-VL's temporal spacing
+    frame_offsets: list[int] = field(default_factory=list)  # Qwen3-VL: where each temporal patch's run starts
+
+
+def media_parts(messages: list[ChatMessage]) -> list[tuple[str, str]]:
+    """``("image" | "video", url)`` of every media part, in the order the messages carry them."""
+    return [("video", part.video_url.url) if isinstance(part, VideoPart) else ("image", part.image_url.url)
+            for m in messages if isinstance(m.content, list)
+            for part in m.content if isinstance(part, (ImagePart, VideoPart))]

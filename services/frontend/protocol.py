@@ -27,7 +27,17 @@ class ImagePart(_Strict):
     image_url: ImageURL
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+# -- video (vLLM's and SGLang's convention: a content part of type video_url) ----------------------------
+class VideoURL(_Strict):
+    url: Annotated[str, Field(min_length=1)]
+
+
+class VideoPart(_Strict):
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 
 
 class ChatMessage(_Strict):

@@ -27,6 +27,7 @@ from shared.dataplane.plane import DataPlane
 from shared.logging import get_logger
 from shared.model.config import ModelConfig
 from shared.model.geometry import ImageGeometry
+from shared.model.video import VideoGeometry
 from shared.model.processor import load_tokenizer
 from shared.service import Service
 
@@ -73,9 +74,9 @@ class FrontendService(Service):
         self.resources.push_async_callback(self.directory.stop)
         executor = ThreadPoolExecutor(s.media_threads, thread_name_prefix="media")
         self.resources.callback(executor.shutdown, wait=False, cancel_futures=True)
-        media = MediaLoader(s, executor)
+        media = MediaLoader(s, executor, VideoGeometry.from_checkpoint(path, config.family))
         self.resources.push_async_callback(media.close)
-        builder = PromptBuilder(tokenizer, config, ImageGeometry.from_checkpoint(path))
+        builder = PromptBuilder(tokenizer, config, ImageGeometry.from_checkpoint(path), media.video_geometry)
         self.pipeline = Pipeline(nc, self.subjects, self.plane, self.directory, media, builder, tokenizer, s,
                                  model.max_model_len, self.metrics.observe)
         self.resources.push_async_callback(self.pipeline.chores.drain)

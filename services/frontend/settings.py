@@ -48,6 +48,18 @@ class FrontendSettings(CommonSettings):
                                                        "result; 0: retry until the stack can answer it")
     result_max_age: float = Field(24 * 3600.0, gt=0, description="seconds job results are kept in JetStream")
 
+    # -- video ---------------------------------------------------------------------------------------
+    max_videos_per_request: int = Field(4, ge=0, description="video parts one request may carry")
+    max_video_bytes: int = Field(64 << 20, ge=1, description="encoded size of one video at most")
+    max_video_seconds: float = Field(600.0, gt=0, description="length of one video at most (seconds)")
+    max_video_fps: float = Field(240.0, gt=0, description="frame rate of a video at most (frames per second)")
+    max_video_frames: int = Field(256, ge=1, description="frames one video may sample at most (the processor "
+                                                         "samples 2 a second by default)")
+    max_video_frame_pixels: int = Field(3840 * 2160, ge=1, description="size of one video frame at most (pixels)")
+    max_video_tokens: int = Field(65536, ge=1, description="placeholder tokens of all the videos of one "
+                                                           "request at most")
+    video_decode_timeout: float = Field(60.0, gt=0, description="seconds to decode one video at most")
+
     @model_validator(mode="after")
     def _retry_delays(self) -> "FrontendSettings":
         if self.job_retry_max_delay < self.job_retry_delay:

@@ -3,7 +3,7 @@ onto the engine's device.
 
 The job comes from the frontend, so nothing in it is trusted: every token id in the vocabulary, every
 image slot over exactly one run of placeholder tokens with embeddings of the size its grid gives, and
-no placeholder without an image.
+no placeholder without an image (videos: the video placeholder, in one run or one per temporal patch).
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from shared.dataplane.plane import DataPlane
 from shared.dataplane.store import DataPlaneError
 from shared.engine.sequence import ImageInput, Sequence
 from shared.errors import ServiceError
-from shared.messages.prefill import EMBEDDINGS_GONE, PrefillJob
+from shared.messages.prefill import EMBEDDINGS_GONE, ImageSlot, PrefillJob
 from shared.model.config import ModelConfig
 from shared.model.geometry import grid_tokens
+from shared.model.rope import video_time_interval
 
 _GONE_CODES = ("unreachable", "expired", "not_found", "timeout")
 
@@ -27,27 +28,57 @@ def validate_prompt(job: PrefillJob, config: ModelConfig) -> None:
     vocab = config.text.vocab_size
     if any(not 0 <= t < vocab for t in job.token_ids):
         raise ServiceError(400, "token id out of the vocabulary")
-    covered = 0
-    end = 0
     merge, width = config.vision.merge_size, config.embedding_width  # Qwen3-VL: deepstack levels too
-    for slot in sorted(job.images, key=lambda s: s.offset):
+    runs: list[tuple[int, int, int]] = []  # (first token, tokens, placeholder id) of every placeholder run
+    for slot in job.images:
         t, h, w = slot.grid
         if t < 1 or h < 1 or w < 1 or h % merge or w % merge:
             raise ServiceError(400, "invalid image grid")
         n = grid_tokens(slot.grid, merge)
-        if slot.offset < end or slot.offset + n > len(job.token_ids):
-            raise ServiceError(400, "image slots overlap or run past the prompt")
-        if any(tok != config.image_token_id for tok in job.token_ids[slot.offset:slot.offset + n]):
-            raise ServiceError(400, "image slot does not cover a run of image placeholder tokens")
         if list(slot.embedding.shape) != [n, width]:
             raise ServiceError(400, "image embedding shape does not match its grid")
-        covered += n
-        end = slot.offset + n
+        runs += _slot_runs(slot, n, merge, config)
+    end = 0
+    covered = {config.image_token_id: 0, config.video_token_id: 0}
+    for start, n, token in sorted(runs):
+        if start < end or start + n > len(job.token_ids):
+            raise ServiceError(400, "image slots overlap or run past the prompt")
+        if any(tok != token for tok in job.token_ids[start:start + n]):
+            raise ServiceError(400, "image slot does not cover a run of image placeholder tokens")
+        covered[token] += n
+        end = start + n
     # Only the client's prompt places images; tokens the model generated earlier (a resumed request's
     # tail) are plain tokens even when they happen to be the placeholder id.
     prompt = job.token_ids[:len(job.token_ids) - job.output_offset]
-    if end > len(prompt) or covered != sum(1 for tok in prompt if tok == config.image_token_id):
+    if end > len(prompt) or any(n != sum(1 for tok in prompt if tok == token) for token, n in covered.items()):
         raise ServiceError(400, "image placeholder tokens without an image")
+
+
+def _slot_runs(slot: ImageSlot, n: int, merge: int, config: ModelConfig) -> list[tuple[int, int, int]]:
+    """A slot's placeholder runs: one, or one per temporal patch of a Qwen3-VL clip (``frame_offsets``)."""
+    token = config.video_token_id if slot.video else config.image_token_id
+    if not slot.video and (slot.frame_offsets or slot.second_per_grid):
+        raise ServiceError(400, "only a video slot has frame offsets or temporal spacing")
+    if not slot.frame_offsets:
+        return [(slot.offset, n, token)]
+    t, h, w = slot.grid
+    offsets = slot.frame_offsets
+    if len(offsets) != t or offsets[0] != slot.offset or any(b <= a for a, b in zip(offsets, offsets[1:])):
+        raise ServiceError(400, "a video slot needs one increasing frame offset per temporal patch, from its offset")
+    return [(offset, h * w // (merge * merge), token) for offset in offsets]
+
+
+def image_inputs(slot: ImageSlot, embeds, config: ModelConfig) -> list[ImageInput]:
+    """The engine's inputs for one slot: a Qwen3-VL clip becomes one input per temporal patch (a
+    ``(1, h, w)`` grid, as HF places them), named in the prefix cache by the clip's hash and its index."""
+    if not slot.frame_offsets:
+        interval = video_time_interval(config.vision.tokens_per_second, slot.second_per_grid) if slot.video else 1
+        return [ImageInput(slot.offset, tuple(slot.grid), embeds, slot.content_hash, interval)]
+    _, h, w = slot.grid
+    rows = h * w // config.vision.merge_size ** 2
+    return [ImageInput(offset, (1, h, w), embeds[i * rows:(i + 1) * rows],
+                       f"{slot.content_hash}#{i}" if slot.content_hash else "")
+            for i, offset in enumerate(slot.frame_offsets)]
 
 
 class PromptIntake:
@@ -67,7 +98,7 @@ class PromptIntake:
         embeds = await self._pull(job)
         self.prompts += 1
         self.prompt_tokens += len(job.token_ids)
-        images = [ImageInput(s.offset, tuple(s.grid), e, s.content_hash) for s, e in zip(job.images, embeds)]
+        images = [i for s, e in zip(job.images, embeds) for i in image_inputs(s, e, self.config)]
         return Sequence(job.request_id, list(job.token_ids), len(job.token_ids), job.sampling, images=images,
                         output_offset=job.output_offset)
 

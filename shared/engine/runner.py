@@ -65,8 +65,8 @@ class ModelRunner:
         if start >= seq.prompt_len:  # generated tokens are text: one position on every axis
             return (torch.arange(start, end) + seq.rope_delta).expand(3, -1)
         if seq.positions is None:  # the whole prompt's, once: later chunks slice them
-            seq.positions, seq.rope_delta = mrope_positions(seq.prompt_len, [(i.offset, i.grid) for i in seq.images],
-                                                            self.merge_size)
+            images = [(i.offset, i.grid, i.time_interval) for i in seq.images]
+            seq.positions, seq.rope_delta = mrope_positions(seq.prompt_len, images, self.merge_size)
         return seq.positions[:, start:end]
 
     def _prefill_batch(self, chunks: list[Chunk], cu: list[int], slots: torch.Tensor) -> ForwardBatch:

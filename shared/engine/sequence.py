@@ -32,6 +32,7 @@ class ImageInput:
     grid: Grid
     embeds: torch.Tensor  # [num_tokens, hidden (+ extra features)]
     content_hash: str = ""  # the frontend's hash of the decoded pixels; empty: the image's KV is never cached
+    time_interval: float = 1  # temporal position step between a video's patches (Qwen2.5-VL); 1 for images
 
     @property
     def num_tokens(self) -> int:

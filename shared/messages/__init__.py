@@ -11,7 +11,7 @@ from typing import TypeVar
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: video (EncodeJob.video, EncodeResult.timing, ImageSlot's video fields)
 
 M = TypeVar("M", bound="Message")
 

@@ -9,6 +9,7 @@ from msgspec import Meta
 from shared.dataplane.handle import TensorHandle
 from shared.engine.sampling import SamplingParams
 from shared.messages import Message
+from shared.messages.encode import MAX_VIDEO_FRAMES
 from shared.model.geometry import Grid
 
 MAX_PROMPT_TOKENS = 1 << 20
@@ -19,10 +20,21 @@ EMBEDDINGS_GONE = 410
 
 
 class ImageSlot(Message, frozen=True, kw_only=True):
+    """An image's (or a video clip's) placeholder run(s) and embeddings.
+
+    A video's placeholders are the video token. Qwen2-VL and Qwen2.5-VL place a clip as one run of
+    ``t·h·w/merge²`` tokens; Qwen3-VL as one run per temporal patch with its timestamp text between them
+    (``frame_offsets``: where each run starts; ``offset`` is the first). ``second_per_grid`` spaces the
+    temporal positions of Qwen2.5-VL (× the model's ``tokens_per_second``); 0 for images.
+    """
+
     offset: Annotated[int, Meta(ge=0)]  # first placeholder token of this image in token_ids
     grid: Grid
     embedding: TensorHandle
     content_hash: Annotated[str, Meta(max_length=128)] = ""  # names the image's KV blocks in prefix caches
+    video: bool = False
+    second_per_grid: Annotated[float, Meta(ge=0)] = 0.0
+    frame_offsets: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=MAX_VIDEO_FRAMES)] = []
 
 
 class PrefillJob(Message, frozen=True, kw_only=True):

@@ -68,6 +68,7 @@ class VisionConfig:
     rope_theta: float
     num_position_embeddings: int = 0  # Qwen3: a learned square table, interpolated to each image's grid
     deepstack_layers: tuple[int, ...] = ()  # Qwen3: blocks whose merged features feed the first LM layers
+    tokens_per_second: float = 0.0  # Qwen2.5-VL: temporal positions per second of video (0: one per patch)
 
     @property
     def embedding_width(self) -> int:
@@ -220,6 +221,7 @@ def _vision_config(family: str, raw: dict, lm_hidden: int) -> VisionConfig:
             out_dim=raw.get("out_hidden_size", lm_hidden),
             window_size=raw.get("window_size", 112),
             fullatt_blocks=tuple(raw.get("fullatt_block_indexes", HF_DEFAULT_FULLATT_BLOCKS)),
+            tokens_per_second=raw.get("tokens_per_second", 4),  # HF's default
             **common,
         )
     width = raw["embed_dim"]

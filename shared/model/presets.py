@@ -96,7 +96,7 @@ def materialize_preset(name: str, root: str | os.PathLike | None = None) -> Path
     from shared.model.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, image_processor_config, write_tokenizer
 
     base = Path(root or os.environ.get("EPD_CACHE_DIR") or Path(tempfile.gettempdir()) / f"epd-{os.getuid()}")
-    path = base / f"preset-{name}-v2"
+    path = base / f"preset-{name}-v3"  # v3: video in the chat template, Qwen3-VL's video processor
     if (path / "config.json").exists():
         return path
     staging = Path(tempfile.mkdtemp(dir=base.mkdir(parents=True, exist_ok=True) or base))
@@ -118,6 +118,10 @@ def materialize_preset(name: str, root: str | os.PathLike | None = None) -> Path
     (staging / "config.json").write_text(json.dumps(config, indent=2))
     if qwen3:
         processor = qwen3_checkpoint.image_processor_config()  # the published limits
+        # and its video processor's (Qwen2.5-VL ships none: HF's video processor reads the image config)
+        (staging / "video_preprocessor_config.json").write_text(json.dumps(
+            {k: v for k, v in qwen3_checkpoint.video_processor_config().items()
+             if k not in ("cap_pixels_per_frame", "max_video_tokens")}, indent=2))
     else:
         processor = image_processor_config(config["model_type"], REAL_MAX_PIXELS)
         processor["min_pixels"] = REAL_MIN_PIXELS

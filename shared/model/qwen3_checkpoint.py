@@ -11,6 +11,9 @@ from __future__ import annotations
 # The published limits: at least 256 × 256 pixels, at most 4096 × 4096 (a 1080p image: 2,040 tokens).
 MIN_PIXELS = 65536
 MAX_PIXELS = 16777216
+# The published video processor's: a whole clip within 4096 … 25,165,824 pixels (t × h × w).
+VIDEO_MIN_PIXELS = 4096
+VIDEO_MAX_PIXELS = 25165824
 
 # The Qwen3-VL Instruct template's format: no default system prompt, one placeholder triple per image.
 CHAT_TEMPLATE = (
@@ -21,6 +24,7 @@ CHAT_TEMPLATE = (
     "{% else %}{% for content in message['content'] %}"
     "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
     "{% set image_count.value = image_count.value + 1 %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
     "<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -43,6 +47,24 @@ def image_processor_config(min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_P
         "patch_size": 16,
         "temporal_patch_size": 2,
         "merge_size": 2,
+    }
+
+
+def video_processor_config(min_pixels: int = VIDEO_MIN_PIXELS, max_pixels: int = VIDEO_MAX_PIXELS,
+                           max_video_tokens: int = 768, max_frames: int = 768) -> dict:
+    """Qwen3-VL's video processor: ``size`` bounds the whole clip (t × h × w pixels), frames at 2 per second."""
+    return {
+        "video_processor_type": "Qwen3VLVideoProcessor",
+        "processor_class": "Qwen3VLProcessor",
+        "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
+        "do_sample_frames": True, "fps": 2, "min_frames": 4, "max_frames": max_frames,
+        "rescale_factor": 1 / 255,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "resample": 3,
+        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
+        "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+        "cap_pixels_per_frame": True, "max_video_tokens": max_video_tokens,
     }
 
 

@@ -149,7 +149,8 @@ class Qwen3VisionTower(nn.Module):
         cos, sin = self.rotary(coords)
         cu = [0]
         for t, h, w in grids:  # each frame attends over itself
-            cu.extend(cu[-1] + h * w * (i + 1) for i in range(t))
+            first = cu[-1]  # not read inside the generator: extend appends as it iterates
+            cu.extend(first + h * w * (i + 1) for i in range(t))
         attend = SegmentAttention(cu, device, grouped)
         levels = []
         for i, block in enumerate(self.blocks):

@@ -19,25 +19,31 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def mrope_positions(num_tokens: int, images: Sequence[tuple[int, Grid]],
+def mrope_positions(num_tokens: int, images: Sequence[tuple[int, Grid] | tuple[int, Grid, float]],
                     merge_size: int) -> tuple[torch.Tensor, int]:
     """Positions ``[3, num_tokens]`` for a prompt and the delta that continues them during decode.
 
-    ``images`` lists ``(offset, (t, h, w))``: where each image's placeholder run starts in the prompt and
-    its patch grid. The delta is ``max_position + 1 - num_tokens``; a token generated at index ``i``
-    (counted over the whole sequence) sits at position ``i + delta`` on every axis.
+    ``images`` lists ``(offset, (t, h, w))`` or ``(offset, (t, h, w), time_interval)``: where each image's
+    (or video's) placeholder run starts in the prompt, its patch grid, and how far apart its temporal
+    patches sit (Qwen2.5-VL video: tokens_per_second × second_per_grid, a float32 value; else 1). The
+    text after a run continues from ``start + max(h, w) / merge`` (transformers 5's rule, for video too).
+    The delta is ``max_position + 1 - num_tokens``; a token generated at index ``i`` (counted over the
+    whole sequence) sits at position ``i + delta`` on every axis.
     """
     pieces: list[torch.Tensor] = []
     cursor = 0  # next prompt index not yet placed
     next_pos = 0  # next free position value
-    for offset, (t, h, w) in sorted(images):
+    for image in sorted(images):
+        offset, (t, h, w) = image[0], image[1]
+        interval = image[2] if len(image) > 2 else 1
         if offset < cursor:
             raise ValueError("image placeholder runs overlap")
         text_len = offset - cursor
         pieces.append(torch.arange(text_len).expand(3, -1) + next_pos)
         next_pos += text_len
         gh, gw = h // merge_size, w // merge_size
-        tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij")
+        temporal = torch.arange(t) if interval == 1 else (torch.arange(t) * interval).long()  # HF truncates
+        tt, hh, ww = torch.meshgrid(temporal, torch.arange(gh), torch.arange(gw), indexing="ij")
         pieces.append(torch.stack([tt, hh, ww]).reshape(3, -1) + next_pos)
         cursor = offset + t * gh * gw
         next_pos += max(gh, gw)
@@ -47,6 +53,14 @@ def mrope_positions(num_tokens: int, images: Sequence[tuple[int, Grid]],
     positions = torch.cat(pieces, dim=1)
     max_pos = int(positions.max()) if positions.numel() else -1
     return positions, max_pos + 1 - num_tokens
+
+
+def video_time_interval(tokens_per_second: float, second_per_grid: float) -> float:
+    """Qwen2.5-VL's spacing of a clip's temporal positions, as HF computes it: in float32 (the processor
+    hands ``second_per_grid_ts`` over as a float32 tensor), so the truncated positions agree exactly."""
+    if not tokens_per_second or not second_per_grid:
+        return 1
+    return float(torch.tensor(second_per_grid, dtype=torch.float32) * tokens_per_second)
 
 
 class MRotaryEmbedding(torch.nn.Module):

@@ -37,6 +37,7 @@ CHAT_TEMPLATE = (
     "{% else %}{% for content in message['content'] %}"
     "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
     "{% set image_count.value = image_count.value + 1 %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -116,6 +117,27 @@ def image_processor_config(family: str, max_pixels: int) -> dict:
         "patch_size": 14,
         "temporal_patch_size": 2,
         "merge_size": 2,
+    }
+
+
+def video_processor_config(family: str) -> dict:
+    """Small budgets, so a test clip costs a few dozen tokens: at most 16 per temporal patch (Qwen2 rule,
+    per frame) and a per-frame cap of 16 tokens' pixels (Qwen3 rule), frames sampled at 2 per second."""
+    if family in QWEN3_FAMILIES:
+        return qwen3_checkpoint.video_processor_config(min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 128,
+                                                       max_video_tokens=16, max_frames=64)
+    return {
+        "video_processor_type": "Qwen2VLVideoProcessor",
+        "processor_class": "Qwen2_5_VLProcessor" if family == "qwen2_5_vl" else "Qwen2VLProcessor",
+        "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
+        "do_sample_frames": True, "fps": 2, "min_frames": 4, "max_frames": 64,
+        "rescale_factor": 1 / 255,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "resample": 3,
+        "size": {"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 16},
+        "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+        "cap_pixels_per_frame": True, "max_video_tokens": 64,
     }
 
 
@@ -205,13 +227,14 @@ def write_tiny_checkpoint(path: str | os.PathLike, family: str = "qwen2_5_vl", s
     model.generation_config.pad_token_id = token_ids["<|endoftext|>"]
     model.save_pretrained(path)
     (path / "preprocessor_config.json").write_text(json.dumps(image_processor_config(family, max_pixels), indent=2))
+    (path / "video_preprocessor_config.json").write_text(json.dumps(video_processor_config(family), indent=2))
     return path
 
 
 def default_tiny_checkpoint() -> Path:
     """The built-in model: written once per user into a cache directory, reused afterwards."""
     root = Path(os.environ.get("EPD_CACHE_DIR") or Path(tempfile.gettempdir()) / f"epd-{os.getuid()}")
-    path = root / "tiny-qwen2_5_vl-v2"
+    path = root / "tiny-qwen2_5_vl-v3"  # v3: video in the template, a video processor
     if not (path / "config.json").exists():
         staging = Path(tempfile.mkdtemp(dir=root.mkdir(parents=True, exist_ok=True) or root))
         write_tiny_checkpoint(staging)

@@ -20,9 +20,10 @@ from tools.bench.dataset import RequestSpec
 @dataclass
 class RequestResult:
     index: int
-    kind: str  # "text" | "image"
+    kind: str  # "text" | "image" | "video"
     images: int
     ok: bool = False
+    videos: int = 0
     error: str = ""
     sent_at: float = 0.0  # seconds since the run began
     ttft: float = 0.0  # seconds
@@ -50,7 +51,7 @@ def request_body(model: str, messages: list[dict], request: RequestSpec, ignore_
 
 
 async def send(client: httpx.AsyncClient, url: str, body: dict, spec: RequestSpec, t0: float) -> RequestResult:
-    result = RequestResult(spec.index, spec.kind, len(spec.image_ids))
+    result = RequestResult(spec.index, spec.kind, len(spec.image_ids), videos=len(spec.video_ids))
     payload = json.dumps(body).encode()
     start = time.perf_counter()
     result.sent_at = start - t0

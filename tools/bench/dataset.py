@@ -30,10 +30,11 @@ WORDS = ("the of and to in is was for on that with as by at from his her this th
 @dataclass(frozen=True)
 class RequestSpec:
     index: int
-    kind: str  # "text" | "image"
+    kind: str  # "text" | "image" | "video" (clips, and any images)
     prompt: str
     image_ids: tuple[int, ...]  # into the image pool
     output_len: int
+    video_ids: tuple[int, ...] = ()  # into the video pool (tools.bench.video)
 
 
 class PromptWriter:
@@ -101,11 +102,12 @@ def data_url(image, fmt: str) -> str:
 class ImagePool:
     """Distinct images by id, encoded once as data URLs before the run."""
 
-    def __init__(self, size: tuple[int, int], fmt: str, seed: int):
+    def __init__(self, size: tuple[int, int], fmt: str, seed: int, videos=None):
         self.size = size
         self.fmt = fmt
         self.seed = seed
         self.urls: list[str] = []
+        self.videos = videos  # a VideoPool, when requests carry clips
 
     def generate(self, count: int, threads: int = 8) -> None:
         width, height = self.size
@@ -117,8 +119,10 @@ class ImagePool:
             self.urls = list(pool.map(one, range(count)))
 
     def messages(self, request: RequestSpec) -> list[dict]:
-        """The request's one user turn: its images, then its text (OpenAI format)."""
-        if not request.image_ids:
+        """The request's one user turn: its images, its video clips, then its text (OpenAI format)."""
+        if not request.image_ids and not request.video_ids:
             return [{"role": "user", "content": request.prompt}]
         parts = [{"type": "image_url", "image_url": {"url": self.urls[i]}} for i in request.image_ids]
+        if request.video_ids:
+            parts += self.videos.parts(request)
         return [{"role": "user", "content": parts + [{"type": "text", "text": request.prompt}]}]

@@ -79,7 +79,7 @@ def summarize(results: list[RequestResult], duration: float, slo: Slo = Slo()) -
 def by_class(results: list[RequestResult], duration: float, slo: Slo = Slo()) -> dict[str, dict]:
     """The same figures for text-only and for image requests (throughputs over the whole run)."""
     return {kind: summarize([r for r in results if r.kind == kind], duration, slo)
-            for kind in ("text", "image") if any(r.kind == kind for r in results)}
+            for kind in ("text", "image", "video") if any(r.kind == kind for r in results)}
 
 
 def format_summary(label: str, rate: float, summary: dict, classes: dict[str, dict]) -> str:

@@ -23,6 +23,7 @@ import numpy as np
 from tools.bench.client import RequestResult, request_body, send
 from tools.bench.dataset import ImagePool, RequestSpec, build_requests
 from tools.bench.metrics import Slo, by_class, format_summary, summarize
+from tools.bench.video import VideoPool, assign_videos
 from tools.bench.settings import BenchSettings
 
 WARMUP_TOKENS = 16  # a warm-up request exercises every stage; a long output would only add time
@@ -80,12 +81,28 @@ class LoadGenerator:
 
 def prepare(settings: BenchSettings) -> tuple[ImagePool, list[RequestSpec], list[RequestSpec]]:
     """Warm-up and measured requests, and every distinct image they use, encoded."""
-    warm, warm_images = build_requests(settings, settings.warmup, settings.seed + 1, 0, repeat_ratio=0.0)
+    warm, warm_images = build_requests(_imaging(settings), settings.warmup, settings.seed + 1, 0, repeat_ratio=0.0)
     warm = [replace(spec, output_len=min(spec.output_len, WARMUP_TOKENS)) for spec in warm]
-    measured, images = build_requests(settings, settings.num_prompts, settings.seed, warm_images)
-    pool = ImagePool(settings.image_size, settings.image_format, settings.seed)
+    measured, images = build_requests(_imaging(settings), settings.num_prompts, settings.seed, warm_images)
+    videos = None
+    if settings.video_count:
+        only = settings.image_count == 0  # video-only requests: the image slots drawn above are dropped
+        warm, warm_clips = assign_videos(warm, settings.video_count, 0, drop_images=only)
+        measured, clips = assign_videos(measured, settings.video_count, warm_clips, drop_images=only)
+        warm_images, images = (0, 0) if only else (warm_images, images)
+        videos = VideoPool(settings.video_seconds, settings.video_fps, settings.video_size, settings.seed)
+        videos.generate(warm_clips + clips)
+    pool = ImagePool(settings.image_size, settings.image_format, settings.seed, videos)
     pool.generate(warm_images + images)
     return pool, warm, measured
+
+
+def _imaging(settings: BenchSettings) -> BenchSettings:
+    """Video-only load (clips, no images) still needs requests that are not text only: they are drawn
+    as one-image requests, whose image ``assign_videos`` then replaces with clips."""
+    if settings.video_count and settings.image_count == 0:
+        return settings.model_copy(update={"image_count": 1, "repeat_ratio": 0.0})
+    return settings
 
 
 async def bench(settings: BenchSettings, before_measured: Callable[[], Awaitable[None]] | None = None) -> dict:
