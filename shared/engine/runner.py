@@ -63,7 +63,7 @@ class ModelRunner:
         logits = self.model.logits(hidden[last])
         for seq in seqs:
             seq.num_computed = len(seq)
-        return self.sampler.sample(logits, [s.sampling for s in seqs], [s.output_offset + s.num_output for s in seqs])
+        return self.sampler.sample(logits, seqs)
 
     # -- decode --------------------------------------------------------------------------------------
     def stage_decode(self, seqs: list[Sequence]) -> int:
@@ -88,7 +88,7 @@ class ModelRunner:
             logits = self.model.logits(self.model(self.model.embed(ids), positions.expand(3, -1), batch, self.backend))
         for seq in seqs:
             seq.num_computed = len(seq)
-        return self.sampler.sample(logits, [s.sampling for s in seqs], [s.output_offset + s.num_output for s in seqs])
+        return self.sampler.sample(logits, seqs)
 
     def _splits(self, batch: int) -> int:
         if self.device.type != "cuda":
