@@ -27,6 +27,8 @@ class FrontendMetrics:
         self.in_flight = Gauge("epd_requests_in_flight", "requests admitted and not finished", registry=self.registry)
         self.service_stat = Gauge("epd_service_stat", "figures each service instance reports in its NATS stats",
                                   ["service", "instance", "stat"], registry=self.registry)
+        self.ignored_fields = Counter("epd_requests_with_ignored_fields", "requests that carried unknown top-level "
+                                      "fields, which were ignored (their names are logged)", registry=self.registry)
         self.workers = Gauge("epd_workers", "service instances of this stack the NATS service API lists, by kind",
                              ["kind"], registry=self.registry)
 

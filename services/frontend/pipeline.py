@@ -1,7 +1,8 @@
 """The request path at the frontend, top to bottom: media → prompt → encode → prefill → a Generation.
 
 1. ``start``: fetch and decode the images (bounded pool), render and tokenize the prompt with each
-   image's placeholders expanded (off the event loop), check sampling against the context;
+   image's placeholders expanded (off the event loop; a text completion's prompt is tokenized, or
+   taken as token ids), check sampling against the context, the vocabulary and the grammar;
 2. subscribe to the request's stream, then encode every image (``EncodeFanout``);
 3. ``submit`` the prefill job to the intake worker the router picks, watching it: a worker that is
    gone before it accepted gets the job again elsewhere at once; embeddings whose holder vanished
@@ -16,18 +17,20 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 
 import msgspec
 
 from services.frontend.calls import WorkerGone, call_watched
 from services.frontend.encoding import EncodeFanout
 from services.frontend.errors import ApiError
-from services.frontend.generation import Generation, Timing
+from services.frontend.generation import Generation, OutputOptions, Timing
 from services.frontend.media import MediaLoader
-from services.frontend.prompt import Prompt, PromptBuilder, image_urls
+from services.frontend.prompt import Prompt, PromptBuilder, TemplateOptions, image_urls
 from services.frontend.protocol import ChatCompletionRequest
 from services.frontend.routing import IntakeRouter
+from services.frontend.sampling import SamplingBuilder, structured_constraint
+from services.frontend.text_protocol import CompletionRequest
+from services.frontend.tools import tool_constraint
 from services.frontend.stream import TokenStream
 from shared.aio import TaskSet
 from shared.bus.calls import ServiceCallError
@@ -46,7 +49,7 @@ log = get_logger(__name__)
 
 class Pipeline:
     def __init__(self, nc, subjects: Subjects, plane: DataPlane, directory: Directory, media: MediaLoader,
-                 builder: PromptBuilder, tokenizer, settings, max_model_len: int, on_finished):
+                 builder: PromptBuilder, tokenizer, settings, sampling: SamplingBuilder, on_finished):
         self.nc = nc
         self.subjects = subjects
         self.directory = directory
@@ -54,29 +57,35 @@ class Pipeline:
         self.builder = builder
         self.tokenizer = tokenizer
         self.settings = settings
-        self.max_model_len = max_model_len
+        self.sampling = sampling
+        self.max_model_len = sampling.max_model_len
         self.encoding = EncodeFanout(nc, subjects, plane, directory, settings)
         self.intake = IntakeRouter(directory, subjects)
         self.on_finished = on_finished  # metrics, once per generation
         self.chores = TaskSet("frontend-chores")  # cancels and unsubscribes that must not be lost
 
     # -- 1. media and prompt ----------------------------------------------------------------------
-    async def start(self, request: ChatCompletionRequest, slot) -> Generation:
+    async def start(self, request: ChatCompletionRequest | CompletionRequest, slot, request_id: str,
+                    prompt_index: int = 0) -> Generation:
+        """``prompt_index``: which of a text completion's prompts (each is a generation of its own)."""
         if not self.nc.is_connected:
             raise ApiError(503, "the message bus is unavailable")
-        urls = image_urls(request.messages)
-        if len(urls) > self.settings.max_images_per_request:
-            raise ApiError(400, f"too many images: {len(urls)} (at most {self.settings.max_images_per_request})",
-                           "messages")
         timing = Timing(arrived=time.time())
-        images = await self.media.load_all(urls)
+        images = []
+        if isinstance(request, ChatCompletionRequest):
+            urls = image_urls(request.messages)
+            if len(urls) > self.settings.max_images_per_request:
+                raise ApiError(400, f"too many images: {len(urls)} (at most {self.settings.max_images_per_request})",
+                               "messages")
+            images = await self.media.load_all(urls)
         loaded = time.time()
-        prompt = await asyncio.to_thread(self.builder.build, request.messages, [(i.height, i.width) for i in images])
-        sampling = self.sampling(request, len(prompt.token_ids))
-        request_id = uuid.uuid4().hex
+        prompt, sampling = await asyncio.to_thread(self._prepare, request, images, prompt_index)
         stream = TokenStream(self.nc, self.subjects.stream(request_id), self.directory,
                              self.settings.first_token_timeout, self.settings.token_timeout)
-        generation = Generation(self, request_id, prompt, images, sampling, request.stop_list(), stream, slot, timing)
+        output = OutputOptions(request.stop_list(), request.skip_special_tokens is not False,
+                               bool(request.include_stop_str_in_output))
+        generation = Generation(self, request_id, prompt, images, sampling, output, stream, slot, timing)
+        generation.request, generation.prompt_index = request, prompt_index
         try:
             await stream.open()  # before the job: no token can be missed
             # -- 2. encode ---------------------------------------------------------------------------
@@ -90,20 +99,31 @@ class Pipeline:
             raise
         return generation
 
-    def sampling(self, request: ChatCompletionRequest, prompt_len: int) -> SamplingParams:
-        room = self.max_model_len - prompt_len
-        if room < 1:
-            raise ApiError(400, f"the prompt has {prompt_len} tokens; this model's context is {self.max_model_len}",
-                           "messages")
-        asked = request.max_completion_tokens or request.max_tokens
-        if asked is not None and asked > min(room, self.settings.max_output_tokens):
-            raise ApiError(400, f"max_tokens={asked} is too large: the prompt leaves room for {room} tokens "
-                                f"(and at most {self.settings.max_output_tokens} are allowed)", "max_tokens")
-        return SamplingParams(
-            temperature=request.temperature, top_p=request.top_p, top_k=max(request.top_k, 0),
-            max_tokens=asked or min(room, self.settings.default_max_tokens), ignore_eos=request.ignore_eos,
-            seed=request.seed,
-        )
+    def _prepare(self, request, images, prompt_index: int) -> tuple[Prompt, SamplingParams]:
+        """The prompt and sampling of a request (in a thread: templates, tokenizers, grammars take time)."""
+        if isinstance(request, CompletionRequest):
+            prompt = Prompt(self.text_prompt(request.prompts()[prompt_index], request.add_special_tokens is not False))
+            constraint, param = structured_constraint(request), "prompt"
+        else:
+            options = TemplateOptions(request.add_generation_prompt is not False, bool(request.continue_final_message),
+                                      request.tools if request.uses_tools() else None, request.chat_template_kwargs or {})
+            prompt = self.builder.build(request.messages, [(i.height, i.width) for i in images], options)
+            constraint, param = structured_constraint(request) or tool_constraint(request), "messages"
+        sampling = self.sampling.build(request, len(prompt.token_ids), request.top_logprob_count, constraint, param)
+        return prompt, sampling
+
+    def text_prompt(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
+        """A text completion's prompt as token ids. Unlike chat (where the template is ours and client text
+        stays text), the client writes the whole prompt, so special tokens in it are read as such (vLLM)."""
+        if isinstance(prompt, list):
+            if any(t >= self.sampling.vocab_size for t in prompt):
+                raise ApiError(400, f"prompt token ids must be below the vocabulary size {self.sampling.vocab_size}",
+                               "prompt")
+            return list(prompt)
+        ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+        if not ids:
+            raise ApiError(400, "the prompt is empty", "prompt")
+        return ids
 
     # -- 3. prefill -------------------------------------------------------------------------------
     async def submit(self, generation: Generation, attempt: str, prompt: Prompt, results: list[EncodeResult],
@@ -161,8 +181,12 @@ class Pipeline:
         base = generation.prompt
         prompt = Prompt(base.token_ids + generation.generated, base.image_offsets, base.image_grids)
         results = await self.encoding.encode(attempt, generation.images)
-        sampling = msgspec.structs.replace(generation.sampling,
-                                           max_tokens=generation.sampling.max_tokens - len(generation.generated))
+        if len(generation.choices) > 1 and generation.completion_tokens:
+            raise ApiError(503, "the model worker serving this request failed (requests with n > 1 are not "
+                                "resumed once tokens have streamed)")
+        done = len(generation.generated)
+        sampling = msgspec.structs.replace(generation.sampling, max_tokens=generation.sampling.max_tokens - done,
+                                           min_tokens=max(0, generation.sampling.min_tokens - done))
         await self.submit(generation, attempt, prompt, results, sampling, output_offset=len(generation.generated))
 
     # -- endings ----------------------------------------------------------------------------------

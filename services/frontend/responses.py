@@ -1,17 +1,14 @@
 """The OpenAI framing every door shares: request bodies validated as HTTP validates them, 400s that
-name the problem, the wire form of chunks, usage."""
+name the problem, the wire form of chunks."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import json
 
 from pydantic import ValidationError
 
 from services.frontend.errors import ApiError
-from services.frontend.protocol import ChatCompletionChunk, ChatCompletionRequest, Usage
-
-if TYPE_CHECKING:
-    from services.frontend.generation import Finished
+from services.frontend.protocol import ChatCompletionRequest
 
 
 def parse_request(data: bytes, limit: int) -> ChatCompletionRequest:
@@ -38,15 +35,6 @@ def _location(error: dict) -> list[str]:
     return [str(p) for p in error.get("loc", ()) if p != "body"]
 
 
-def chunk_json(chunk: ChatCompletionChunk) -> str:
-    """The wire form of a chunk: unset fields left out, except in the usage chunk (as OpenAI sends it)."""
-    return chunk.model_dump_json(exclude_none=chunk.usage is None)
-
-
-def include_usage(request: ChatCompletionRequest) -> bool:
-    return bool(request.stream_options and request.stream_options.include_usage)
-
-
-def usage(finish: "Finished") -> Usage:
-    return Usage(prompt_tokens=finish.prompt_tokens, completion_tokens=finish.completion_tokens,
-                 total_tokens=finish.prompt_tokens + finish.completion_tokens)
+def chunk_json(chunk: dict) -> str:
+    """The wire form of a chunk (built with every key it must carry, nulls included)."""
+    return json.dumps(chunk, ensure_ascii=False, separators=(",", ":"))

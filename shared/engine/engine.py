@@ -88,13 +88,19 @@ class Engine:
     def _slots(self, seq: Sequence) -> torch.Tensor:
         return torch.tensor(self.runner.cache.slots(seq.block_table, 0, seq.num_computed or len(seq)))
 
-    def activate(self, request_id: str) -> None:
-        """The reserved sequence's KV is complete: it joins the running batch at the next step (and its
-        request's other choices are forked from it)."""
+    def activate(self, request_id: str) -> bool:
+        """The reserved sequence's KV is complete: it joins the running batch at the next step, and its
+        request's other choices are forked from it. False: its first token already ended it (it only
+        seeded the other choices, and is released)."""
         seq = self.reserved.pop(request_id)
         self.scheduler.add_running(seq)
-        if choices.should_fork(seq):
-            self._add_choices(seq)
+        if not choices.should_fork(seq):
+            return True
+        self._add_choices(seq)
+        if self._stop_reason(seq, seq.last_token) is None:
+            return True
+        self._release(seq)
+        return False
 
     def _add_choices(self, parent: Sequence) -> None:
         for child in choices.fork(self, parent):

@@ -36,9 +36,9 @@ MAX_CHOICES = 16
 class Constraint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Structured output: what every sampled token must keep valid (``shared.engine.grammar``).
     ``kind``: json (``spec`` a JSON schema, or empty for any JSON object), regex, choice (``spec`` a
-    JSON list of strings), ebnf (a grammar in xgrammar's EBNF); ``spec`` is the source text."""
+    JSON list of strings), lark (a grammar in llguidance's Lark dialect); ``spec`` is the source text."""
 
-    kind: Literal["json", "regex", "choice", "ebnf"]
+    kind: Literal["json", "regex", "choice", "lark"]
     spec: str = ""
 
     def __post_init__(self) -> None:

@@ -1,0 +1,35 @@
+"""``/tokenize`` and ``/detokenize`` (vLLM's): the server's own tokenizer and chat template, so a client
+can count and inspect tokens exactly as a completion would see them."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.frontend.errors import ApiError
+from services.frontend.pipeline import Pipeline
+from services.frontend.prompt import TemplateOptions, image_urls
+from services.frontend.text_protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+
+
+async def tokenize(pipeline: Pipeline, request: TokenizeRequest) -> TokenizeResponse:
+    if request.prompt is not None:
+        ids = await asyncio.to_thread(pipeline.text_prompt, request.prompt, request.add_special_tokens is not False)
+    else:
+        urls = image_urls(request.messages)
+        if len(urls) > pipeline.settings.max_images_per_request:
+            raise ApiError(400, f"too many images: {len(urls)}", "messages")
+        images = await pipeline.media.load_all(urls)  # their sizes decide how many placeholder tokens each gets
+        options = TemplateOptions(request.add_generation_prompt is not False, bool(request.continue_final_message),
+                                  None, request.chat_template_kwargs or {})
+        prompt = await asyncio.to_thread(pipeline.builder.build, request.messages,
+                                         [(i.height, i.width) for i in images], options)
+        ids = prompt.token_ids
+    strs = pipeline.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+    return TokenizeResponse(count=len(ids), max_model_len=pipeline.max_model_len, tokens=ids, token_strs=strs)
+
+
+async def detokenize(pipeline: Pipeline, request: DetokenizeRequest) -> DetokenizeResponse:
+    vocab = pipeline.sampling.vocab_size
+    if any(t >= vocab for t in request.tokens):
+        raise ApiError(400, f"token ids must be below the vocabulary size {vocab}", "tokens")
+    return DetokenizeResponse(prompt=pipeline.tokenizer.decode(request.tokens))
