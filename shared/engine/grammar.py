@@ -128,7 +128,7 @@ class GrammarMasks:
 
         matcher = self.grammars.matcher(seq.sampling.constraint)
         history = output_tokens(seq)
-        if history and matcher.consume_tokens(history) != len(history):
+        if history and matcher.try_consume_tokens(history) != len(history):
             log.warning("grammar.history_rejected", request_id=seq.request_id, error=matcher.get_error())
             matcher = None
         self._matchers[seq] = matcher
