@@ -153,6 +153,10 @@ class GenerationOptions(Lenient):
     def choices(self) -> int:
         return self.n or 1
 
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_tokens
+
     def include_usage(self) -> bool:
         return bool(self.stream_options and (self.stream_options.include_usage or
                                              self.stream_options.continuous_usage_stats))

@@ -34,10 +34,6 @@ class CompletionRequest(GenerationOptions):
         return list(self.prompt)
 
     @property
-    def output_limit(self) -> int | None:
-        return self.max_tokens
-
-    @property
     def top_logprob_count(self) -> int | None:
         return self.logprobs
 

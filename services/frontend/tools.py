@@ -105,6 +105,7 @@ def tool_constraint(request: ChatCompletionRequest) -> Constraint | None:
     else:
         return None
     schema = {"anyOf": [_call_schema(tool) for tool in tools]} if len(tools) > 1 else _call_schema(tools[0])
+    schema["x-guidance"] = {"whitespace_flexible": False}  # compact JSON, as the template writes calls
     lark = f'start: "{OPEN}\\n" call "\\n{CLOSE}"\ncall: %json {json.dumps(schema)}\n'
     return Constraint("lark", lark)
 

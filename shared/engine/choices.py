@@ -48,7 +48,8 @@ def should_fork(seq: Sequence) -> bool:
 
 
 def fork(engine: "Engine", parent: Sequence) -> list[Sequence]:
-    """Queue the parent's other choices as swapped sequences holding a copy of its prompt's KV."""
+    """The parent's other choices, as swapped sequences holding a copy of its prompt's KV (waiting
+    ones for a one-token prompt)."""
     computed = parent.prompt_len - 1  # the last prompt token is each child's first decode step
     slots = torch.tensor(engine.runner.cache.slots(parent.block_table, 0, computed), dtype=torch.long)
     kv = engine.runner.cache.gather(slots)
@@ -58,8 +59,11 @@ def fork(engine: "Engine", parent: Sequence) -> list[Sequence]:
         child = Sequence(child_id(parent.request_id, choice), parent.token_ids[:parent.prompt_len], parent.prompt_len,
                          sampling, rope_delta=parent.rope_delta, num_computed=computed,
                          output_offset=parent.output_offset, choice=choice)
-        room = engine.blocks.can_allocate((computed + 1) * choice)
-        child.swapped_kv = kv if room else kv.to("cpu")
-        child.status = Status.SWAPPED
+        if computed == 0:  # a one-token prompt: nothing to copy, the child computes it as a prompt
+            child.status = Status.WAITING
+        else:
+            room = engine.blocks.can_allocate((computed + 1) * choice)
+            child.swapped_kv = kv if room else kv.to("cpu")
+            child.status = Status.SWAPPED
         children.append(child)
     return children

@@ -105,7 +105,10 @@ class Engine:
     def _add_choices(self, parent: Sequence) -> None:
         for child in choices.fork(self, parent):
             self._by_id[child.request_id] = child
-            self.scheduler.swapped.append(child)
+            if child.status is Status.WAITING:
+                self.scheduler.add_waiting(child)
+            else:
+                self.scheduler.swapped.append(child)
 
     def abort(self, request_id: str) -> Sequence | None:
         """Drop the request (every choice of it); its first sequence found, or None."""
