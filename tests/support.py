@@ -52,7 +52,8 @@ class Reference:
                                                       add_generation_prompt=True)
         inputs: dict = {}
         if images:
-            pixels = self.processor(images=[np.asarray(i) for i in images], return_tensors="pt")
+            pixels = self.processor(images=[np.asarray(i) for i in images], return_tensors="pt",
+                                    input_data_format="channels_last")  # HF guesses 1x1 and 3xN images wrong
             pieces = rendered.split("<|image_pad|>")
             counts = [int(g.prod()) // 4 for g in pixels["image_grid_thw"]]
             rendered = pieces[0] + "".join("<|image_pad|>" * n + pieces[i + 1] for i, n in enumerate(counts))

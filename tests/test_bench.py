@@ -109,13 +109,14 @@ def test_queueing_formulas():
 
 
 def test_topology_flags_place_services_round_robin():
-    settings = parse_settings(UpSettings, ["--encoders", "3", "--encoder-gpus", "1,2", "--prefill-gpus", "0",
-                                           "--decode-gpus", "0"], "epd up")
+    settings = parse_settings(UpSettings, ["--topology", "disaggregated", "--pd", "split", "--encoders", "3",
+                                           "--encoder-gpus", "1,2", "--prefill-gpus", "0", "--decode-gpus", "0"],
+                              "epd up")
     assert [(p.kind, p.gpu) for p in settings.placements()] == [
         ("encoder", "1"), ("encoder", "2"), ("encoder", "1"), ("prefill", "0"), ("decode", "0")]
     aggregated = parse_settings(UpSettings, ["--topology", "aggregated", "--aggregated", "2", "--gpus", "0,1"], "epd up")
     assert [(p.kind, p.gpu) for p in aggregated.placements()] == [("aggregated", "0"), ("aggregated", "1")]
-    assert aggregated.service_counts() == {"aggregated": 2, "frontend": 1}
+    assert aggregated.worker_counts() == {"aggregated": 2}
     for wrong in (["--topology", "aggregated", "--encoders", "2"], ["--topology", "colocated", "--decode-gpus", "1"],
                   ["--gpus", "0,,1"]):
         with pytest.raises(Exception, match="topology|GPU ids"):
@@ -189,7 +190,7 @@ def test_topologies_run_the_processes_they_name(topology_stacks):
     assert {"aggregated", "frontend"} <= kinds and not kinds & {"encoder", "prefill", "decode"}
     colocated, _ = topology_stacks["colocated"]
     placed = {command_kind(pid): gpu_env(pid) for pid in descendants(colocated.process.pid)}
-    assert {placed[kind] for kind in ("encoder", "prefill", "decode")} == {"0"}  # all on --gpus 0
+    assert {placed[kind] for kind in ("encoder", "language")} == {"0"}  # all on --gpus 0
 
 
 def command_kind(pid: int) -> str:

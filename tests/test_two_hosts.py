@@ -202,7 +202,7 @@ def test_a_request_is_served_across_two_hosts(two_hosts, tiny_model, reference):
 
     assert content == reference.text(reference.generate(text, images, MAX_TOKENS))
     by_kind = {"pixels": [h for s, h in seen if s == f"{prefix}.encode" or s.startswith(f"{prefix}.encode.")],
-               "embeddings": [h for s, h in seen if s == f"{prefix}.prefill"],
+               "embeddings": [h for s, h in seen if s == f"{prefix}.prefill" or s.startswith(f"{prefix}.prefill.")],
                "kv": [h for s, h in seen if s.startswith(f"{prefix}.decode.")]}
     assert all(by_kind.values()), f"expected pixel, embedding and KV handles on NATS, saw {seen}"
     for kind, transport, host in (("pixels", "zmq", hosts.ip_b), ("embeddings", "ucx", hosts.ip_a),

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -52,8 +52,8 @@ class ServedModel:
     root: str = ""  # the checkpoint it was loaded from
 
 
-def create_app(gateway: Gateway, model: ServedModel, ready: Callable[[], bool], metrics: Callable[[], bytes],
-               max_body_bytes: int) -> FastAPI:
+def create_app(gateway: Gateway, model: ServedModel, ready: Callable[[], bool],
+               metrics: Callable[[], Awaitable[bytes]], max_body_bytes: int) -> FastAPI:
     app = FastAPI(title="epd", version=__version__, docs_url=None, redoc_url=None)
     _install_error_handlers(app)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
@@ -65,7 +65,7 @@ def create_app(gateway: Gateway, model: ServedModel, ready: Callable[[], bool], 
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(await metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     card = ModelCard(id=model.name, created=model.created, root=model.root, max_model_len=model.max_model_len)
 

@@ -30,8 +30,9 @@ async def call_watched(nc, directory: Directory, target: Target, payload: bytes,
             await asyncio.wait({request, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             watcher.cancel()
-        if request.done():
-            return request.result()
-        request.cancel()
-        await asyncio.gather(request, return_exceptions=True)
-        raise WorkerGone(what)
+            if not request.done():  # the worker is gone, or our caller gave up (a client left)
+                request.cancel()
+                await asyncio.gather(request, return_exceptions=True)
+        if request.cancelled():
+            raise WorkerGone(what)
+        return request.result()

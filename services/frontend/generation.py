@@ -168,9 +168,10 @@ class Generation:
             self.outcome = out[-1].reason if len(self.choices) == 1 else "stop"
         return out
 
-    def close(self) -> None:
-        """Free the slot and the stream; tell the workers to stop unless they finished. Idempotent, and
-        synchronous so that a cancelled response (whose cleanup cannot await) still runs it whole."""
+    def close(self, reason: str = "request ended early") -> None:
+        """Free the slot and the stream; tell the workers to stop unless they finished (``reason`` says
+        why, in the cancel). Idempotent, and synchronous so that a cancelled response (whose cleanup
+        cannot await) still runs it whole."""
         if self._closed:
             return
         self._closed = True
@@ -179,5 +180,5 @@ class Generation:
         running = any(not c.done or c.cut_short for c in self.choices)
         if running:
             self.pipeline.cancel_soon(self.stream.attempt or self.request_id,
-                                      "stop string" if cut_short and self.done else "request ended early")
+                                      "stop string" if cut_short and self.done else reason)
         self.pipeline.finished(self)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
@@ -62,6 +63,9 @@ class Pipeline:
         self.encoding = EncodeFanout(nc, subjects, plane, directory, settings)
         self.intake = IntakeRouter(directory, subjects)
         self.on_finished = on_finished  # metrics, once per generation
+        # Rendering and tokenizing off the event loop, one prompt at a time: the tokenizer's
+        # split_special_tokens switch is state of the tokenizer, and two threads would mix prompts up.
+        self.prompts = ThreadPoolExecutor(1, thread_name_prefix="prompt")
         self.chores = TaskSet("frontend-chores")  # cancels and unsubscribes that must not be lost
 
     # -- 1. media and prompt ----------------------------------------------------------------------
@@ -79,7 +83,8 @@ class Pipeline:
                                "messages")
             images = await self.media.load_all(urls)
         loaded = time.time()
-        prompt, sampling = await asyncio.to_thread(self._prepare, request, images, prompt_index)
+        prompt, sampling = await asyncio.get_running_loop().run_in_executor(
+            self.prompts, self._prepare, request, images, prompt_index)
         stream = TokenStream(self.nc, self.subjects.stream(request_id), self.directory,
                              self.settings.first_token_timeout, self.settings.token_timeout)
         output = OutputOptions(request.stop_list(), request.skip_special_tokens is not False,
@@ -94,7 +99,10 @@ class Pipeline:
                 timing.stages.update(media=loaded - timing.arrived, encode=time.time() - loaded)
             # -- 3. prefill --------------------------------------------------------------------------
             await self.submit(generation, request_id, prompt, results, sampling)
-        except BaseException:  # an error, or the client left before the answer started
+        except asyncio.CancelledError:  # the client left before the answer started
+            generation.close("client gone")
+            raise
+        except BaseException:
             generation.close()
             raise
         return generation
@@ -120,7 +128,7 @@ class Pipeline:
                 raise ApiError(400, f"prompt token ids must be below the vocabulary size {self.sampling.vocab_size}",
                                "prompt")
             return list(prompt)
-        ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+        ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens, split_special_tokens=False)["input_ids"]
         if not ids:
             raise ApiError(400, "the prompt is empty", "prompt")
         return ids

@@ -84,6 +84,7 @@ class FrontendService(Service):
         self.pipeline = Pipeline(nc, self.subjects, self.plane, self.directory, media, builder, tokenizer, s,
                                  sampling, self.metrics.observe)
         self.resources.push_async_callback(self.pipeline.chores.drain)
+        self.resources.callback(self.pipeline.prompts.shutdown, wait=False, cancel_futures=True)
         self.gateway = Gateway(self.pipeline, self.admission, model.name, self.metrics.ignored_fields)
         self.jobs = JobWorker(self.gateway, s)
         self.resources.push_async_callback(self.jobs.stop)
@@ -116,7 +117,9 @@ class FrontendService(Service):
         image sent before that would find no encoder)."""
         return self.ready and self.directory.refreshed.is_set()
 
-    def _metrics(self) -> bytes:
+    async def _metrics(self) -> bytes:
+        if self.nc.is_connected:
+            await self.directory.refresh()  # what the services report now, not up to a second ago
         self.metrics.record_services(self.directory.raw, self.directory.counts())
         return generate_latest(self.metrics.registry)
 

@@ -13,7 +13,7 @@ from services.frontend.text_protocol import DetokenizeRequest, DetokenizeRespons
 
 async def tokenize(pipeline: Pipeline, request: TokenizeRequest) -> TokenizeResponse:
     if request.prompt is not None:
-        ids = await asyncio.to_thread(pipeline.text_prompt, request.prompt, request.add_special_tokens is not False)
+        ids = await _in_prompt_thread(pipeline, pipeline.text_prompt, request.prompt, request.add_special_tokens is not False)
     else:
         urls = image_urls(request.messages)
         if len(urls) > pipeline.settings.max_images_per_request:
@@ -21,11 +21,16 @@ async def tokenize(pipeline: Pipeline, request: TokenizeRequest) -> TokenizeResp
         images = await pipeline.media.load_all(urls)  # their sizes decide how many placeholder tokens each gets
         options = TemplateOptions(request.add_generation_prompt is not False, bool(request.continue_final_message),
                                   None, request.chat_template_kwargs or {})
-        prompt = await asyncio.to_thread(pipeline.builder.build, request.messages,
+        prompt = await _in_prompt_thread(pipeline, pipeline.builder.build, request.messages,
                                          [(i.height, i.width) for i in images], options)
         ids = prompt.token_ids
     strs = pipeline.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
     return TokenizeResponse(count=len(ids), max_model_len=pipeline.max_model_len, tokens=ids, token_strs=strs)
+
+
+async def _in_prompt_thread(pipeline: Pipeline, fn, *args):
+    """Where the pipeline tokenizes: one prompt at a time (the tokenizer's special-token switch is state)."""
+    return await asyncio.get_running_loop().run_in_executor(pipeline.prompts, fn, *args)
 
 
 async def detokenize(pipeline: Pipeline, request: DetokenizeRequest) -> DetokenizeResponse:
