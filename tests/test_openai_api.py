@@ -251,6 +251,18 @@ def test_tool_definitions_cannot_smuggle_special_tokens(stack):
     assert post(stack, "/v1/chat/completions", {"messages": HELLO, "tools": [tool]}).status_code == 400
 
 
+def test_metrics_carry_vllm_names(stack):
+    stack.client().chat.completions.create(model="", messages=HELLO, max_tokens=4, extra_body={"ignore_eos": True})
+    text = httpx.get(f"{stack.base_url.removesuffix('/v1')}/metrics", timeout=10).text
+    for name in ("vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:request_time_per_output_token_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_requests_running",
+                 "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "epd_time_to_first_token_seconds"):
+        assert name in text, name
+    used = [line for line in text.splitlines() if line.startswith("vllm:kv_cache_usage_perc{")]
+    assert used and 0.0 <= float(used[0].rsplit(" ", 1)[1]) <= 1.0
+
+
 # -- without a stack -------------------------------------------------------------------------------
 
 def test_generation_config_defaults_apply_when_the_request_gives_none(tmp_path):

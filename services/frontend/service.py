@@ -69,6 +69,7 @@ class FrontendService(Service):
         model = ServedModel(s.served_model_name or path.name, int(time.time()),
                             min(s.max_model_len or config.text.max_position_embeddings,
                                 config.text.max_position_embeddings), root=path.name)
+        self.metrics.model_name = model.name
         grammars = await asyncio.to_thread(Grammars, tokenizer, config.text.vocab_size, config.eos_token_ids)
         sampling = SamplingBuilder(GenerationDefaults.from_checkpoint(path), model.max_model_len, s.max_output_tokens,
                                    config.text.vocab_size, grammars)

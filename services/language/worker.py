@@ -161,5 +161,9 @@ class LanguageWorker:
             raise ServiceError(499, "request was cancelled")
 
     def stats(self) -> dict:
+        # running: every request this worker holds (the routers' load); waiting: those of them still
+        # queued in the engine for their prefill (vllm:num_requests_waiting)
+        waiting = len(self.engine.scheduler.waiting) if self.engine else 0
         return {**(self.engine.block_stats() if self.engine else {}), "running": len(self.requests),
+                "waiting": waiting,
                 "tokens": self.tokens, "requests_failed": self.failed}
