@@ -31,6 +31,7 @@ _MIX = 0x9E3779B97F4A7C15  # splitmix64 constant: spreads (seed, index) over the
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
 MAX_CHOICES = 16
+MAX_COMPACT_TOP_K = 1024  # a top-k up to this draws among its k candidates (topk, not a sort of the vocabulary)
 
 
 class Constraint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -90,10 +91,6 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
-    @property
-    def truncates(self) -> bool:
-        return self.top_k > 1 or self.top_p < 1.0 or self.min_p > 0.0
-
 
 def choice_seed(seed: int | None, choice: int) -> int | None:
     """The seed of choice ``choice`` of a request seeded with ``seed`` (choice 0 keeps it)."""
@@ -135,13 +132,20 @@ class Sampler:
         self.processors.apply(logits, seqs)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
-            chosen = [params[i] for i in random_rows]
-            probs = _probabilities(logits[rows], chosen)
-            noise = self._noise(probs.shape, chosen, [seqs[i].output_offset + seqs[i].num_output for i in random_rows])
+        # rows with a small top-k draw among their candidates only (a partial sort, noise for k tokens);
+        # the others over the whole vocabulary
+        few = [i for i in random_rows if 1 < params[i].top_k <= MAX_COMPACT_TOP_K]
+        many = [i for i in random_rows if not 1 < params[i].top_k <= MAX_COMPACT_TOP_K]
+        for group, compact in ((few, True), (many, False)):
+            if not group:
+                continue
+            rows = torch.tensor(group, device=logits.device)
+            chosen = [params[i] for i in group]
+            probs, ids = _candidates(logits[rows], chosen) if compact else (_probabilities(logits[rows], chosen), None)
+            noise = self._noise(probs.shape, chosen, [seqs[i].output_offset + seqs[i].num_output for i in group])
             # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, in one vectorized pass.
-            tokens[rows] = (probs / noise).argmax(dim=-1)
+            picked = (probs / noise).argmax(dim=-1)
+            tokens[rows] = picked if ids is None else ids.gather(1, picked.unsqueeze(1)).squeeze(1)
         self._record_logprobs(logits, seqs, params, tokens)
         out = tokens.tolist()
         self.processors.accept(seqs, out)
@@ -182,28 +186,46 @@ class Sampler:
         return noise.clamp_min_(1e-10)
 
 
+def _scaled(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    return logits / torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
+
+
+def _candidates(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows with a top-k of at most ``MAX_COMPACT_TOP_K``: (probabilities ``[rows, k]``, their token ids),
+    top-p and min-p applied within the k — a partial sort instead of sorting the vocabulary."""
+    ordered, ids = _scaled(logits, params).topk(max(p.top_k for p in params), dim=-1)
+    return _cut_sorted(ordered, params).softmax(dim=-1), ids
+
+
 def _probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    temps = torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
-    logits = logits / temps
-    truncating = [i for i, p in enumerate(params) if p.truncates]
-    if truncating:
-        rows = torch.tensor(truncating, device=logits.device)
-        logits[rows] = _truncate(logits[rows], [params[i] for i in truncating])
-    return logits.softmax(dim=-1)
+    """Over the whole vocabulary: sorted only for the rows with a top-p (or a large top-k)."""
+    logits = _scaled(logits, params)
+    sorting = [i for i, p in enumerate(params) if p.top_p < 1.0 or p.top_k > 1]
+    if sorting:
+        rows = torch.tensor(sorting, device=logits.device)
+        logits[rows] = _truncate(logits[rows], [params[i] for i in sorting])
+    probs = logits.softmax(dim=-1)
+    min_p = torch.tensor([p.min_p for p in params], device=logits.device).unsqueeze(1)
+    # min-p compares with the most likely token: renormalizing scales both sides alike (so do the others')
+    return probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
 
 
 def _truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Top-k, then top-p over what is left, then min-p (HF's order), over all rows in one sort."""
-    vocab = logits.shape[1]
-    device = logits.device
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+    ordered, order = logits.sort(dim=-1, descending=True)
+    return torch.empty_like(logits).scatter_(1, order, _cut_sorted(ordered, params))
+
+
+def _cut_sorted(ordered: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Logits sorted most likely first, with what top-k, top-p and min-p drop set to -inf."""
+    width, device = ordered.shape[1], ordered.device
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < width else width for p in params], device=device)
     top_p = torch.tensor([p.top_p for p in params], device=device)
     min_p = torch.tensor([p.min_p for p in params], device=device)
-    ordered, order = logits.sort(dim=-1, descending=True)
-    drop = torch.arange(vocab, device=device).unsqueeze(0) >= top_k.unsqueeze(1)
+    drop = torch.arange(width, device=device).unsqueeze(0) >= top_k.unsqueeze(1)
     probs = ordered.masked_fill(drop, float("-inf")).softmax(dim=-1)
     # keep the smallest prefix whose mass reaches top_p (the first token always stays)
     drop |= probs.cumsum(dim=-1) - probs >= top_p.unsqueeze(1)
     # min-p compares with the most likely token: renormalizing scales both sides alike
     drop |= probs < (min_p * probs[:, 0]).unsqueeze(1)
-    return torch.empty_like(logits).scatter_(1, order, ordered.masked_fill(drop, float("-inf")))
+    return ordered.masked_fill(drop, float("-inf"))
