@@ -174,6 +174,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: None = None
+    annotations: list = Field(default_factory=list)  # OpenAI's (URL citations): none here, but the key is there
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
