@@ -274,3 +274,28 @@ def test_generation_config_defaults_apply_when_the_request_gives_none(tmp_path):
     assert implied.max_tokens == 512
     given = builder.build(GenerationOptions(temperature=0, top_k=-1), 4000, None, None)
     assert (given.temperature, given.top_k, given.max_tokens) == (0, 0, 96)
+
+
+def test_tool_call_parser_holds_a_split_tag_and_keeps_bad_blocks_as_text():
+    from services.frontend.tools import ToolCallParser
+
+    parser = ToolCallParser()
+    text = 'Sure.<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call> and <tool_call>not json</tool_call>!'
+    content, calls = [], []
+    for i in range(0, len(text), 3):  # three characters at a time: tags arrive split
+        more, done = parser.push(text[i:i + 3])
+        content.append(more)
+        calls += done
+    content.append(parser.finish())
+    assert "".join(content) == "Sure. and <tool_call>not json</tool_call>!"
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"a": 1})]
+    assert not any("<tool" in piece and "not json" not in piece for piece in content[:3])
+
+
+def test_request_id_prefixes_are_sanitized():
+    from services.frontend.gateway import request_id
+
+    assert request_id("abc-1_2").startswith("abc-1_2-")
+    assert request_id("../../etc passwd*>").startswith("etcpasswd-")
+    assert len(request_id("x" * 500)) <= 48 + 33 and "." not in request_id("a.b")
+    assert "-" not in request_id(None) and len(request_id(None)) == 32
