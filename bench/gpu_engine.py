@@ -19,6 +19,9 @@ model) with random bf16 weights (timing does not depend on weight values):
   memory      1,000 requests through the engine: KV pool and allocator do not grow
   hf          HF generate() decode step (t(65 tokens) - t(1 token)) / 64, 128-token prompt
   vit         vision tower, 1 and 4 x 1080p (and 8), ours against HF's
+  sampling    decode step at batch 64 (2,048-token contexts): every row greedy, then one row with every sampling
+              option (penalties, bias, top-k/p, min-p, seed, logprobs), one row under a JSON-schema grammar, every
+              row with every option: what one request's options cost the others' steps
   preprocess  one 1080p image to patches: HF's PIL processor on one CPU thread against the torch path on
               the GPU (pixels copied over included), and how far apart their patches are
   video       10 s and 30 s 720p clips (2 sampled frames a second, the video processor's token budget):
@@ -59,8 +62,8 @@ from shared.model.geometry import ImageGeometry  # noqa: E402
 from shared.model.loader import load_language_model, load_vision_tower  # noqa: E402
 from shared.model.presets import PRESETS, materialize_preset  # noqa: E402
 
-SECTIONS = ["ceilings", "check", "decode1", "decode64", "prefill", "chunked", "memory", "hf", "vit", "preprocess",
-            "video", "profile"]
+SECTIONS = ["ceilings", "check", "decode1", "decode64", "sampling", "prefill", "chunked", "memory", "hf", "vit",
+            "preprocess", "video", "profile"]
 RESULTS: dict = {}
 
 
@@ -312,15 +315,15 @@ def decode1(ctx):
         f"({moved / 1e9:.2f} GB read, {experts} experts)")
 
 
-def decode64(ctx):
-    build_lm(ctx)
-    engine, timer, cfg = ctx["engine"], ctx["timer"], ctx["config"]
+def _decode_batch(ctx, name: str) -> list[Sequence]:
+    """A running batch of sequences whose 2,047-token KV was written straight into the pool (random values)."""
+    engine, cfg = ctx["engine"], ctx["config"]
     runner = engine.runner
     batch, context = (64, 2048) if ctx["big"] else (8, 64)
     seqs = []
     for i in range(batch):  # KV of 2,047 tokens written straight into the pool (random values)
         token = 10 + (i * 7919) % (ctx["vocab"] - 10)  # distinct tokens: a MoE batch routes as real ones do
-        seq = Sequence(f"d64-{i}", [token] * context, context - 1,
+        seq = Sequence(f"{name}-{i}", [token] * context, context - 1,
                        SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True), num_computed=context - 1)
         engine.reserve(seq)
         slots = torch.tensor(runner.cache.slots(seq.block_table, 0, context - 1))
@@ -328,6 +331,68 @@ def decode64(ctx):
                                                 cfg.text.head_dim, dtype=ctx["dtype"]))
         engine.activate(seq.request_id)
         seqs.append(seq)
+    return seqs
+
+
+def sampling(ctx):
+    """Engine decode steps at batch 64 with sampling options on none, one or every row."""
+    import msgspec
+    from transformers import AutoTokenizer
+
+    from shared.engine.grammar import Grammars
+    from shared.engine.sampling import Constraint, Sampler
+    from shared.model.presets import materialize_preset
+
+    build_lm(ctx)
+    engine, cfg = ctx["engine"], ctx["config"]
+    runner = engine.runner
+    tokenizer = AutoTokenizer.from_pretrained(ctx.get("tiny_path") or materialize_preset(ctx["preset"]))
+    plain_sampler = runner.sampler
+    runner.sampler = Sampler(ctx["device"], seed=0, eos_token_ids=(2,),
+                             grammars=lambda: Grammars(tokenizer, cfg.text.vocab_size, (2,)))
+    seqs = _decode_batch(ctx, "smp")
+    plain = seqs[0].sampling
+    everything = msgspec.structs.replace(plain, temperature=0.8, top_k=50, top_p=0.9, min_p=0.02, seed=1,
+                                         repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.3,
+                                         logit_bias=((11, 2.0), (12, -5.0)), logprobs=5)
+    grammar = msgspec.structs.replace(plain, ignore_eos=False, constraint=Constraint("json", json.dumps({
+        "type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "array", "items": {"type": "integer"}}},
+        "required": ["a", "b"]})))
+    variants = {"all_greedy": {}, "one_row_every_option": {0: everything}, "one_row_json_schema": {0: grammar},
+                "every_row_every_option": {i: everything for i in range(len(seqs))}}
+    out = {}
+    try:
+        for _ in range(10):  # warm-up: kernels, allocator, graph buckets
+            engine.step()
+        for name, special in variants.items():
+            for i, seq in enumerate(seqs):
+                seq.sampling = special.get(i, plain)
+            for _ in range(3):
+                engine.step()
+            walls = []
+            for _ in range(20):
+                if ctx["device"].type == "cuda":
+                    torch.cuda.synchronize()
+                t = time.perf_counter()
+                engine.step()
+                walls.append((time.perf_counter() - t) * 1e3)
+            out[name] = statistics.median(walls)
+    finally:
+        for seq in seqs:
+            engine.abort(seq.request_id)
+        runner.sampler = plain_sampler
+    base = out["all_greedy"]
+    RESULTS["sampling"] = {"batch": len(seqs), "engine_step_ms": out,
+                           "extra_ms_vs_greedy": {k: v - base for k, v in out.items()}}
+    log("sampling: " + ", ".join(f"{k} {v:.2f} ms" for k, v in out.items()))
+
+
+def decode64(ctx):
+    build_lm(ctx)
+    engine, timer, cfg = ctx["engine"], ctx["timer"], ctx["config"]
+    runner = engine.runner
+    batch, context = (64, 2048) if ctx["big"] else (8, 64)
+    seqs = _decode_batch(ctx, "d64")
     engine.step()
     for seq in seqs:
         engine.blocks.may_append(seq)

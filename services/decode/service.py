@@ -9,6 +9,7 @@ import asyncio
 
 from services.decode.reservations import Reservation, Reservations
 from services.decode.settings import DecodeSettings
+from services.language.intake import validate_sampling
 from services.language.worker import LanguageWorker, Tracked
 from shared.bus.service_api import Endpoint, Request
 from shared.bus.subjects import QUEUE
@@ -111,21 +112,23 @@ class DecodeService(Service):
         if len(start.token_ids) != reservation.seq.num_computed + 1 or start.prompt_len > reservation.seq.num_computed \
                 or any(not 0 <= t < self.worker.config.text.vocab_size for t in start.token_ids):
             raise ServiceError(400, "start does not match the reservation (token count or ids)")
+        validate_sampling(start.sampling, self.worker.config)
         try:
             await asyncio.wait_for(reservation.complete.wait(), self.reservations.remaining(reservation))
         except asyncio.TimeoutError:
             raise ServiceError(504, "the KV transfer did not complete in time") from None
         if self.reservations.take(rid, reservation) is None:
             raise ServiceError(404, "the reservation ended while waiting for its KV")
-        self.worker.track(rid, Tracked(start.stream, self.instance))
+        self.worker.track(rid, Tracked(start.stream, self.instance, choices=start.sampling.n))
 
-        def begin(engine) -> None:  # in the engine thread: the sequence is the engine's from here on
+        def begin(engine) -> bool:  # in the engine thread: the sequence is the engine's from here on
             seq = engine.reserved[rid]
             seq.token_ids, seq.prompt_len, seq.sampling = list(start.token_ids), start.prompt_len, start.sampling
             seq.rope_delta, seq.output_offset = start.rope_delta, start.output_offset
-            engine.activate(rid)
+            return engine.activate(rid)
 
-        await self.worker.loop.call(begin)
+        if not await self.worker.loop.call(begin):  # choice 0 ended at its first token: it only seeded the others
+            self.worker.finish_choice(rid, "finished")
         self.accepted += 1
         return pack(DecodeAccepted(decode_id=self.instance))
 

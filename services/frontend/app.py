@@ -1,4 +1,8 @@
-"""The OpenAI-compatible HTTP API: /v1/chat/completions (streaming and not), /v1/models, /health, /metrics.
+"""The OpenAI-compatible HTTP API: /v1/chat/completions and /v1/completions (streaming and not),
+/v1/models[/{id}], vLLM's /tokenize, /detokenize and /version, /health, /metrics.
+
+A client's ``X-Request-Id`` is echoed on the response and becomes the request id's prefix; without
+one, the response carries the id the server chose.
 
 Every error is an OpenAI error body with the right status: a body that is not JSON, not UTF-8 or nested
 too deeply is a 400 that says so; an unknown path a 404; anything unexpected a 500 "internal error"
@@ -22,7 +26,16 @@ from services.frontend.errors import ApiError
 from services.frontend.gateway import Gateway
 from services.frontend.generation import Generation
 from services.frontend.protocol import ChatCompletion, ChatCompletionRequest, ErrorResponse, ModelCard, ModelList
-from services.frontend.responses import chunk_json, include_usage, invalid_request
+from services.frontend.responses import chunk_json, invalid_request
+from services.frontend.text_protocol import (
+    Completion,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from services.frontend.tokenization import detokenize, tokenize
 from shared import __version__
 from shared.logging import get_logger
 
@@ -36,6 +49,7 @@ class ServedModel:
     name: str
     created: int
     max_model_len: int
+    root: str = ""  # the checkpoint it was loaded from
 
 
 def create_app(gateway: Gateway, model: ServedModel, ready: Callable[[], bool],
@@ -53,21 +67,62 @@ def create_app(gateway: Gateway, model: ServedModel, ready: Callable[[], bool],
     async def prometheus() -> Response:
         return Response(await metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    card = ModelCard(id=model.name, created=model.created, root=model.root, max_model_len=model.max_model_len)
+
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model.name, created=model.created, max_model_len=model.max_model_len)])
+        return ModelList(data=[card])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
+    async def one_model(model_id: str) -> ModelCard:
+        if model_id != model.name:
+            raise ApiError(404, f"model {model_id!r} is not served here", "model")
+        return card
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
 
     @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=_ERRORS)
     async def chat(body: ChatCompletionRequest, request: Request):
-        generation = await _unless_disconnected(gateway.start(body), request)
+        hint = request.headers.get("x-request-id")
+        generation = await _unless_disconnected(gateway.start(body, hint), request)
+        headers = {"X-Request-Id": hint or generation.request_id}
         if body.stream:
-            return GenerationStream(generation, _sse(gateway.chunks(generation, include_usage(body))))
+            return GenerationStream([generation], _sse(gateway.chunks(generation)), headers)
         try:
-            return await _unless_disconnected(gateway.complete(generation), request)
+            return _json(await _unless_disconnected(gateway.complete(generation), request), headers)
         finally:
             generation.close()
 
+    @app.post("/v1/completions", response_model=Completion, responses=_ERRORS)
+    async def completions(body: CompletionRequest, request: Request):
+        hint = request.headers.get("x-request-id")
+        generations = await _unless_disconnected(gateway.start_text(body, hint), request)
+        headers = {"X-Request-Id": hint or generations[0].request_id}
+        if body.stream:
+            return GenerationStream(generations, _sse(gateway.text_chunks(generations)), headers)
+        try:
+            return _json(await _unless_disconnected(gateway.complete_text(generations), request), headers)
+        finally:
+            for generation in generations:
+                generation.close()
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:
+        gateway.check(body)
+        return await tokenize(gateway.pipeline, body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
+        gateway.check(body)
+        return await detokenize(gateway.pipeline, body)
+
     return app
+
+
+def _json(answer, headers: dict) -> JSONResponse:
+    return JSONResponse(answer.model_dump(mode="json"), headers=headers)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -104,7 +159,7 @@ def _http_message(err: StarletteHTTPException) -> str:
     if isinstance(cause, ValueError):
         return "request body is not valid JSON"
     if err.status_code == 404:
-        return "no such endpoint: see /v1/models and /v1/chat/completions"
+        return "no such endpoint: see /v1/models, /v1/chat/completions and /v1/completions"
     if err.status_code == 405:
         return "method not allowed on this endpoint"
     return str(err.detail)
@@ -150,19 +205,20 @@ class BodyLimit:
 
 
 class GenerationStream(StreamingResponse):
-    """The SSE response of a generation, which it closes however the response ends — also when the
+    """The SSE response of generations, which it closes however the response ends — also when the
     server cancels it before the body generator ever ran (a generator's own ``finally`` would not run)."""
 
-    def __init__(self, generation: Generation, body: AsyncIterator[str]):
+    def __init__(self, generations: list[Generation], body: AsyncIterator[str], headers: dict):
         super().__init__(body, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.generation = generation
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+        self.generations = generations
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.generation.close()
+            for generation in self.generations:
+                generation.close()
 
 
 async def _unless_disconnected(work, request: Request):

@@ -4,7 +4,8 @@ The text streamed to a client, concatenated, is exactly ``tokenizer.decode(all_o
 the first stop string). Tokens decode in a short window (``prefix``..end) and only text that can no
 longer change is released: a window ending in U+FFFD (a multi-byte character split across tokens) is
 held until the character completes, and the last ``longest stop − 1`` characters are held until it
-is clear they do not start a stop string.
+is clear they do not start a stop string. ``include_stop``: the text ends after the stop string
+instead of before it (``stop_reason`` names the string either way).
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: list[str] | None = None, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, stop: list[str] | None = None, skip_special_tokens: bool = True,
+                 include_stop: bool = False):
         self.tokenizer = tokenizer
+        self.include_stop = include_stop
+        self.stop_reason: str | None = None  # the stop string found
         self.stop = [s for s in (stop or []) if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.skip = skip_special_tokens
@@ -44,9 +48,10 @@ class IncrementalDetokenizer:
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:
-        cut = self._find_stop()
-        if cut is not None:
-            self.text = self.text[:cut]
+        found = self._find_stop()
+        if found is not None:
+            cut, self.stop_reason = found
+            self.text = self.text[:cut + (len(self.stop_reason) if self.include_stop else 0)]
             self.stopped = True
             final = True
         end = len(self.text) if final else max(self.emitted, len(self.text) - self.hold)
@@ -54,12 +59,12 @@ class IncrementalDetokenizer:
         self.emitted = end
         return delta
 
-    def _find_stop(self) -> int | None:
-        if not self.stop:
+    def _find_stop(self) -> tuple[int, str] | None:
+        if not self.stop or self.stopped:
             return None
         start = max(0, self.emitted - self.hold)
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-        return min(hits) if hits else None
+        hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
+        return min(hits, key=lambda hit: hit[0]) if hits else None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip) if ids else ""

@@ -14,7 +14,7 @@ from contextlib import aclosing
 
 from services.frontend.errors import ApiError
 from services.frontend.gateway import Gateway
-from services.frontend.responses import chunk_json, include_usage, parse_request
+from services.frontend.responses import chunk_json, parse_request
 from shared.bus.service_api import Endpoint, Request
 from shared.bus.subjects import QUEUE, Subjects
 from shared.client import STREAM_END, STREAM_ERROR, STREAM_HEADER
@@ -35,7 +35,7 @@ def chat_endpoint(gateway: Gateway, subjects: Subjects, max_body_bytes: int, lim
             return (await gateway.answer(body)).model_dump_json().encode()
         request.error_extra = {STREAM_HEADER: STREAM_ERROR}  # an error from here on ends the stream
         generation = await gateway.start(body)
-        async with aclosing(gateway.chunks(generation, include_usage(body))) as chunks:
+        async with aclosing(gateway.chunks(generation)) as chunks:
             async for chunk in chunks:
                 await request.respond(chunk_json(chunk).encode())
         await request.respond(b"", headers={STREAM_HEADER: STREAM_END})

@@ -1,8 +1,8 @@
 """The request path at the frontend, top to bottom: media → prompt → encode → prefill → a Generation.
 
 1. ``start``: fetch and decode the images and video clips (bounded pool), render and tokenize the prompt
-   with each image's and clip's placeholders expanded (off the event loop), check sampling against the
-   context;
+   with each image's and clip's placeholders expanded (off the event loop; a text completion's prompt is
+   tokenized, or taken as token ids), check sampling against the context, the vocabulary and the grammar;
 2. subscribe to the request's stream, then encode every image (``EncodeFanout``);
 3. ``submit`` the prefill job to the intake worker the router picks, watching it: a worker that is
    gone before it accepted gets the job again elsewhere at once; embeddings whose holder vanished
@@ -18,25 +18,27 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
-from shared.bus.watched import WorkerGone, call_watched
 from services.frontend.encoding import EncodeFanout
 from services.frontend.errors import ApiError
-from services.frontend.generation import Generation, Timing
-from services.frontend.media import DecodedImage, MediaLoader
-from services.frontend.video import DecodedVideo
-from services.frontend.prompt import Prompt, PromptBuilder, VideoShape, media_parts
+from services.frontend.generation import Generation, OutputOptions, Timing
+from services.frontend.media import MediaLoader
+from services.frontend.prompt import Prompt, PromptBuilder, TemplateOptions, VideoShape, media_parts
 from services.frontend.protocol import ChatCompletionRequest
 from services.frontend.routing import IntakeRouter
+from services.frontend.sampling import SamplingBuilder, structured_constraint
+from services.frontend.text_protocol import CompletionRequest
+from services.frontend.tools import tool_constraint
 from services.frontend.stream import TokenStream
+from services.frontend.video import DecodedVideo
 from shared.aio import TaskSet
 from shared.bus.calls import ServiceCallError
 from shared.bus.directory import Directory
 from shared.bus.subjects import Subjects
+from shared.bus.watched import WorkerGone, call_watched
 from shared.dataplane.plane import DataPlane
 from shared.engine.sampling import SamplingParams
 from shared.logging import get_logger
@@ -51,7 +53,7 @@ log = get_logger(__name__)
 
 class Pipeline:
     def __init__(self, nc, subjects: Subjects, plane: DataPlane, directory: Directory, media: MediaLoader,
-                 builder: PromptBuilder, tokenizer, settings, max_model_len: int, on_finished):
+                 builder: PromptBuilder, tokenizer, settings, sampling: SamplingBuilder, on_finished):
         self.nc = nc
         self.subjects = subjects
         self.directory = directory
@@ -59,7 +61,8 @@ class Pipeline:
         self.builder = builder
         self.tokenizer = tokenizer
         self.settings = settings
-        self.max_model_len = max_model_len
+        self.sampling = sampling
+        self.max_model_len = sampling.max_model_len
         self.encoding = EncodeFanout(nc, subjects, plane, directory, settings)
         self.intake = IntakeRouter(directory, subjects)
         self.on_finished = on_finished  # metrics, once per generation
@@ -69,23 +72,26 @@ class Pipeline:
         self.chores = TaskSet("frontend-chores")  # cancels and unsubscribes that must not be lost
 
     # -- 1. media and prompt ----------------------------------------------------------------------
-    async def start(self, request: ChatCompletionRequest, slot) -> Generation:
+    async def start(self, request: ChatCompletionRequest | CompletionRequest, slot, request_id: str,
+                    prompt_index: int = 0) -> Generation:
+        """``prompt_index``: which of a text completion's prompts (each is a generation of its own)."""
         if not self.nc.is_connected:
             raise ApiError(503, "the message bus is unavailable")
-        parts = media_parts(request.messages)
-        self._check_counts(parts)
         timing = Timing(arrived=time.time())
-        images = await self.media.load_media(parts)  # images and videos, in message order
+        images = []
+        if isinstance(request, ChatCompletionRequest):
+            parts = media_parts(request.messages)
+            self._check_counts(parts)
+            images = await self.media.load_media(parts)  # images and videos, in message order
         loaded = time.time()
-        stills = [(i.height, i.width) for i in images if not isinstance(i, DecodedVideo)]
-        prompt = await asyncio.get_running_loop().run_in_executor(
-            self.prompts, self.builder.build, request.messages, stills, self._video_shapes(images))
-        self._check_video_tokens(prompt)
-        sampling = self.sampling(request, len(prompt.token_ids))
-        request_id = uuid.uuid4().hex
+        prompt, sampling = await asyncio.get_running_loop().run_in_executor(
+            self.prompts, self._prepare, request, images, prompt_index)
         stream = TokenStream(self.nc, self.subjects.stream(request_id), self.directory,
                              self.settings.first_token_timeout, self.settings.token_timeout)
-        generation = Generation(self, request_id, prompt, images, sampling, request.stop_list(), stream, slot, timing)
+        output = OutputOptions(request.stop_list(), request.skip_special_tokens is not False,
+                               bool(request.include_stop_str_in_output))
+        generation = Generation(self, request_id, prompt, images, sampling, output, stream, slot, timing)
+        generation.request, generation.prompt_index = request, prompt_index
         try:
             await stream.open()  # before the job: no token can be missed
             # -- 2. encode ---------------------------------------------------------------------------
@@ -101,6 +107,21 @@ class Pipeline:
             generation.close()
             raise
         return generation
+
+    def _prepare(self, request, images, prompt_index: int) -> tuple[Prompt, SamplingParams]:
+        """The prompt and sampling of a request (in a thread: templates, tokenizers, grammars take time)."""
+        if isinstance(request, CompletionRequest):
+            prompt = Prompt(self.text_prompt(request.prompts()[prompt_index], request.add_special_tokens is not False))
+            constraint, param = structured_constraint(request), "prompt"
+        else:
+            options = TemplateOptions(request.add_generation_prompt is not False, bool(request.continue_final_message),
+                                      request.tools if request.uses_tools() else None, request.chat_template_kwargs or {})
+            stills = [(i.height, i.width) for i in images if not isinstance(i, DecodedVideo)]
+            prompt = self.builder.build(request.messages, stills, options, self._video_shapes(images))
+            self._check_video_tokens(prompt)
+            constraint, param = structured_constraint(request) or tool_constraint(request), "messages"
+        sampling = self.sampling.build(request, len(prompt.token_ids), request.top_logprob_count, constraint, param)
+        return prompt, sampling
 
     def _check_counts(self, parts: list[tuple[str, str]]) -> None:
         s = self.settings
@@ -122,20 +143,18 @@ class Pipeline:
             raise ApiError(400, f"the videos of this request take {tokens} tokens; at most "
                                 f"{self.settings.max_video_tokens} are allowed", "messages")
 
-    def sampling(self, request: ChatCompletionRequest, prompt_len: int) -> SamplingParams:
-        room = self.max_model_len - prompt_len
-        if room < 1:
-            raise ApiError(400, f"the prompt has {prompt_len} tokens; this model's context is {self.max_model_len}",
-                           "messages")
-        asked = request.max_completion_tokens or request.max_tokens
-        if asked is not None and asked > min(room, self.settings.max_output_tokens):
-            raise ApiError(400, f"max_tokens={asked} is too large: the prompt leaves room for {room} tokens "
-                                f"(and at most {self.settings.max_output_tokens} are allowed)", "max_tokens")
-        return SamplingParams(
-            temperature=request.temperature, top_p=request.top_p, top_k=max(request.top_k, 0),
-            max_tokens=asked or min(room, self.settings.default_max_tokens), ignore_eos=request.ignore_eos,
-            seed=request.seed,
-        )
+    def text_prompt(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
+        """A text completion's prompt as token ids. Unlike chat (where the template is ours and client text
+        stays text), the client writes the whole prompt, so special tokens in it are read as such (vLLM)."""
+        if isinstance(prompt, list):
+            if any(t >= self.sampling.vocab_size for t in prompt):
+                raise ApiError(400, f"prompt token ids must be below the vocabulary size {self.sampling.vocab_size}",
+                               "prompt")
+            return list(prompt)
+        ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens, split_special_tokens=False)["input_ids"]
+        if not ids:
+            raise ApiError(400, "the prompt is empty", "prompt")
+        return ids
 
     # -- 3. prefill -------------------------------------------------------------------------------
     async def submit(self, generation: Generation, attempt: str, prompt: Prompt, results: list[EncodeResult],
@@ -164,13 +183,14 @@ class Pipeline:
                 if err.status == EMBEDDINGS_GONE and encodes < self.settings.encode_attempts and generation.images:
                     encodes += 1  # their encoder went away before prefill pulled them: encode again
                     results = await self.encoding.encode(attempt, generation.images)
-                    job = self.prefill_job(attempt, prompt, generation.images, results, sampling, job.stream, output_offset)
+                    job = self.prefill_job(attempt, prompt, generation.images, results, sampling, job.stream,
+                                           output_offset)
                     continue
                 if err.status == 504:
                     self.cancel_soon(attempt, "prefill timeout")
                 raise ApiError(503 if err.status == EMBEDDINGS_GONE else err.status, err.message) from None
 
-    def prefill_job(self, request_id: str, prompt: Prompt, images: list[DecodedImage], results: list[EncodeResult],
+    def prefill_job(self, request_id: str, prompt: Prompt, images: list, results: list[EncodeResult],
                     sampling: SamplingParams, stream: str, output_offset: int = 0) -> PrefillJob:
         slots = []
         for index, (offset, grid, image, result) in enumerate(zip(prompt.image_offsets, prompt.image_grids, images,
@@ -184,8 +204,8 @@ class Pipeline:
                     log.error("encode.timing_mismatch", frontend=plan.second_per_grid, encoder=result.timing)
                     raise ApiError(500, "internal error: a video was encoded with other timing than counted")
                 video = dict(video=True, second_per_grid=plan.second_per_grid, frame_offsets=plan.frame_offsets)
-            slots.append(ImageSlot(offset=offset, grid=grid, embedding=result.embedding, content_hash=image.content_hash,
-                                   **video))
+            slots.append(ImageSlot(offset=offset, grid=grid, embedding=result.embedding,
+                                   content_hash=image.content_hash, **video))
         return PrefillJob(request_id=request_id, token_ids=prompt.token_ids, images=slots, sampling=sampling,
                           stream=stream, output_offset=output_offset)
 
@@ -202,8 +222,12 @@ class Pipeline:
         base = generation.prompt
         prompt = dataclasses.replace(base, token_ids=base.token_ids + generation.generated)
         results = await self.encoding.encode(attempt, generation.images)
-        sampling = msgspec.structs.replace(generation.sampling,
-                                           max_tokens=generation.sampling.max_tokens - len(generation.generated))
+        if len(generation.choices) > 1 and generation.completion_tokens:
+            raise ApiError(503, "the model worker serving this request failed (requests with n > 1 are not "
+                                "resumed once tokens have streamed)")
+        done = len(generation.generated)
+        sampling = msgspec.structs.replace(generation.sampling, max_tokens=generation.sampling.max_tokens - done,
+                                           min_tokens=max(0, generation.sampling.min_tokens - done))
         await self.submit(generation, attempt, prompt, results, sampling, output_offset=len(generation.generated))
 
     # -- endings ----------------------------------------------------------------------------------

@@ -4,19 +4,38 @@ What a client typed is always text: every text part is rendered as a random sent
 own output (role markers, image placeholders) is tokenized with special tokens, and the client's text
 with special tokens split into plain characters. So a client who types ``<|image_pad|>`` gets those
 characters, never an image slot, and the template is the checkpoint's own (clients cannot supply one).
+
+Tool definitions and tool-call arguments reach the template as data it serializes itself (``tojson``),
+where no sentinel survives; a client string there that spells a special token is refused instead.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 from dataclasses import dataclass, field
 
 from services.frontend.errors import ApiError
-from services.frontend.protocol import ChatMessage, ImagePart, VideoPart
+from services.frontend.protocol import ChatMessage, ImagePart, Tool, VideoPart
 from shared.model.config import ModelConfig
 from shared.model.geometry import Grid, ImageGeometry, grid_tokens
 from shared.model.video import VideoGeometry, VideoTiming
+
+
+# template variables a client's chat_template_kwargs may not replace
+_RESERVED = {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "bos_token",
+             "eos_token", "raise_exception"}
+
+
+@dataclass
+class TemplateOptions:
+    """How the conversation is rendered (the request's chat-template options)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[Tool] | None = None
+    kwargs: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -28,8 +47,14 @@ class Prompt:
 
 
 def image_urls(messages: list[ChatMessage]) -> list[str]:
-    return [part.image_url.url for m in messages if isinstance(m.content, list)
-            for part in m.content if isinstance(part, ImagePart)]
+    return [url for kind, url in media_parts(messages) if kind == "image"]
+
+
+def media_parts(messages: list[ChatMessage]) -> list[tuple[str, str]]:
+    """``("image" | "video", url)`` of every media part, in the order the messages carry them."""
+    return [("video", part.video_url.url) if isinstance(part, VideoPart) else ("image", part.image_url.url)
+            for m in messages if isinstance(m.content, list)
+            for part in m.content if isinstance(part, (ImagePart, VideoPart))]
 
 
 class PromptBuilder:
@@ -43,18 +68,36 @@ class PromptBuilder:
         self.video_geometry = video_geometry
 
     def build(self, messages: list[ChatMessage], image_sizes: list[tuple[int, int]],
-              videos: list["VideoShape"] = ()) -> Prompt:
+              options: TemplateOptions | None = None, videos: list["VideoShape"] = ()) -> Prompt:
         """``image_sizes``: (height, width) of each image, ``videos`` each video's sampled shape, in the
         order the messages carry them."""
+        ids = self.render_ids(messages, options or TemplateOptions())
+        return self._expand_images(ids, image_sizes, list(videos))
+
+    def render_ids(self, messages: list[ChatMessage], options: TemplateOptions) -> list[int]:
+        """The conversation's token ids, one placeholder token per image."""
+        reserved = _RESERVED & set(options.kwargs)
+        if reserved:
+            raise ApiError(400, f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
+                           "chat_template_kwargs")
         sentinel = f"\x00{secrets.token_hex(8)}:"
         texts: list[str] = []
         conversation = [self._template_message(m, sentinel, texts) for m in messages]
+        tools = [tool.model_dump(exclude_none=True) for tool in options.tools] if options.tools else None
+        self._refuse_special_tokens(json.dumps([tools, [m.get("tool_calls") for m in conversation]], ensure_ascii=False))
         try:
-            rendered = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+            rendered = self.tokenizer.apply_chat_template(
+                conversation, tools=tools, tokenize=False, add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message, **options.kwargs)
         except Exception:  # a template that rejects the conversation (roles out of order, …)
             raise ApiError(400, "the conversation does not fit the model's chat template") from None
-        ids = self._tokenize(rendered, sentinel, texts)
-        return self._expand_images(ids, image_sizes, list(videos))
+        return self._tokenize(rendered, sentinel, texts)
+
+    def _refuse_special_tokens(self, data: str) -> None:
+        for token in self.tokenizer.all_special_tokens:
+            if token and token in data:
+                raise ApiError(400, f"tool definitions and tool calls may not contain the special token {token!r}",
+                               "tools")
 
     @staticmethod
     def _template_message(message: ChatMessage, sentinel: str, texts: list[str]) -> dict:
@@ -65,10 +108,19 @@ class PromptBuilder:
             return f"{sentinel}{len(texts) - 1}\x00"
 
         if message.content is None or isinstance(message.content, str):
-            return {"role": role, "content": text(message.content or "")}
-        parts = [{"type": "image"} if isinstance(p, ImagePart) else {"type": "video"} if isinstance(p, VideoPart)
-                 else {"type": "text", "text": text(p.text)} for p in message.content]
-        return {"role": role, "content": parts}
+            rendered: dict = {"role": role, "content": text(message.content or "")}
+        else:
+            rendered = {"role": role, "content": [{"type": "image"} if isinstance(p, ImagePart)
+                                                  else {"type": "video"} if isinstance(p, VideoPart)
+                                                  else {"type": "text", "text": text(p.text)} for p in message.content]}
+        if message.tool_calls:  # the template wants arguments as data (vLLM passes them parsed, too)
+            rendered["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in message.tool_calls]
+        if message.tool_call_id is not None:
+            rendered["tool_call_id"] = message.tool_call_id
+        if message.name is not None and role == "tool":
+            rendered["name"] = message.name
+        return rendered
 
     def _tokenize(self, rendered: str, sentinel: str, texts: list[str]) -> list[int]:
         ids: list[int] = []
@@ -174,10 +226,3 @@ class VideoShape:
 class VideoSlotPlan:
     second_per_grid: float  # Qwen2.5-VL's temporal spacing
     frame_offsets: list[int] = field(default_factory=list)  # Qwen3-VL: where each temporal patch's run starts
-
-
-def media_parts(messages: list[ChatMessage]) -> list[tuple[str, str]]:
-    """``("image" | "video", url)`` of every media part, in the order the messages carry them."""
-    return [("video", part.video_url.url) if isinstance(part, VideoPart) else ("image", part.image_url.url)
-            for m in messages if isinstance(m.content, list)
-            for part in m.content if isinstance(part, (ImagePart, VideoPart))]

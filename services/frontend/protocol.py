@@ -1,103 +1,162 @@
-"""The OpenAI chat-completions schema we accept and return (pydantic: it also feeds /openapi.json)."""
+"""The OpenAI chat-completions schema we accept and return (pydantic: it also feeds /openapi.json).
+What chat shares with text completions — leniency, sampling options — is in ``options.py``."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from services.frontend.options import GenerationOptions, Strict, check_text
+
+# -- content parts -----------------------------------------------------------------------------------
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class ImageURL(_Strict):
+class ImageURL(Strict):
     url: Annotated[str, Field(min_length=1)]
     detail: Literal["auto", "low", "high"] | None = None
 
 
-class TextPart(_Strict):
+class TextPart(Strict):
     type: Literal["text"]
     text: str
 
 
-class ImagePart(_Strict):
+class ImagePart(Strict):
     type: Literal["image_url"]
     image_url: ImageURL
 
+    @field_validator("image_url", mode="before")
+    @classmethod
+    def _bare_url(cls, value):
+        return {"url": value} if isinstance(value, str) else value  # vLLM accepts the URL on its own
+
 
 # -- video (vLLM's and SGLang's convention: a content part of type video_url) ----------------------------
-class VideoURL(_Strict):
+class VideoURL(Strict):
     url: Annotated[str, Field(min_length=1)]
 
 
-class VideoPart(_Strict):
+class VideoPart(Strict):
     type: Literal["video_url"]
     video_url: VideoURL
 
 
 ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 
+# -- messages ----------------------------------------------------------------------------------------
 
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart] | None
+
+class FunctionCall(Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Strict):
+    id: Annotated[str, Field(max_length=128)]
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
-
-
-class StreamOptions(_Strict):
-    include_usage: bool = False
-
-
-class ChatCompletionRequest(_Strict):
-    model: str | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    top_k: Annotated[int, Field(ge=-1)] = -1
-    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
-    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1, le=1)] = 1
-    user: str | None = None
-    ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks)
-    presence_penalty: Annotated[float, Field(ge=0, le=0)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=0, le=0)] = 0.0
-    logprobs: Literal[False] = False
-
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, value):
-        stops = [value] if isinstance(value, str) else value
-        if stops and any(not s or len(s) > 256 for s in stops):
-            raise ValueError("stop strings must be 1 to 256 characters")
-        return value
+    tool_calls: Annotated[list[ToolCall], Field(max_length=64)] | None = None  # assistant turns that called tools
+    tool_call_id: Annotated[str, Field(max_length=128)] | None = None  # a tool turn: which call it answers
+    refusal: str | None = None
 
     @model_validator(mode="after")
-    def _unicode(self) -> "ChatCompletionRequest":
-        """JSON escapes can spell lone surrogates (``\\ud800``), which are not text: no tokenizer takes them."""
-        texts = [*self.stop_list()]
-        for message in self.messages:
-            if isinstance(message.content, str):
-                texts.append(message.content)
-            elif message.content:
-                texts.extend(part.text for part in message.content if isinstance(part, TextPart))
-        for text in texts:
+    def _roles(self) -> "ChatMessage":
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        for call in self.tool_calls or ():
             try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ValueError("text contains a lone surrogate code point (e.g. \\ud800), which is not "
-                                 "valid Unicode") from None
+                json.loads(call.function.arguments)
+            except json.JSONDecodeError:
+                raise ValueError(f"tool call {call.id!r}: arguments are not JSON") from None
         return self
 
-    def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+    def texts(self) -> list[str]:
+        if isinstance(self.content, str):
+            return [self.content]
+        return [part.text for part in self.content or () if isinstance(part, TextPart)]
+
+
+# -- tools -------------------------------------------------------------------------------------------
+
+
+class FunctionDefinition(Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+# -- the request -------------------------------------------------------------------------------------
+
+
+class ChatCompletionRequest(GenerationOptions):
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted: every call the model makes is returned
+    echo: bool | None = False  # vLLM: prefix the answer with the last message when it is the assistant's
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template_kwargs: Annotated[dict, Field(max_length=32)] | None = None
+
+    @model_validator(mode="after")
+    def _valid(self) -> "ChatCompletionRequest":
+        check_text([*self.stop_list(), *(t for m in self.messages for t in m.texts())])
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if self.continue_final_message and self.add_generation_prompt is not False:
+            raise ValueError("continue_final_message needs add_generation_prompt: false")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the assistant's")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = {tool.function.name for tool in self.tools or ()}
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools")
+        if self.tool_choice == "required" and not self.tools:
+            raise ValueError("tool_choice 'required' needs tools")
+        return self
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def top_logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def uses_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+# -- the answer --------------------------------------------------------------------------------------
 
 
 class PromptTokensDetails(BaseModel):
@@ -111,16 +170,35 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprobEntry] | None
+    refusal: None = None
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    refusal: None = None
+    annotations: list = Field(default_factory=list)  # OpenAI's (URL citations): none here, but the key is there
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
+    stop_reason: int | str | None = None  # vLLM: the stop string or stop token id that ended it
 
 
 class ChatCompletion(BaseModel):
@@ -132,16 +210,26 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: dict | None = None  # {"name": …, "arguments": …}
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    refusal: None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -158,6 +246,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "epd"
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int
 
 

@@ -3,15 +3,12 @@ name the problem, the wire form of chunks, usage."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import json
 
 from pydantic import ValidationError
 
 from services.frontend.errors import ApiError
-from services.frontend.protocol import ChatCompletionChunk, ChatCompletionRequest, PromptTokensDetails, Usage
-
-if TYPE_CHECKING:
-    from services.frontend.generation import Finished
+from services.frontend.protocol import ChatCompletionRequest, PromptTokensDetails, Usage
 
 
 def parse_request(data: bytes, limit: int) -> ChatCompletionRequest:
@@ -38,16 +35,16 @@ def _location(error: dict) -> list[str]:
     return [str(p) for p in error.get("loc", ()) if p != "body"]
 
 
-def chunk_json(chunk: ChatCompletionChunk) -> str:
-    """The wire form of a chunk: unset fields left out, except in the usage chunk (as OpenAI sends it)."""
-    return chunk.model_dump_json(exclude_none=chunk.usage is None)
+def chunk_json(chunk: dict) -> str:
+    """The wire form of a chunk (built with every key it must carry, nulls included)."""
+    return json.dumps(chunk, ensure_ascii=False, separators=(",", ":"))
 
 
-def include_usage(request: ChatCompletionRequest) -> bool:
-    return bool(request.stream_options and request.stream_options.include_usage)
-
-
-def usage(finish: "Finished") -> Usage:
-    return Usage(prompt_tokens=finish.prompt_tokens, completion_tokens=finish.completion_tokens,
-                 total_tokens=finish.prompt_tokens + finish.completion_tokens,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=finish.cached_tokens))
+def usage_of(generations) -> Usage:
+    """Usage over a request's generations (a text completion has one per prompt), cached prompt tokens
+    included."""
+    prompt = sum(g.prompt_tokens for g in generations)
+    completion = sum(g.completion_tokens for g in generations)
+    cached = sum(g.cached_tokens for g in generations)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))

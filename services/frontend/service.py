@@ -20,10 +20,12 @@ from services.frontend.metrics import FrontendMetrics
 from services.frontend.nats_api import chat_endpoint
 from services.frontend.pipeline import Pipeline
 from services.frontend.prompt import PromptBuilder
+from services.frontend.sampling import GenerationDefaults, SamplingBuilder
 from services.frontend.settings import FrontendSettings
 from shared.bus.directory import Directory
 from shared.bus.service_api import Endpoint
 from shared.dataplane.plane import DataPlane
+from shared.engine.grammar import Grammars
 from shared.logging import get_logger
 from shared.model.config import ModelConfig
 from shared.model.geometry import ImageGeometry
@@ -67,7 +69,11 @@ class FrontendService(Service):
         tokenizer = await asyncio.to_thread(load_tokenizer, path)
         model = ServedModel(s.served_model_name or path.name, int(time.time()),
                             min(s.max_model_len or config.text.max_position_embeddings,
-                                config.text.max_position_embeddings))
+                                config.text.max_position_embeddings), root=path.name)
+        self.metrics.model_name = model.name
+        grammars = await asyncio.to_thread(Grammars, tokenizer, config.text.vocab_size, config.eos_token_ids)
+        sampling = SamplingBuilder(GenerationDefaults.from_checkpoint(path), model.max_model_len, s.max_output_tokens,
+                                   config.text.vocab_size, grammars)
         await self.open_plane()
         self.directory = Directory(nc, self.subjects.prefix)
         self.directory.start()
@@ -78,10 +84,10 @@ class FrontendService(Service):
         self.resources.push_async_callback(media.close)
         builder = PromptBuilder(tokenizer, config, ImageGeometry.from_checkpoint(path), media.video_geometry)
         self.pipeline = Pipeline(nc, self.subjects, self.plane, self.directory, media, builder, tokenizer, s,
-                                 model.max_model_len, self.metrics.observe)
+                                 sampling, self.metrics.observe)
         self.resources.push_async_callback(self.pipeline.chores.drain)
         self.resources.callback(self.pipeline.prompts.shutdown, wait=False, cancel_futures=True)
-        self.gateway = Gateway(self.pipeline, self.admission, model.name)
+        self.gateway = Gateway(self.pipeline, self.admission, model.name, self.metrics.ignored_fields)
         self.jobs = JobWorker(self.gateway, s)
         self.resources.push_async_callback(self.jobs.stop)
         await self._serve_http(create_app(self.gateway, model, self._serving, self._metrics, s.max_body_bytes))

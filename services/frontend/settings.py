@@ -17,13 +17,14 @@ class FrontendSettings(CommonSettings):
     max_image_bytes: int = Field(20 << 20, ge=1, description="encoded size of one image at most")
     max_image_pixels: int = Field(40_000_000, ge=1, description="decoded size of one image at most (pixels)")
     max_body_bytes: int = Field(128 << 20, ge=1024, description="HTTP request body at most")
-    max_output_tokens: int = Field(16384, ge=1, description="max_tokens a client may ask for")
-    default_max_tokens: int = Field(1024, ge=1, description="max_tokens when the client gives none")
+    max_output_tokens: int = Field(16384, ge=1, description="max_tokens a client may ask for; also the default "
+                                                            "when it gives none (bounded by the rest of the context)")
     media_threads: int = Field(4, ge=1, description="threads decoding images")
     fetch_timeout: float = Field(10.0, gt=0, description="seconds to fetch one image URL")
     allowed_media_domains: list[str] = Field(default_factory=list,
                                              description="if set, only these hosts (and subdomains) are fetched")
-    allow_http_media: bool = Field(False, description="also fetch plain http:// image URLs (https only by default)")
+    allow_http_media: bool = Field(True, description="fetch plain http:// image URLs too (public addresses only, "
+                                                     "as for https); --no-allow-http-media: https only")
     allow_private_media: bool = Field(False, description="fetch from private/loopback addresses (tests, labs)")
     local_media_dir: str = Field("", description="directory file:// image URLs may read from; empty: file:// off")
     encode_timeout: float = Field(60.0, gt=0, description="seconds one encode attempt may take")

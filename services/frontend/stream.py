@@ -3,7 +3,7 @@ stale attempts dropped, bounded in time, and the responsible worker watched.
 
 Workers publish indexed ``TokenEvent``s on the request's own subject; NATS may deliver them out of
 order, twice (a resumed attempt), or not at all (a worker that died). ``tokens()`` yields the current
-attempt's tokens exactly once each, in index order, and raises:
+attempt's tokens exactly once each, in index order within each choice, and raises:
 
 - ``WorkerLost`` when the worker named in the events is gone (``Directory.watching``) or reports a
   server error: the request can continue elsewhere;
@@ -36,7 +36,7 @@ class TokenStream:
         self.first_token_timeout = first_token_timeout
         self.token_timeout = token_timeout
         self.attempt = ""  # the id the current attempt runs under on the workers
-        self.received = 0  # output tokens delivered so far, across attempts
+        self.received: dict[int, int] = {}  # choice -> output tokens delivered so far, across attempts
         self._sub = None
         self._worker = ""  # the instance watched: named by the latest event, or the one submitted to
         self._gone: asyncio.Event | None = None
@@ -51,10 +51,10 @@ class TokenStream:
         self._follow(worker)
 
     async def tokens(self) -> AsyncIterator[TokenEvent]:
-        pending: dict[int, TokenEvent] = {}
+        pending: dict[tuple[int, int], TokenEvent] = {}
         last_progress = time.monotonic()
         while True:
-            limit = self.first_token_timeout if self.received == 0 else self.token_timeout
+            limit = self.first_token_timeout if not self.received else self.token_timeout
             try:
                 msg = await self._sub.next_msg(timeout=POLL)
             except asyncio.TimeoutError:
@@ -68,11 +68,12 @@ class TokenStream:
                     raise ServiceError(event.error.status, event.error.message)
                 raise WorkerLost(event.error.message)
             self._follow(event.worker)
-            if event.index >= self.received:
-                pending[event.index] = event
-            while self.received in pending:
-                event = pending.pop(self.received)
-                self.received += len(event.token_ids)
+            choice = event.choice
+            if event.index >= self.received.get(choice, 0):
+                pending[choice, event.index] = event
+            while (choice, self.received.get(choice, 0)) in pending:
+                event = pending.pop((choice, self.received.get(choice, 0)))
+                self.received[choice] = self.received.get(choice, 0) + len(event.token_ids)
                 last_progress = time.monotonic()
                 yield event
 

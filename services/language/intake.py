@@ -14,6 +14,7 @@ from shared.bus.service_api import Endpoint, Handler
 from shared.bus.subjects import QUEUE, Subjects
 from shared.dataplane.plane import DataPlane
 from shared.dataplane.store import DataPlaneError
+from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import ImageInput, Sequence
 from shared.errors import ServiceError
 from shared.messages.prefill import EMBEDDINGS_GONE, ImageSlot, PrefillJob
@@ -24,10 +25,19 @@ from shared.model.rope import video_time_interval
 _GONE_CODES = ("unreachable", "expired", "not_found", "timeout")
 
 
+def validate_sampling(sampling: SamplingParams, config: ModelConfig) -> None:
+    """Token ids the sampling names (stop ids, logit biases) are in the vocabulary."""
+    vocab = config.text.vocab_size
+    named = list(sampling.stop_token_ids) + [token for token, _ in sampling.logit_bias]
+    if any(not 0 <= t < vocab for t in named):
+        raise ServiceError(400, "a stop token id or logit bias names a token out of the vocabulary")
+
+
 def validate_prompt(job: PrefillJob, config: ModelConfig) -> None:
     vocab = config.text.vocab_size
     if any(not 0 <= t < vocab for t in job.token_ids):
         raise ServiceError(400, "token id out of the vocabulary")
+    validate_sampling(job.sampling, config)
     merge, width = config.vision.merge_size, config.embedding_width  # Qwen3-VL: deepstack levels too
     runs: list[tuple[int, int, int]] = []  # (first token, tokens, placeholder id) of every placeholder run
     for slot in job.images:

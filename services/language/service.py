@@ -43,7 +43,7 @@ class LanguageService(Service):
         self.worker.refuse_cancelled(job.request_id)
         seq = await self.intake.sequence(job)
         self.worker.refuse_cancelled(job.request_id)  # cancelled while its embeddings came
-        await self.worker.add_prompt(seq, Tracked(job.stream, self.instance))
+        await self.worker.add_prompt(seq, Tracked(job.stream, self.instance, choices=job.sampling.n))
         return pack(PrefillAccepted(prefill_id=self.instance))
 
     async def drain(self) -> None:

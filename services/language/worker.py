@@ -31,7 +31,7 @@ from shared.engine.sequence import Sequence
 from shared.errors import ServiceError
 from shared.logging import get_logger
 from shared.messages import pack
-from shared.messages.stream import TokenEvent, error_event
+from shared.messages.stream import TokenEvent, TokenLogprob, error_event
 
 log = get_logger(__name__)
 
@@ -44,6 +44,7 @@ class Tracked:
     responsible: str  # instance named in its token events (the frontend watches that one)
     on_output: Callable[[StepOutput], None] | None = None  # instead of publishing each token (prefill)
     on_end: Callable[[str], None] | None = None  # once it leaves this worker, with the reason
+    choices: int = 1  # choices still generating here: the request leaves when the last finishes
 
 
 class LanguageWorker:
@@ -109,7 +110,7 @@ class LanguageWorker:
     # -- engine → streams (event loop) ------------------------------------------------------------
     def on_outputs(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
-            tracked = self.requests.get(out.seq.request_id)
+            tracked = self.requests.get(out.request_id)
             if tracked is None:
                 continue  # cancelled while the step ran
             if tracked.on_output is not None:
@@ -117,13 +118,24 @@ class LanguageWorker:
                 continue
             self.publish_token(out, tracked)
             if out.finish_reason is not None:
-                self.end(out.seq.request_id, out.finish_reason)
+                self.finish_choice(out.request_id, out.finish_reason)
 
     def publish_token(self, out: StepOutput, tracked: Tracked) -> None:
         self.tokens += 1
-        event = TokenEvent(request_id=out.seq.request_id, index=out.index, token_ids=[out.token],
-                           finish_reason=out.finish_reason, worker=tracked.responsible, cached_tokens=out.cached_tokens)
+        lp = out.logprobs
+        logprobs = None if lp is None else [TokenLogprob(lp.logprob, lp.top_ids, lp.top_logprobs)]
+        event = TokenEvent(request_id=out.request_id, index=out.index, token_ids=[out.token], choice=out.seq.choice,
+                           logprobs=logprobs, finish_reason=out.finish_reason, worker=tracked.responsible,
+                           cached_tokens=out.cached_tokens)
         self.publisher.publish(tracked.stream, pack(event))
+
+    def finish_choice(self, request_id: str, reason: str) -> None:
+        """One of the request's choices finished here; the request ends with its last."""
+        tracked = self.requests.get(request_id)
+        if tracked is not None:
+            tracked.choices -= 1
+            if tracked.choices <= 0:
+                self.end(request_id, reason)
 
     def fail(self, request_id: str, status: int, message: str) -> None:
         """End the request with an error event (the frontend resumes it elsewhere on a 5xx)."""
@@ -150,5 +162,9 @@ class LanguageWorker:
             raise ServiceError(499, "request was cancelled")
 
     def stats(self) -> dict:
+        # running: every request this worker holds (the routers' load); waiting: those of them still
+        # queued in the engine for their prefill (vllm:num_requests_waiting)
+        waiting = len(self.engine.scheduler.waiting) if self.engine else 0
         return {**(self.engine.block_stats() if self.engine else {}), "running": len(self.requests),
+                "waiting": waiting,
                 "tokens": self.tokens, "requests_failed": self.failed}

@@ -155,7 +155,7 @@ class Handoffs:
         if handoff is None or tracked is None:
             return
         self.worker.publish_token(out, tracked)
-        if out.finish_reason is not None:
+        if out.finish_reason is not None and handoff.job.sampling.n == 1:
             self.worker.end(rid, "finished")  # nothing left to decode: the reservation is released
             return
         seq, job = out.seq, handoff.job

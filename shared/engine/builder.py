@@ -5,11 +5,14 @@ from __future__ import annotations
 import torch
 
 from shared.engine.engine import Engine
+from shared.engine.grammar import Grammars
 from shared.engine.kv_cache import KVCache
 from shared.engine.runner import ModelRunner
+from shared.engine.sampling import Sampler
 from shared.logging import get_logger
 from shared.model.config import ModelConfig
 from shared.model.loader import load_language_model
+from shared.model.processor import load_tokenizer
 from shared.engine.settings import EngineSettings
 
 log = get_logger(__name__)
@@ -39,7 +42,9 @@ def build_engine(settings: EngineSettings, role: str) -> tuple[Engine, ModelConf
     log.info("engine.kv_pool", role=role, blocks=blocks, block_size=settings.block_size,
              mib=round(cache.nbytes / 2**20, 1), max_model_len=max_len, step_tokens=settings.step_token_budget(device),
              chunked_prefill=settings.chunked_prefill, prefix_caching=settings.prefix_caching)
-    runner = ModelRunner(model, cache, config.vision.merge_size)
+    sampler = Sampler(device, eos_token_ids=config.eos_token_ids,
+                      grammars=lambda: Grammars(load_tokenizer(path), config.text.vocab_size, config.eos_token_ids))
+    runner = ModelRunner(model, cache, config.vision.merge_size, sampler=sampler)
     engine = Engine(runner, config.eos_token_ids, max_len, role, settings.max_num_seqs,
                     settings.step_token_budget(device), settings.prefill_priority_window,
                     chunked_prefill=settings.chunked_prefill, prefix_caching=settings.prefix_caching)

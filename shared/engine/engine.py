@@ -18,9 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.engine import choices
 from shared.engine.block_manager import BlockManager, blocks_for
 from shared.engine.prefix import block_hashes
 from shared.engine.runner import ModelRunner
+from shared.engine.sampling import TokenLogprobs
 from shared.engine.scheduler import Chunk, Scheduler
 from shared.engine.sequence import Sequence, Status
 
@@ -37,6 +39,11 @@ class StepOutput:
     index: int  # position of ``token`` among the sequence's output tokens
     finish_reason: str | None  # None: more tokens follow (or, for role prefill, the sequence is handed off)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (usage.prompt_tokens_details)
+    logprobs: TokenLogprobs | None = None  # when the request asked for them
+
+    @property
+    def request_id(self) -> str:
+        return choices.request_of(self.seq.request_id)
 
 
 @dataclass
@@ -113,19 +120,41 @@ class Engine:
     def _slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
         return torch.tensor(self.runner.cache.slots(seq.block_table, start, end), dtype=torch.long)
 
-    def activate(self, request_id: str) -> None:
-        """The reserved sequence's KV is complete: it joins the running batch at the next step."""
-        self.scheduler.add_running(self.reserved.pop(request_id))
+    def activate(self, request_id: str) -> bool:
+        """The reserved sequence's KV is complete: it joins the running batch at the next step, and its
+        request's other choices are forked from it. False: its first token already ended it (it only
+        seeded the other choices, and is released)."""
+        seq = self.reserved.pop(request_id)
+        self.scheduler.add_running(seq)
+        if not choices.should_fork(seq):
+            return True
+        self._add_choices(seq)
+        if self._stop_reason(seq, seq.last_token) is None:
+            return True
+        self._release(seq)
+        return False
+
+    def _add_choices(self, parent: Sequence) -> None:
+        for child in choices.fork(self, parent):
+            self._by_id[child.request_id] = child
+            if child.status is Status.WAITING:
+                self.scheduler.add_waiting(child)
+            else:
+                self.scheduler.swapped.append(child)
 
     def abort(self, request_id: str) -> Sequence | None:
-        seq = self._by_id.pop(request_id, None)
-        if seq is None:
-            return None
-        self.reserved.pop(request_id, None)
-        self.scheduler.remove(seq)
-        seq.status = Status.FINISHED
-        seq.finish_reason = seq.finish_reason or "abort"
-        return seq
+        """Drop the request (every choice of it); its first sequence found, or None."""
+        found = None
+        for seq_id in choices.family(request_id):
+            seq = self._by_id.pop(seq_id, None)
+            if seq is None:
+                continue
+            self.reserved.pop(seq_id, None)
+            self.scheduler.remove(seq)
+            seq.status = Status.FINISHED
+            seq.finish_reason = seq.finish_reason or "abort"
+            found = found or seq
+        return found
 
     # -- stepping ------------------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -140,7 +169,7 @@ class Engine:
                 "prompt_tokens": self.prompt_tokens, "cached_prompt_tokens": self.cached_prompt_tokens}
 
     def request_ids(self) -> list[str]:
-        return list(self._by_id)
+        return list(dict.fromkeys(choices.request_of(seq_id) for seq_id in self._by_id))
 
     @property
     def num_active(self) -> int:
@@ -199,12 +228,15 @@ class Engine:
 
     def _advance(self, seq: Sequence, token: int) -> StepOutput:
         seq.token_ids.append(token)
+        logprobs = self.runner.sampler.take_logprobs(seq)
+        if self.role == "both" and choices.should_fork(seq):
+            self._add_choices(seq)  # before a finish releases the prompt's blocks
         reason = self._stop_reason(seq, token)
         if reason is not None:
             seq.finish_reason = reason
         if reason is not None or self.role == "prefill":
             self._release(seq)  # finished, or handed off: its KV already left through the layer hook
-        return StepOutput(seq, token, seq.output_offset + seq.num_output - 1, reason, seq.num_cached)
+        return StepOutput(seq, token, seq.output_offset + seq.num_output - 1, reason, seq.num_cached, logprobs)
 
     def _release(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
@@ -213,7 +245,8 @@ class Engine:
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.sampling
-        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        stoppable = seq.num_output > params.min_tokens  # min_tokens masks these; this holds if all else was masked
+        if stoppable and ((token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids):
             return "stop"
         if seq.num_output >= params.max_tokens or len(seq) >= self.max_model_len:
             return "length"

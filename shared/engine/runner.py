@@ -98,8 +98,7 @@ class ModelRunner:
         if complete:
             last = torch.tensor([batch.cu_seqlens[i + 1] - 1 for i in complete], device=self.device)
             seqs = [chunks[i].seq for i in complete]
-            sampled = self.sampler.sample(self.model.logits(hidden[last]), [s.sampling for s in seqs],
-                                          [s.output_offset + s.num_output for s in seqs])
+            sampled = self.sampler.sample(self.model.logits(hidden[last]), seqs)
             for i, token in zip(complete, sampled):
                 tokens[i] = token
         return tokens
@@ -125,7 +124,7 @@ class ModelRunner:
             batch = ForwardBatch(is_prefill=False, slot_mapping=slots, context_lens=lens, block_tables=tables,
                                  num_splits=self._splits(rows))
             logits = self.model.logits(self.model(self.model.embed(ids), positions.expand(3, -1), batch, self.backend))
-        return self.sampler.sample(logits, [s.sampling for s in seqs], [s.output_offset + s.num_output for s in seqs])
+        return self.sampler.sample(logits, seqs)
 
     def _splits(self, batch: int) -> int:
         if self.device.type != "cuda":

@@ -1,88 +1,231 @@
-"""Per-request sampling: greedy, temperature, top-k, top-p, seeded.
+"""Per-request sampling, batched: greedy, temperature, top-k, top-p, min-p, seeded; logprobs.
 
 A seeded request draws the noise for its ``i``-th output token from a generator seeded with
 ``(seed, i)``, so its output does not depend on which worker samples which token, nor on what else is in
 the batch: prefill samples token 0, decode the rest, and a request resumed elsewhere continues the same.
+
+A step samples every row at once: the requests' logits adjustments (``shared.engine.logits``) touch only
+the rows that ask for them, truncation (top-k, top-p, min-p) sorts only the rows that truncate, and the
+draw is one vectorized pass. A row that asks for nothing costs what greedy costs.
+
+Logprobs are the log-softmax of the *processed* logits: after penalties, bias, ``min_tokens`` and the
+grammar mask, before temperature and truncation (what HF ``generate`` reports as scores under greedy).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence as Seq
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 import torch
 
+from shared.engine.grammar import Grammars
+from shared.engine.logits import LogitsProcessors
+
+if TYPE_CHECKING:
+    from shared.engine.sequence import Sequence
+
 _MIX = 0x9E3779B97F4A7C15  # splitmix64 constant: spreads (seed, index) over the generator's seed space
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300
+MAX_CHOICES = 16
+MAX_COMPACT_TOP_K = 1024  # a top-k up to this draws among its k candidates (topk, not a sort of the vocabulary)
+
+
+class Constraint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Structured output: what every sampled token must keep valid (``shared.engine.grammar``).
+    ``kind``: json (``spec`` a JSON schema, or empty for any JSON object), regex, choice (``spec`` a
+    JSON list of strings), lark (a grammar in llguidance's Lark dialect); ``spec`` is the source text."""
+
+    kind: Literal["json", "regex", "choice", "lark"]
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if len(self.spec) > 1 << 20:
+            raise ValueError("a structured-output spec may be at most 1 MiB")
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """How a request picks its tokens; travels inside prefill and decode jobs as it is."""
+    """How a request picks its tokens; travels inside prefill and decode jobs as it is. Penalties follow
+    OpenAI (presence, frequency: over output tokens) and HF/vLLM (repetition: prompt and output)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: no limit
+    min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: none
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     max_tokens: int = 16
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many more tokens are out (like max_tokens)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    logprobs: int | None = None  # None: no logprobs; k: the sampled token's and the k most likely
+    n: int = 1  # choices: the prompt is computed once and the sequence forked
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature <= 100.0:
             raise ValueError("temperature must be within [0, 100]")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError("top_p must be within (0, 1]")
-        if self.top_k < 0 or self.max_tokens < 1 or len(self.stop_token_ids) > 1024:
-            raise ValueError("top_k must be >= 0, max_tokens >= 1, at most 1024 stop token ids")
+        if not 0.0 < self.top_p <= 1.0 or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError("top_p must be within (0, 1], min_p within [0, 1]")
+        if self.top_k < 0 or self.max_tokens < 1 or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError("top_k must be >= 0, max_tokens >= 1, min_tokens within [0, max_tokens]")
+        if not (-2.0 <= self.presence_penalty <= 2.0 and -2.0 <= self.frequency_penalty <= 2.0
+                and 0.0 < self.repetition_penalty <= 10.0):
+            raise ValueError("presence/frequency penalties must be within [-2, 2], repetition within (0, 10]")
+        if len(self.stop_token_ids) > 1024 or len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most 1024 stop token ids and {MAX_LOGIT_BIAS} logit biases")
+        if any(not -100.0 <= bias <= 100.0 for _, bias in self.logit_bias):
+            raise ValueError("logit biases must be within [-100, 100]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be within [0, {MAX_TOP_LOGPROBS}]")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise ValueError(f"n must be within [1, {MAX_CHOICES}]")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
 
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """The seed of choice ``choice`` of a request seeded with ``seed`` (choice 0 keeps it)."""
+    if seed is None or choice == 0:
+        return seed
+    return _noise_seed(seed, -1 - choice)
+
+
 def _noise_seed(seed: int, index: int) -> int:
     return ((seed * _MIX) ^ (index + 1) * 0xBF58476D1CE4E5B9) & 0x7FFF_FFFF_FFFF_FFFF
 
 
+@dataclass
+class TokenLogprobs:
+    """The sampled token's logprob and the ``len(top_ids)`` most likely tokens' (most likely first)."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
 class Sampler:
-    def __init__(self, device: torch.device | str = "cpu", seed: int | None = None):
+    def __init__(self, device: torch.device | str = "cpu", seed: int | None = None, eos_token_ids: Seq[int] = (),
+                 grammars: Callable[[], Grammars] | None = None):
+        """``eos_token_ids``: masked while a request is under ``min_tokens``; ``grammars``: builds the
+        structured-output compiler on first use (it needs the checkpoint's tokenizer)."""
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device)
         if seed is None:
             self.generator.seed()
         else:
             self.generator.manual_seed(seed)
+        self.processors = LogitsProcessors(self.device, eos_token_ids, grammars)
+        self._logprobs: dict[int, TokenLogprobs] = {}  # id(seq) -> the last step's, until taken
 
-    def sample(self, logits: torch.Tensor, params: Seq[SamplingParams], output_index: Seq[int]) -> list[int]:
-        """``logits`` ``[B, vocab]`` float32 → one token per row. ``output_index[i]``: which output token row i is."""
+    def sample(self, logits: torch.Tensor, seqs: Seq["Sequence"]) -> list[int]:
+        """``logits`` ``[B, vocab]`` float32 (adjusted in place) → one token per row of ``seqs``."""
+        params = [s.sampling for s in seqs]
+        self.processors.apply(logits, seqs)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
-            probs = self._probabilities(logits[rows], [params[i] for i in random_rows])
-            noise = torch.stack([self._noise(probs.shape[1], params[i], output_index[i]) for i in random_rows])
+        # rows with a small top-k draw among their candidates only (a partial sort, noise for k tokens);
+        # the others over the whole vocabulary
+        few = [i for i in random_rows if 1 < params[i].top_k <= MAX_COMPACT_TOP_K]
+        many = [i for i in random_rows if not 1 < params[i].top_k <= MAX_COMPACT_TOP_K]
+        for group, compact in ((few, True), (many, False)):
+            if not group:
+                continue
+            rows = torch.tensor(group, device=logits.device)
+            chosen = [params[i] for i in group]
+            probs, ids = _candidates(logits[rows], chosen) if compact else (_probabilities(logits[rows], chosen), None)
+            noise = self._noise(probs.shape, chosen, [seqs[i].output_offset + seqs[i].num_output for i in group])
             # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, in one vectorized pass.
-            tokens[rows] = (probs / noise).argmax(dim=-1)
-        return tokens.tolist()
+            picked = (probs / noise).argmax(dim=-1)
+            tokens[rows] = picked if ids is None else ids.gather(1, picked.unsqueeze(1)).squeeze(1)
+        self._record_logprobs(logits, seqs, params, tokens)
+        out = tokens.tolist()
+        self.processors.accept(seqs, out)
+        return out
 
-    def _noise(self, vocab: int, params: SamplingParams, index: int) -> torch.Tensor:
-        gen = self.generator
-        if params.seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(_noise_seed(params.seed, index))
-        return torch.empty(vocab, device=self.device).exponential_(generator=gen).clamp_min_(1e-10)
+    def take_logprobs(self, seq: "Sequence") -> TokenLogprobs | None:
+        """The logprobs of ``seq``'s last sampled token, if it asked for them (once)."""
+        return self._logprobs.pop(id(seq), None) if self._logprobs else None
 
-    @staticmethod
-    def _probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        temps = torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
-        logits = logits / temps
+    def _record_logprobs(self, logits: torch.Tensor, seqs, params, tokens: torch.Tensor) -> None:
+        self._logprobs.clear()
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not wanted:
+            return
+        rows = torch.tensor(wanted, device=logits.device)
+        logprobs = logits[rows].log_softmax(dim=-1)
+        chosen = logprobs.gather(1, tokens[rows].unsqueeze(1)).squeeze(1).tolist()
+        k = max(params[i].logprobs for i in wanted)
+        top = logprobs.topk(k, dim=-1) if k else None
+        top_values = top.values.tolist() if top is not None else [[] for _ in wanted]
+        top_ids = top.indices.tolist() if top is not None else [[] for _ in wanted]
+        for n, i in enumerate(wanted):
+            k_i = params[i].logprobs
+            self._logprobs[id(seqs[i])] = TokenLogprobs(chosen[n], top_ids[n][:k_i], top_values[n][:k_i])
+
+    def _noise(self, shape, params: list[SamplingParams], indices: list[int]) -> torch.Tensor:
+        """Exp(1) noise ``[rows, vocab]``: seeded rows from their own (seed, index) generator, the
+        others in one draw from the sampler's."""
+        noise = torch.empty(shape, device=self.device)
+        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), shape[1], device=self.device).exponential_(
+                generator=self.generator)
         for i, p in enumerate(params):
-            if 0 < p.top_k < logits.shape[1]:
-                kth = logits[i].topk(p.top_k).values[-1]
-                logits[i] = logits[i].masked_fill(logits[i] < kth, float("-inf"))
-        probs = logits.softmax(dim=-1)
-        for i, p in enumerate(params):
-            if p.top_p < 1.0:
-                sorted_p, order = probs[i].sort(descending=True)
-                # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-                drop = sorted_p.cumsum(0) - sorted_p >= p.top_p
-                probs[i, order[drop]] = 0.0
-        return probs
+            if p.seed is not None:
+                gen = torch.Generator(device=self.device).manual_seed(_noise_seed(p.seed, indices[i]))
+                noise[i] = torch.empty(shape[1], device=self.device).exponential_(generator=gen)
+        return noise.clamp_min_(1e-10)
+
+
+def _scaled(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    return logits / torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
+
+
+def _candidates(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows with a top-k of at most ``MAX_COMPACT_TOP_K``: (probabilities ``[rows, k]``, their token ids),
+    top-p and min-p applied within the k — a partial sort instead of sorting the vocabulary."""
+    ordered, ids = _scaled(logits, params).topk(max(p.top_k for p in params), dim=-1)
+    return _cut_sorted(ordered, params).softmax(dim=-1), ids
+
+
+def _probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Over the whole vocabulary: sorted only for the rows with a top-p (or a large top-k)."""
+    logits = _scaled(logits, params)
+    sorting = [i for i, p in enumerate(params) if p.top_p < 1.0 or p.top_k > 1]
+    if sorting:
+        rows = torch.tensor(sorting, device=logits.device)
+        logits[rows] = _truncate(logits[rows], [params[i] for i in sorting])
+    probs = logits.softmax(dim=-1)
+    min_p = torch.tensor([p.min_p for p in params], device=logits.device).unsqueeze(1)
+    # min-p compares with the most likely token: renormalizing scales both sides alike (so do the others')
+    return probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+
+
+def _truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Top-k, then top-p over what is left, then min-p (HF's order), over all rows in one sort."""
+    ordered, order = logits.sort(dim=-1, descending=True)
+    return torch.empty_like(logits).scatter_(1, order, _cut_sorted(ordered, params))
+
+
+def _cut_sorted(ordered: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Logits sorted most likely first, with what top-k, top-p and min-p drop set to -inf."""
+    width, device = ordered.shape[1], ordered.device
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < width else width for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    min_p = torch.tensor([p.min_p for p in params], device=device)
+    drop = torch.arange(width, device=device).unsqueeze(0) >= top_k.unsqueeze(1)
+    probs = ordered.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+    drop |= probs.cumsum(dim=-1) - probs >= top_p.unsqueeze(1)
+    # min-p compares with the most likely token: renormalizing scales both sides alike
+    drop |= probs < (min_p * probs[:, 0]).unsqueeze(1)
+    return ordered.masked_fill(drop, float("-inf"))

@@ -62,6 +62,7 @@ class Sequence:
     swapped_kv: torch.Tensor | None = None  # [layers, 2, num_computed, kv_heads, head_dim] while SWAPPED
     arrival: float = 0.0
     output_offset: int = 0  # tokens generated before this sequence existed (a request resumed elsewhere)
+    choice: int = 0  # which of the request's n choices (request_id is "<request>#<choice>" past the first)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -15,11 +15,21 @@ class ErrorInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     message: str
 
 
+class TokenLogprob(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One output token's logprob and the most likely tokens' (most likely first)."""
+
+    logprob: float
+    top_ids: Annotated[list[int], Meta(max_length=20)] = []
+    top_logprobs: Annotated[list[float], Meta(max_length=20)] = []
+
+
 class TokenEvent(Message, frozen=True, kw_only=True):
     request_id: str
-    index: Annotated[int, Meta(ge=0)]  # output position of token_ids[0]: the frontend orders by it
+    index: Annotated[int, Meta(ge=0)]  # output position of token_ids[0] within its choice: the frontend orders by it
     token_ids: list[int] = []
-    finish_reason: str | None = None  # "stop" | "length" | "abort"; set on the last event only
+    choice: Annotated[int, Meta(ge=0, lt=16)] = 0  # which of the request's n choices
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
+    finish_reason: str | None = None  # "stop" | "length" | "abort"; set on the choice's last event only
     error: ErrorInfo | None = None  # the request failed; no more events follow
     worker: str = ""  # instance that produced the event: the frontend watches it is still alive
     cached_tokens: int = 0  # prompt tokens the worker took from its prefix cache (on an attempt's first event)

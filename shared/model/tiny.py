@@ -28,17 +28,41 @@ SPECIAL_TOKENS = [
     "<|video_pad|>",
 ]
 
-# The chat template format of the Qwen2-VL family (system prompt by default, one placeholder triple per image).
+# The chat template format of the Qwen2-VL family (system prompt by default, one placeholder triple per image),
+# with the Qwen2.5 tool section: tools listed in the system turn, calls as <tool_call>{json}</tool_call>,
+# results as <tool_response> blocks in a user turn. Without tools it renders exactly as the family's.
+_TOOLS_SYSTEM = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}{% else %}You are a helpful assistant.{% endif %}"
+    "{{ '\\n' }}\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '\\n' }}</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}"
+    "\n</tool_call><|im_end|>\n{% endif %}"
+)
 CHAT_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "{% set image_count = namespace(value=0) %}" + _TOOLS_SYSTEM +
+    "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ message['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}"
+    "{% if loop.first and message['role'] != 'system' and not tools %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
     "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for content in message['content'] %}"
     "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
     "{% set image_count.value = image_count.value + 1 %}<|vision_start|><|image_pad|><|vision_end|>"
     "{% elif content['type'] == 'video' or 'video' in content %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}"
+    "{% endif %}"
+    "{% if message['tool_calls'] %}{% for call in message['tool_calls'] %}"
+    "{% if call['function'] is defined %}{% set call = call['function'] %}{% endif %}"
+    "{{ '\\n' }}<tool_call>\n{\"name\": \"{{ call['name'] }}\", \"arguments\": {{ call['arguments'] | tojson }}}\n</tool_call>"
+    "{% endfor %}{% endif %}<|im_end|>\n"
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
@@ -234,7 +258,7 @@ def write_tiny_checkpoint(path: str | os.PathLike, family: str = "qwen2_5_vl", s
 def default_tiny_checkpoint() -> Path:
     """The built-in model: written once per user into a cache directory, reused afterwards."""
     root = Path(os.environ.get("EPD_CACHE_DIR") or Path(tempfile.gettempdir()) / f"epd-{os.getuid()}")
-    path = root / "tiny-qwen2_5_vl-v3"  # v3: video in the template, a video processor
+    path = root / "tiny-qwen2_5_vl-v4"  # v4: video in the template, a video processor, the tools section
     if not (path / "config.json").exists():
         staging = Path(tempfile.mkdtemp(dir=root.mkdir(parents=True, exist_ok=True) or root))
         write_tiny_checkpoint(staging)
