@@ -609,12 +609,6 @@ def report(meta: dict, floor: Floor, runs: list[dict], unloaded: list[dict], pla
     return "\n".join(lines) + "\n"
 
 
-def ordered_labels(labels) -> list[str]:
-    """Topology labels in the order the layouts are listed (aggregated first), however the runs were split."""
-    order = [layout.label() for gpus in (1, 2, 3, 4, 8) for layout in bench_layouts(gpus)]
-    unique = list(dict.fromkeys(labels))
-    return sorted(unique, key=lambda label: (order.index(label) if label in order else len(order), unique.index(label)))
-
 
 def describe(w: dict) -> str:
     images = (f"1-{w['image_count']}" if w.get("random_image_count") else str(w["image_count"])) + \

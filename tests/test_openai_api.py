@@ -14,7 +14,7 @@ import pytest
 
 from services.frontend.options import GenerationOptions
 from services.frontend.sampling import GenerationDefaults, SamplingBuilder
-from tests.support import chat_messages, data_url, make_image
+from tests.support import data_url, make_image
 
 HELLO = [{"role": "user", "content": "Hello! How are you today?"}]
 

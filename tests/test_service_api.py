@@ -10,7 +10,6 @@ import signal
 import time
 
 import nats
-import pytest
 from nats.micro.service import ServiceInfo, ServiceStats
 
 from shared.bus.calls import gather_replies

@@ -103,7 +103,7 @@ class VideoReference:
         images = [p for kind, p in parts if kind == "image"]
         inputs = self.reference.inputs("", images) if images else {}
         image_grids = list(inputs.get("image_grid_thw", []))
-        pieces, videos, spans = [], [], []
+        pieces, videos = [], []
         for kind, part in parts:
             head, placeholder, rendered = self._split(rendered, kind)
             pieces.append(head)

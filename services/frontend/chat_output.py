@@ -23,7 +23,6 @@ from services.frontend.protocol import (
     ChoiceLogprobs,
     FunctionCall,
     ToolCall,
-    Usage,
 )
 from services.frontend.responses import usage_of
 from services.frontend.tools import ParsedCall, ToolCallParser
