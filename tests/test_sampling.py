@@ -149,7 +149,10 @@ def test_n_choices_fork_from_one_prefill(parts, reference, monkeypatch):
     monkeypatch.setattr(engine.runner, "prefill", lambda seqs, *a: prefilled.extend(seqs) or original(seqs, *a))
     greedy = run(engine, [Sequence("g", list(ids), len(ids), SamplingParams(temperature=0, max_tokens=6, n=3,
                                                                             ignore_eos=True))])["g"]
-    assert len(prefilled) == 1  # the prompt was computed once
+    # prompt tokens computed, per choice (a mixed step may carry choice 0's decode through prefill too)
+    computed = [(chunk.seq.choice, max(0, min(chunk.end, len(ids)) - chunk.start)) for chunk in prefilled]
+    assert sum(n for choice, n in computed if choice == 0) == len(ids)  # the prompt was computed once ...
+    assert sorted(n for choice, n in computed if choice != 0) == [1, 1]  # ... each fork only its last token
     assert tokens(greedy, 0) == tokens(greedy, 1) == tokens(greedy, 2) and len(tokens(greedy, 2)) == 6
     seeded = SamplingParams(temperature=1.0, max_tokens=6, n=3, seed=11, ignore_eos=True)
     first = run(make_engine(parts), [Sequence("s", list(ids), len(ids), seeded)])["s"]
