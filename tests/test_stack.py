@@ -50,7 +50,9 @@ def test_an_added_encoder_takes_work_without_restarting_anything(stack):
         assert all(after[k] > before[k] for k in before), "every encoder should take part"
     finally:
         process.send_signal(signal.SIGTERM)  # drains: leaves the queue group, finishes, exits
-        assert process.wait(30) == 0
+        exited = process.wait(30)
+        stack.stack.processes = [(k, p) for k, p in stack.stack.processes if p is not process]
+        assert exited == 0
 
 
 def _post(stack, body, **kwargs):
