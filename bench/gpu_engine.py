@@ -457,7 +457,7 @@ def prefill(ctx):
 
 def _engine_like(ctx, **options) -> Engine:
     """Another engine on the built runner (its graphs, its KV pool): one engine holds sequences at a time."""
-    return Engine(ctx["engine"].runner, (2,), ctx["max_len"], "both", max_num_seqs=ctx["max_batch"], **options)
+    return Engine(ctx["engine"].runner, (2,), ctx["max_len"], "both", **{"max_num_seqs": ctx["max_batch"], **options})
 
 
 def _synced_ms(ctx, fn) -> float:
@@ -501,17 +501,18 @@ def _mixed_steps(ctx) -> dict:
     chunk_sizes = (256, 1024, 2048, 4096) if ctx["big"] else (16, 32)
     result = {}
     for chunk in chunk_sizes:
-        engine = _engine_like(ctx, max_batched_tokens=rows + chunk, prefix_caching=False)
+        # room for one sequence beside the rows: with max_num_seqs taken, the prompt would never join a step
+        engine = _engine_like(ctx, max_batched_tokens=rows + chunk, prefix_caching=False, max_num_seqs=rows + 1)
         seqs = _reserve_with_random_kv(engine, cfg, rows, context, ctx["dtype"], ctx["device"])
         decode_ms = statistics.median(_synced_ms(ctx, engine.step) for _ in range(10))
-        prompt = new_seq("mixed", [11] * (chunk * 4 + 1), 1)
+        prompt = new_seq("mixed", [11] * (chunk * 3 + 1), 1)
         engine.add_prompt(prompt)
         engine.step()  # first chunk (no prefix); the next ones read a prefix like a continuing prompt
         mixed_ms = statistics.median(_synced_ms(ctx, engine.step) for _ in range(2))
         for seq in seqs + [prompt]:
             engine.abort(seq.request_id)
         alone = _engine_like(ctx, max_batched_tokens=chunk, prefix_caching=False)
-        prompt = new_seq("alone", [11] * (chunk * 4 + 1), 1)
+        prompt = new_seq("alone", [11] * (chunk * 3 + 1), 1)
         alone.add_prompt(prompt)
         alone.step()
         chunk_ms = statistics.median(_synced_ms(ctx, alone.step) for _ in range(2))

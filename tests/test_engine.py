@@ -210,3 +210,28 @@ def test_the_vision_batcher_preprocesses_pixels_it_is_given(model_parts, tiny_mo
     for ref, got in zip(reference, prepared):
         assert got.shape == ref.shape
         torch.testing.assert_close(got, ref, rtol=0, atol=0.05)  # inputs differ by at most one 8-bit step
+
+
+def test_between_engine_steps_the_vit_encodes_everything_queued(model_parts, tiny_model):
+    """The aggregated process's ViT runs in the engine thread: one call between two engine steps encodes
+    every image queued by then (in batches of ``max_images``), not just one batch."""
+    import asyncio
+
+    import numpy as np
+
+    from services.encoder.batcher import VisionBatcher
+    from shared.model.processor import ImagePreprocessor
+
+    _, _, tower = model_parts
+    pil = ImagePreprocessor(tiny_model)
+    inputs = [pil(np.asarray(make_image(s, 56, 84))) for s in (21, 22, 23)]
+
+    async def one_engine_gap() -> tuple[int, int, bool]:
+        batcher = VisionBatcher(tower, asyncio.get_running_loop(), max_images=1, max_patches=10_000)
+        jobs = [batcher.encode(torch.from_numpy(p), g) for p, g in inputs]
+        assert batcher.has_work()
+        await asyncio.to_thread(batcher.step)
+        await asyncio.sleep(0)  # the futures settle on the loop
+        return batcher.batches, batcher.queued, all(job.done() for job in jobs)
+
+    assert asyncio.run(one_engine_gap()) == (3, 0, True)
