@@ -27,6 +27,7 @@ from shared.engine.engine import Engine
 from shared.engine.kv_cache import KVCache
 from shared.engine.runner import ModelRunner
 from shared.engine.sampling import SamplingParams
+from shared.engine.scheduler import Chunk
 from shared.engine.sequence import ImageInput, Sequence
 from shared.model.config import ModelConfig
 from shared.model.geometry import ImageGeometry, grid_tokens
@@ -132,8 +133,9 @@ class Outside:
         seq = Sequence("r", ids, len(ids), SamplingParams(temperature=0), images=self.image_inputs(case, embeds))
         BlockManager(cache.num_blocks, 16).allocate(seq, len(ids))
         with torch.inference_mode():
-            inputs, positions, batch = runner.prepare_prefill([seq])
-            return self.lm.logits(self.lm(inputs, positions, batch, runner.backend))
+            inputs, positions, batch, levels = runner.prepare_prefill([Chunk(seq, 0, len(ids))])
+            extra = {} if levels is None else {"deepstack": levels}
+            return self.lm.logits(self.lm(inputs, positions, batch, runner.backend, **extra))
 
 
 @pytest.fixture(scope="module", params=list(OUTSIDE))
