@@ -235,3 +235,36 @@ def test_between_engine_steps_the_vit_encodes_everything_queued(model_parts, tin
         return batcher.batches, batcher.queued, all(job.done() for job in jobs)
 
     assert asyncio.run(one_engine_gap()) == (3, 0, True)
+
+
+def test_an_image_arriving_while_the_vit_runs_is_encoded_in_the_same_gap(model_parts, tiny_model):
+    """A request's images arrive one job at a time: the one that lands during the gap's first forward is
+    encoded before the engine steps again, unless the gap's ViT budget is spent."""
+    import asyncio
+
+    import numpy as np
+
+    from services.encoder.batcher import VisionBatcher, _Item
+    from shared.model.processor import ImagePreprocessor
+
+    _, _, tower = model_parts
+    pil = ImagePreprocessor(tiny_model)
+    (first, grid1), (second, grid2) = [pil(np.asarray(make_image(s, 56, 84))) for s in (31, 32)]
+
+    async def one_gap(budget_s: float) -> tuple[int, int]:
+        loop = asyncio.get_running_loop()
+        batcher = VisionBatcher(tower, loop, max_images=1, max_patches=10_000)
+        late = _Item(torch.from_numpy(second), grid2, loop.create_future())
+
+        def arrives_meanwhile(patches: torch.Tensor) -> torch.Tensor:  # runs inside the first forward
+            batcher._queue.put(late)
+            return patches
+
+        job = batcher.encode(torch.from_numpy(first), grid1, prepare=arrives_meanwhile)
+        await asyncio.to_thread(batcher.step, budget_s)
+        await asyncio.sleep(0)
+        assert job.done()
+        return batcher.batches, batcher.queued
+
+    assert asyncio.run(one_gap(budget_s=60)) == (2, 0)
+    assert asyncio.run(one_gap(budget_s=0)) == (1, 1)  # budget spent: the late image waits one step

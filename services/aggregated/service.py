@@ -3,8 +3,8 @@ against, so it must itself run near its floor.
 
 It is the joined language worker plus an ``Encoder`` that answers the encoder's subjects (so the
 unchanged frontend talks to it as to a disaggregated stack). Its ViT forwards run in the engine's
-thread, one batch between two engine steps: a vision thread beside the engine contended with it for
-the GPU and the interpreter, and images waited for whole seconds (docs/benchmarks.md). Embeddings its
+thread, between two engine steps (``VisionBatcher.step``): a vision thread beside the engine contended
+with it for the GPU and the interpreter, and images waited for whole seconds (docs/benchmarks.md). Embeddings its
 own encoder holds come from its data plane's store without a copy.
 """
 
