@@ -63,7 +63,7 @@ from shared.model.loader import load_language_model, load_vision_tower  # noqa: 
 from shared.model.presets import PRESETS, materialize_preset  # noqa: E402
 
 SECTIONS = ["ceilings", "check", "decode1", "decode64", "sampling", "prefill", "chunked", "memory", "hf", "vit",
-            "preprocess", "video", "profile"]
+            "preprocess", "encode_path", "video", "profile"]
 RESULTS: dict = {}
 
 
@@ -747,6 +747,66 @@ def preprocess(ctx):
                              "share_differing": (difference > step / 2).float().mean().item()}
     log(f"preprocess {width}x{height}: PIL (1 CPU thread) {pil_ms:.1f} ms, torch on {dev.type} {torch_ms:.2f} ms "
         f"({pil_ms / torch_ms:.0f}x); patches differ by <= {difference.max().item() / step:.2f} 8-bit steps")
+
+
+def encode_path(ctx):
+    """Where an encode's time goes for small images (Dynamo's 10 × 448²): the device preprocessing of
+    one image, the tower's forward over 1 and over 10 images, and the batcher (an encoder's vision
+    thread) fed ten images one at a time, as ten per-image jobs arrive — its wall time per image against
+    the forward's. The stacks report ~35-60 ms of forward per 448² image against ~3 ms in a batch of
+    ten: this tells whether the tower's per-call cost or the path around it is to blame."""
+    import asyncio
+
+    import numpy as np
+
+    from services.encoder.batcher import VisionBatcher
+    from shared.model.processor import TorchImagePreprocessor
+    from tools.bench.dataset import make_image
+
+    dev, cfg, timer = ctx["device"], ctx["config"], ctx["timer"]
+    path = materialize_preset(ctx["preset"]) if ctx["big"] else ctx["tiny_path"]
+    side = 448 if ctx["big"] else 112
+    tower = load_vision_tower(None, cfg, dev, ctx["dtype"], load_format="dummy")
+    prepare = TorchImagePreprocessor(path, ctx["dtype"])
+    source = torch.from_numpy(np.asarray(make_image(0, side, side)).copy())
+    patches, grid = prepare(source.to(dev)), ImageGeometry.from_checkpoint(path).grid(side, side)
+    cpu = Timer(torch.device("cpu"))  # wall clock: what the vision thread waits, syncs included
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    out = {"image": f"{side}x{side}", "grid": list(grid)}
+    out["preprocess_ms"] = cpu.ms(lambda: (prepare(source.to(dev)), sync()), repeat=20, warmup=3)
+    with torch.inference_mode():
+        for images in (1, 10):
+            batch = patches.repeat(images, 1)
+            out[f"forward_{images}_ms"] = cpu.ms(lambda: (tower(batch, [grid] * images), sync()), repeat=10, warmup=2)
+            out[f"forward_{images}_device_ms"] = timer.ms(lambda: tower(batch, [grid] * images), repeat=10, warmup=2)
+
+    def one_at_a_time(spacing_s: float) -> dict:
+        async def run() -> dict:
+            batcher = VisionBatcher(tower, asyncio.get_running_loop(), max_images=16, max_patches=65536,
+                                    prepare=prepare)
+            batcher.start()
+            started = time.perf_counter()
+            jobs = []
+            for _ in range(10):
+                jobs.append(batcher.encode(source, grid))
+                await asyncio.sleep(spacing_s)
+            await asyncio.gather(*jobs)
+            wall = (time.perf_counter() - started) * 1e3
+            batcher.stop()
+            times = batcher.times.stats()
+            return {"wall_ms": wall, "batches": batcher.batches,
+                    **{f"{stage}_ms_per_image": times[f"{stage}_seconds_total"] / times[f"{stage}_count"] * 1e3
+                       for stage in ("queue", "forward")}}
+        asyncio.run(run())  # warm-up
+        return asyncio.run(run())
+
+    out["batcher_together"] = one_at_a_time(0.0)
+    out["batcher_2ms_apart"] = one_at_a_time(0.002)
+    RESULTS["encode_path"] = out
+    log(f"encode path {side}x{side}: preprocess {out['preprocess_ms']:.2f} ms, forward 1 image "
+        f"{out['forward_1_ms']:.1f} ms wall / {out['forward_1_device_ms']:.1f} device, 10 images "
+        f"{out['forward_10_ms']:.1f} / {out['forward_10_device_ms']:.1f}; batcher, 10 arriving together: "
+        f"{out['batcher_together']}; 2 ms apart: {out['batcher_2ms_apart']}")
 
 
 def video(ctx):
