@@ -780,33 +780,50 @@ def encode_path(ctx):
             out[f"forward_{images}_ms"] = cpu.ms(lambda: (tower(batch, [grid] * images), sync()), repeat=10, warmup=2)
             out[f"forward_{images}_device_ms"] = timer.ms(lambda: tower(batch, [grid] * images), repeat=10, warmup=2)
 
-    def one_at_a_time(spacing_s: float) -> dict:
-        async def run() -> dict:
+    def rounds(mode: str, spacing_s: float) -> list[dict]:
+        """Ten images one at a time, three rounds on one batcher (the first warms it up): ``thread``, an
+        encoder's vision thread; ``step``, the aggregated path (``step`` in the caller's thread)."""
+        async def run() -> list[dict]:
             batcher = VisionBatcher(tower, asyncio.get_running_loop(), max_images=16, max_patches=65536,
                                     prepare=prepare)
-            batcher.start()
-            started = time.perf_counter()
-            jobs = []
-            for _ in range(10):
-                jobs.append(batcher.encode(source, grid))
-                await asyncio.sleep(spacing_s)
-            await asyncio.gather(*jobs)
-            wall = (time.perf_counter() - started) * 1e3
+            if mode == "thread":
+                batcher.start()
+            results = []
+            for _ in range(3):
+                before, batches, started = batcher.times.stats(), batcher.batches, time.perf_counter()
+                jobs = []
+                for _ in range(10):
+                    jobs.append(batcher.encode(source, grid))
+                    await asyncio.sleep(spacing_s)
+                if mode == "step":
+                    batcher.step()
+                await asyncio.gather(*jobs)
+                after = batcher.times.stats()
+                results.append({"wall_ms": round((time.perf_counter() - started) * 1e3, 2),
+                                "batches": batcher.batches - batches,
+                                **{f"{stage}_ms_per_image": round(
+                                    (after[f"{stage}_seconds_total"] - before[f"{stage}_seconds_total"])
+                                    / max(1, after[f"{stage}_count"] - before[f"{stage}_count"]) * 1e3, 2)
+                                   for stage in ("queue", "forward")}})
             batcher.stop()
-            times = batcher.times.stats()
-            return {"wall_ms": wall, "batches": batcher.batches,
-                    **{f"{stage}_ms_per_image": times[f"{stage}_seconds_total"] / times[f"{stage}_count"] * 1e3
-                       for stage in ("queue", "forward")}}
-        asyncio.run(run())  # warm-up
+            return results
         return asyncio.run(run())
 
-    out["batcher_together"] = one_at_a_time(0.0)
-    out["batcher_2ms_apart"] = one_at_a_time(0.002)
+    out["batcher_thread_together"] = rounds("thread", 0.0)
+    out["batcher_thread_2ms_apart"] = rounds("thread", 0.002)
+    out["batcher_step_together"] = rounds("step", 0.0)
+    with torch.inference_mode():  # the batcher's forward, piece by piece, in this thread
+        sources = [source] * 10
+        made = lambda: torch.cat([prepare(x.to(dev)).to(ctx["dtype"]) for x in sources])  # noqa: E731
+        out["prepare_10_ms"] = cpu.ms(lambda: (made(), sync()), repeat=10, warmup=2)
+        batch = made()
+        out["tower_10_prepared_ms"] = cpu.ms(lambda: (tower(batch, [grid] * 10), sync()), repeat=10, warmup=2)
     RESULTS["encode_path"] = out
     log(f"encode path {side}x{side}: preprocess {out['preprocess_ms']:.2f} ms, forward 1 image "
         f"{out['forward_1_ms']:.1f} ms wall / {out['forward_1_device_ms']:.1f} device, 10 images "
-        f"{out['forward_10_ms']:.1f} / {out['forward_10_device_ms']:.1f}; batcher, 10 arriving together: "
-        f"{out['batcher_together']}; 2 ms apart: {out['batcher_2ms_apart']}")
+        f"{out['forward_10_ms']:.1f} / {out['forward_10_device_ms']:.1f}; prepare 10 {out['prepare_10_ms']:.1f}, "
+        f"tower over them {out['tower_10_prepared_ms']:.1f}; batcher: "
+        f"{ {k: v for k, v in out.items() if k.startswith('batcher')} }")
 
 
 def video(ctx):
