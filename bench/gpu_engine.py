@@ -812,6 +812,11 @@ def encode_path(ctx):
     out["batcher_thread_together"] = rounds("thread", 0.0)
     out["batcher_thread_2ms_apart"] = rounds("thread", 0.002)
     out["batcher_step_together"] = rounds("step", 0.0)
+    out["tower_10_in_threads"] = _forward_in_threads(lambda: (tower(patches.repeat(10, 1), [grid] * 10), sync()), cpu)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.0002)
+    out["batcher_thread_together_0.2ms_switch"] = rounds("thread", 0.0)
+    sys.setswitchinterval(interval)
     with torch.inference_mode():  # the batcher's forward, piece by piece, in this thread
         sources = [source] * 10
         made = lambda: torch.cat([prepare(x.to(dev)).to(ctx["dtype"]) for x in sources])  # noqa: E731
@@ -824,6 +829,39 @@ def encode_path(ctx):
         f"{out['forward_10_ms']:.1f} / {out['forward_10_device_ms']:.1f}; prepare 10 {out['prepare_10_ms']:.1f}, "
         f"tower over them {out['tower_10_prepared_ms']:.1f}; batcher: "
         f"{ {k: v for k, v in out.items() if k.startswith('batcher')} }")
+
+
+def _forward_in_threads(fn, cpu: Timer) -> dict:
+    """``fn``'s wall time in this thread, in a thread of its own (main thread joining), and from
+    ``asyncio.to_thread`` (the main thread in the event loop's poll), 5 rounds each after a warm-up."""
+    import asyncio
+    import threading
+
+    def in_thread() -> float:
+        times: list[float] = []
+
+        def body():
+            with torch.inference_mode():
+                fn()
+                for _ in range(5):
+                    t = time.perf_counter()
+                    fn()
+                    times.append((time.perf_counter() - t) * 1e3)
+        worker = threading.Thread(target=body)
+        worker.start()
+        worker.join()
+        return statistics.median(times)
+
+    async def from_loop() -> float:
+        return await asyncio.to_thread(in_thread_body)
+
+    def in_thread_body() -> float:
+        with torch.inference_mode():
+            return cpu.ms(fn, repeat=5, warmup=1)
+
+    with torch.inference_mode():
+        here = cpu.ms(fn, repeat=5, warmup=1)
+    return {"this_thread_ms": here, "own_thread_ms": in_thread(), "to_thread_ms": asyncio.run(from_loop())}
 
 
 def video(ctx):
