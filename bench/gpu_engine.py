@@ -816,6 +816,7 @@ def encode_path(ctx):
     interval = sys.getswitchinterval()
     sys.setswitchinterval(0.0002)
     out["batcher_thread_together_0.2ms_switch"] = rounds("thread", 0.0)
+    out["batcher_thread_2ms_apart_0.2ms_switch"] = rounds("thread", 0.002)
     sys.setswitchinterval(interval)
     with torch.inference_mode():  # the batcher's forward, piece by piece, in this thread
         sources = [source] * 10
