@@ -91,9 +91,14 @@ def decode_video(data: bytes, geometry: VideoGeometry, limits: VideoLimits) -> D
     return DecodedVideo(frames, video_hash(frames, sampling), sampling)
 
 
+# PyAV before 19 decodes a file's metadata strictly unless told otherwise (bad UTF-8 in a client's file
+# raised on open); 19 decodes it with surrogateescape and no longer takes the argument.
+_OPEN_OPTIONS = {"metadata_errors": "ignore"} if int(av.__version__.split(".")[0]) < 19 else {}
+
+
 def _open(data: bytes):
     try:
-        container = av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
+        container = av.open(io.BytesIO(data), mode="r", **_OPEN_OPTIONS)
     except (av.FFmpegError, ValueError, OSError):
         raise ApiError(400, "video data could not be read as a video") from None
     if container.format.name not in CONTAINERS:
