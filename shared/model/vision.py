@@ -103,7 +103,7 @@ class SegmentAttention:
                 qs, ks, vs = (x[group] for x in (q, k, v))
                 if isinstance(group, slice):  # [segments * length, H, D] → [segments, length, H, D]
                     qs, ks, vs = (x.unflatten(0, (-1, length)) for x in (qs, ks, vs))
-                attended = F.scaled_dot_product_attention(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2))
+                attended = _attention(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2))
                 attended = attended.transpose(1, 2)
                 out[group] = attended.flatten(0, 1) if isinstance(group, slice) else attended
             return out
@@ -112,6 +112,27 @@ class SegmentAttention:
             out[seg] = F.scaled_dot_product_attention(
                 q[seg].transpose(0, 1), k[seg].transpose(0, 1), v[seg].transpose(0, 1)).transpose(0, 1)
         return out
+
+
+_CUDNN_REFUSED: set[tuple] = set()  # shapes cuDNN's attention failed on: straight to the other kernels
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """SDPA over ``[segments, heads, length, dim]``; where cuDNN's fused attention refuses a shape (H200,
+    torch 2.11: a video clip's frames of 4,784 tokens, ``mha_graph.execute`` not good) the flash and
+    memory-efficient kernels take it."""
+    key = (tuple(q.shape), q.dtype)
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v)
+    if key not in _CUDNN_REFUSED:
+        try:
+            return F.scaled_dot_product_attention(q, k, v)
+        except RuntimeError:
+            _CUDNN_REFUSED.add(key)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        return F.scaled_dot_product_attention(q, k, v)
 
 
 class VisionMLP(nn.Module):
