@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from shared.kernels import attention as paged, fused
 from shared.model.config import VisionConfig
@@ -74,8 +75,9 @@ class SegmentAttention:
 
     SHORT = 128  # segments up to this long (windows) go to the one-tile Triton kernel on GPU
 
-    def __init__(self, cu_seqlens: list[int], device: torch.device, grouped: bool):
+    def __init__(self, cu_seqlens: list[int], device: torch.device, grouped: bool, cudnn: bool = True):
         self.cu_seqlens = cu_seqlens
+        self.cudnn = cudnn  # may SDPA pick cuDNN's fused attention (see ``_attention``)
         self.groups: list[tuple[torch.Tensor | slice, int]] = []
         self.short: torch.Tensor | None = None
         if not grouped:
@@ -103,7 +105,7 @@ class SegmentAttention:
                 qs, ks, vs = (x[group] for x in (q, k, v))
                 if isinstance(group, slice):  # [segments * length, H, D] → [segments, length, H, D]
                     qs, ks, vs = (x.unflatten(0, (-1, length)) for x in (qs, ks, vs))
-                attended = _attention(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2))
+                attended = _attention(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2), self.cudnn)
                 attended = attended.transpose(1, 2)
                 out[group] = attended.flatten(0, 1) if isinstance(group, slice) else attended
             return out
@@ -114,23 +116,14 @@ class SegmentAttention:
         return out
 
 
-_CUDNN_REFUSED: set[tuple] = set()  # shapes cuDNN's attention failed on: straight to the other kernels
-
-
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """SDPA over ``[segments, heads, length, dim]``; where cuDNN's fused attention refuses a shape (H200,
-    torch 2.11: a video clip's frames of 4,784 tokens, ``mha_graph.execute`` not good) the flash and
-    memory-efficient kernels take it."""
-    key = (tuple(q.shape), q.dtype)
-    if not q.is_cuda:
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cudnn: bool) -> torch.Tensor:
+    """SDPA over ``[segments, heads, length, dim]``; ``cudnn=False``: without cuDNN's fused attention.
+    Video forwards go without it: on the H200 (torch 2.11) the first forward over a 10 s 720p clip
+    (10 frames of 4,784 patches, 16 heads × 80) failed in it — ``mha_graph.execute`` not good, and in
+    the next run an illegal memory access, which poisons the process's CUDA context. Images keep it
+    (every GPU figure for images was measured with it)."""
+    if cudnn or not q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v)
-    if key not in _CUDNN_REFUSED:
-        try:
-            return F.scaled_dot_product_attention(q, k, v)
-        except RuntimeError:
-            _CUDNN_REFUSED.add(key)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
         return F.scaled_dot_product_attention(q, k, v)
 
@@ -278,8 +271,10 @@ class VisionTower(nn.Module):
         x = self.patch_embed(patches)
         x = self._to_window_order(x, layout.order.to(device), unit)
         cos, sin = self.rotary(self._to_window_order(layout.rows_cols.to(device), layout.order.to(device), unit))
-        full = SegmentAttention(layout.cu_images, device, grouped)
-        windowed = SegmentAttention(layout.cu_windows, device, grouped) if layout.cu_windows != layout.cu_images else full
+        cudnn = all(t == 1 for t, _, _ in grids)  # not for video (``_attention``)
+        full = SegmentAttention(layout.cu_images, device, grouped, cudnn)
+        windowed = SegmentAttention(layout.cu_windows, device, grouped, cudnn) \
+            if layout.cu_windows != layout.cu_images else full
         residual = None
         for i, block in enumerate(self.blocks):
             x, residual = block(x, residual, cos, sin, full if i in self.config.fullatt_blocks else windowed)
