@@ -61,7 +61,7 @@ def burst(up: UpStack, want, n: int, action=None, after: float = 0.5, stream: bo
             action()
         results = [f.result() for f in futures]
     for r in results:
-        assert r["status"] == 200 and not r.get("error"), r
+        assert r["status"] == 200 and not r.get("error"), (r, up.errors())
         text = r["text"] if stream else r["choices"][0]["message"]["content"]
         assert text == r["expected"]
     return results

@@ -84,6 +84,10 @@ class UpStack:
     def event(self, name: str) -> dict | None:
         return next((e for e in self.events if e.get("event") == name), None)
 
+    def errors(self, last: int = 8) -> list[dict]:
+        """The stack's latest error and exception log lines (for a failed assertion's message)."""
+        return [e for e in self.events if e.get("level") in ("error", "critical") or "exception" in e][-last:]
+
     def count(self, name: str) -> int:
         return sum(1 for e in self.events if e.get("event") == name)
 
