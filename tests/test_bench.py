@@ -405,3 +405,50 @@ def test_overheads_fit_ignores_one_slow_request():
     intercept, slope = theil_sen(points)
     assert slope == pytest.approx(0.01) and intercept == pytest.approx(0.10)
     assert theil_sen([(10, 0.2), (10, 0.3), (10, 0.25)]) == (0.25, 0.0)
+
+
+# -- bench/multi_turn_chat.py ------------------------------------------------------------------------------
+def multi_turn(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_") or k == "EPD_CACHE_DIR"}
+    return subprocess.run([sys.executable, "bench/multi_turn_chat.py", *args], cwd=Path(__file__).parents[1],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_multi_turn_chats_are_seeded_and_grow_from_their_images():
+    from argparse import Namespace
+
+    from bench.multi_turn_chat import conversations
+    from tools.bench.dataset import PromptWriter
+
+    args = Namespace(users=16, turns=6, input_len=8, seed=3)
+    chats = conversations(args, PromptWriter())
+    assert chats == conversations(args, PromptWriter())  # both stacks get the same chats
+    assert len(chats) == 17 and all(2 <= len(c.image_ids) <= 5 and len(c.texts) == 6 for c in chats)
+    ids = [i for c in chats for i in c.image_ids]
+    assert ids == list(range(len(ids)))  # every user (and the warm-up) on images of its own
+    assert len({len(c.image_ids) for c in chats}) > 1 and all(len(set(c.texts)) == 6 for c in chats)
+
+
+def test_multi_turn_dry_run_names_both_stacks():
+    done = multi_turn("--dry-run", "--topology", "E/P/D")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "16 users × 6 turns" in done.stdout
+    for flag in ("EPD_PREFIX_CACHING=true", "EPD_PREFIX_CACHING=false"):
+        assert f"{flag} python -m launcher.cli up --port 0 --topology colocated --pd split" in done.stdout
+    assert multi_turn("--dry-run", "--topology", "nonsense").returncode != 0
+
+
+# Two tiny stacks on CPU, 2 users x 2 turns: ~40 s on two idle cores.
+@pytest.mark.timeout(300)
+def test_multi_turn_tiny_answers_alike_with_and_without_caching(tmp_path):
+    done = multi_turn("--tiny", "--users", "2", "--turns", "2", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    summary = results["summary"]
+    assert (summary["failed"], summary["mismatches"], summary["compared"]) == (0, 0, 4)
+    caching, plain = summary["turns"]["caching"], summary["turns"]["no caching"]
+    assert caching[0]["cached_share"] < 0.5 < caching[1]["cached_share"]  # turn 2 reuses turn 1's prompt
+    assert all(t["cached_share"] == 0 for t in plain) and summary["counters"]["no caching"]["hits"] == 0
+    assert summary["counters"]["caching"]["hits"] > 0 and summary["ratio"] > 0
+    markdown = (tmp_path / "results.md").read_text()
+    assert "Hardware:" in markdown and "TTFT from turn 2 on ≥ 3× lower with prefix caching: measured" in markdown

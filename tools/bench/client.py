@@ -3,7 +3,8 @@
 TTFT is the time to the first chunk that carries text (the role chunk a server sends before any token is
 not a token); ITL the gaps between text chunks; E2E the time to the end of the stream. Token counts come
 from the usage chunk (``stream_options.include_usage``), or are the number of text chunks when a server
-sends none.
+sends none. The answer's text and the prompt tokens a prefix cache served (``usage.prompt_tokens_details``)
+are kept too, for benchmarks that carry a conversation on or compare answers.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class RequestResult:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     finish_reason: str = ""
+    cached_tokens: int = 0  # prompt tokens the server's prefix cache served
+    text: str = ""  # the answer; not in record(): a sweep's JSON would carry every answer
 
     @property
     def tpot(self) -> float:
@@ -39,7 +42,9 @@ class RequestResult:
         return (self.e2e - self.ttft) / (self.completion_tokens - 1) if self.completion_tokens > 1 else 0.0
 
     def record(self) -> dict:
-        return {**asdict(self), "tpot": self.tpot}
+        out = {**asdict(self), "tpot": self.tpot}
+        del out["text"]
+        return out
 
 
 def request_body(model: str, messages: list[dict], request: RequestSpec, ignore_eos: bool) -> dict:
@@ -89,11 +94,13 @@ async def _read_stream(resp: httpx.Response, result: RequestResult, start: float
                     result.itl.append(now - last)
                 last = now
                 chunks += bool(text)
+                result.text += text or ""
             if choice.get("finish_reason"):
                 result.finish_reason = choice["finish_reason"]
         if chunk.get("usage"):
             result.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
             result.completion_tokens = chunk["usage"].get("completion_tokens", 0)
+            result.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     result.e2e = time.perf_counter() - start
     if not result.completion_tokens:
         result.completion_tokens = chunks
