@@ -196,6 +196,28 @@ async def test_a_holder_that_is_gone_is_a_clear_error(transport):
     await stopped(consumer)
 
 
+@pytest.mark.parametrize("transport", NETWORK)
+async def test_concurrent_pulls_from_a_holder_that_died_connected_all_fail_clearly(transport):
+    """The holder dies (-9) after a consumer's connection to it is up; every pull racing to it, and
+    every pull after, is ``unreachable`` — none an internal error from a socket another pull closed
+    (seen as a 500 when an encoder was killed before prefill pulled its embeddings)."""
+    [consumer] = await started(DataPlane("zmq"))
+    holder = subprocess.Popen([sys.executable, "-m", "tests.dataplane_peer", "hold", transport], cwd=ROOT,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        [published] = json.loads(holder.stdout.readline()).values()
+        handles = [TensorHandle(**h) for name, h in published.items() if name != "big"]
+        await consumer.pull(handles[0])  # connected
+        holder.kill()
+        holder.wait()
+        for _ in range(3):  # a race, so several rounds: pulls before and after the peer is known dead
+            results = await asyncio.gather(*(consumer.pull(h) for h in handles[1:] * 4), return_exceptions=True)
+            assert all(isinstance(r, DataPlaneError) and r.code == "unreachable" for r in results), results
+    finally:
+        holder.kill()
+        await stopped(consumer)
+
+
 # -- connections and addresses -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("transport", NETWORK)

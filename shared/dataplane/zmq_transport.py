@@ -126,6 +126,7 @@ class _Peer:
                                                       zmq.EVENT_CLOSED)
         self.socket.connect(address)
         self.dead = False
+        self.closed = False
         self.gone = asyncio.Event()
         # request id → (waiter, handle); an entry outlives a caller that gave up, so its late reply is
         # still acknowledged (the holder frees the tensor then, not at lease expiry).
@@ -135,7 +136,7 @@ class _Peer:
         self.watcher = asyncio.create_task(self._watch(), name=f"zmq-peer-monitor-{address}")
 
     async def pull(self, handle: TensorHandle, timeout: float) -> torch.Tensor:
-        if self.dead:
+        if self.dead or self.closed:
             raise DataPlaneError("unreachable", "the holder is gone")
         self._forget_expired()
         request_id = next(self.ids).to_bytes(8, "little")
@@ -150,6 +151,8 @@ class _Peer:
         finally:
             if not future.done():
                 self.pending.pop(request_id, None)
+            elif not future.cancelled():
+                future.exception()  # seen: a pull that failed on its send raised its own error already
 
     async def _send(self, frames: list[bytes], timeout: float) -> None:
         """A DEALER whose only peer is gone blocks on send for ever: give up when the holder is gone."""
@@ -163,7 +166,10 @@ class _Peer:
                 send.cancel()
         if not send.done() or send.cancelled():
             raise DataPlaneError("unreachable", "the holder is gone") if self.dead else TimeoutError()
-        send.result()
+        try:
+            send.result()
+        except zmq.ZMQError:  # the socket was closed under this send: its holder was found gone
+            raise DataPlaneError("unreachable", "the holder is gone") from None
 
     async def _read(self) -> None:
         while True:
@@ -223,6 +229,9 @@ class _Peer:
             del self.pending[rid]
 
     async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         for task in (self.reader, self.watcher):
             task.cancel()
         await asyncio.gather(self.reader, self.watcher, return_exceptions=True)
@@ -247,8 +256,9 @@ class ZmqClient:
             wire.check_out(out, handle)
         peer = self._peers.get(handle.address)
         if peer is not None and peer.dead:
+            del self._peers[handle.address]  # before awaiting: a pull racing this one must not reuse it
             await peer.close()
-            peer = None
+            peer = self._peers.get(handle.address)  # another pull may have made the new one meanwhile
         if peer is None:
             peer = self._peers[handle.address] = _Peer(self.context, handle.address)
         tensor = await peer.pull(handle, timeout)  # lands in ZMQ's own buffer: one copy into ``out``
