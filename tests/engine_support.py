@@ -17,7 +17,7 @@ from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import ImageInput, Sequence
 from shared.model.config import ModelConfig
 from shared.model.loader import load_language_model, load_vision_tower
-from tests.support import make_image
+from tests.support import hf_chat_inputs, make_image
 
 PROMPTS = [
     ("Hello! How are you today?", []),
@@ -98,24 +98,8 @@ def content_hash(image: Image.Image) -> str:
     return hashlib.blake2b(pixels.tobytes() + repr(pixels.shape).encode(), digest_size=20).hexdigest()
 
 
-def render(reference, messages: list[dict], images: list[Image.Image]) -> dict:
-    """HF inputs for a conversation (any turns), each image placeholder expanded to its token count."""
-    rendered = reference.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    inputs: dict = {}
-    if images:
-        pixels = reference.processor(images=[np.asarray(i) for i in images], return_tensors="pt")
-        pieces = rendered.split("<|image_pad|>")
-        counts = [int(g.prod()) // 4 for g in pixels["image_grid_thw"]]
-        rendered = pieces[0] + "".join("<|image_pad|>" * n + pieces[i + 1] for i, n in enumerate(counts))
-        inputs.update(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
-    ids = reference.tokenizer(rendered, return_tensors="pt").input_ids
-    inputs.update(input_ids=ids, attention_mask=torch.ones_like(ids),
-                  mm_token_type_ids=(ids == reference.model.config.image_token_id).int())
-    return inputs
-
-
 def hf_generate(reference, messages: list[dict], images: list[Image.Image], max_new_tokens: int) -> list[int]:
-    inputs = render(reference, messages, images)
+    inputs = hf_chat_inputs(reference, messages, images)
     with torch.no_grad():
         out = reference.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
@@ -124,7 +108,7 @@ def hf_generate(reference, messages: list[dict], images: list[Image.Image], max_
 def engine_prompt(reference, model_parts, messages: list[dict], images: list[Image.Image]):
     """(token ids, ImageInputs with embeddings and content hashes) of a conversation."""
     config, _, tower = model_parts
-    inputs = render(reference, messages, images)
+    inputs = hf_chat_inputs(reference, messages, images)
     ids = inputs["input_ids"][0].tolist()
     if not images:
         return ids, []

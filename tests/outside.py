@@ -14,11 +14,11 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from PIL import Image
 
 from shared.model.tiny import SPECIAL_TOKENS, image_processor_config, write_tokenizer
+from tests.support import hf_chat_inputs
 
 
 @dataclass(frozen=True)
@@ -79,26 +79,11 @@ Part = str | Image.Image  # a chat message's content, in order: text and images
 
 
 def hf_inputs(reference, parts: list[Part]) -> dict:
-    """HF's model inputs for one user turn of ``parts`` (text and images interleaved as given): the chat
-    template renders it, each image placeholder expands to its grid's token count, the processor (told the
-    pixel layout) makes the patches. ``reference`` is a ``tests.support.Reference``."""
+    """HF's model inputs for one user turn of ``parts`` (text and images interleaved as given).
+    ``reference`` is a ``tests.support.Reference``."""
     images = [p for p in parts if isinstance(p, Image.Image)]
     content = [{"type": "image"} if isinstance(p, Image.Image) else {"type": "text", "text": p} for p in parts]
-    rendered = reference.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                                       add_generation_prompt=True)
-    inputs: dict = {}
-    if images:
-        pixels = reference.processor(images=[np.asarray(i) for i in images], return_tensors="pt",
-                                     input_data_format="channels_last")
-        unit = reference.processor.merge_size ** 2
-        pieces = rendered.split("<|image_pad|>")
-        counts = [int(g.prod()) // unit for g in pixels["image_grid_thw"]]
-        rendered = pieces[0] + "".join("<|image_pad|>" * n + pieces[i + 1] for i, n in enumerate(counts))
-        inputs.update(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
-    ids = reference.tokenizer(rendered, return_tensors="pt").input_ids
-    inputs.update(input_ids=ids, attention_mask=torch.ones_like(ids),
-                  mm_token_type_ids=(ids == reference.model.config.image_token_id).int())
-    return inputs
+    return hf_chat_inputs(reference, [{"role": "user", "content": content}], images)
 
 
 def image_starts(ids: list[int], image_token_id: int) -> list[int]:

@@ -34,6 +34,35 @@ def chat_messages(text: str, images: list[Image.Image]) -> list[dict]:
     return [{"role": "user", "content": parts + [{"type": "text", "text": text}]}]
 
 
+def openai_chat(client, messages: list[dict], max_tokens: int, stream: bool = False):
+    """One greedy chat through the official ``openai`` client: (text, usage), streamed or not."""
+    kwargs = dict(model=client.models.list().data[0].id, messages=messages, max_tokens=max_tokens, temperature=0)
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].usage
+    response = client.chat.completions.create(**kwargs)
+    return response.choices[0].message.content, response.usage
+
+
+def hf_chat_inputs(reference, messages: list[dict], images: list[Image.Image]) -> dict:
+    """HF's model inputs for a conversation: the chat template renders it, each image placeholder expands
+    to its grid's token count, the processor makes the patches. ``reference``: a ``Reference``."""
+    rendered = reference.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    inputs: dict = {}
+    if images:
+        # the layout is given: HF guesses it from the shape, and reads a 1×1 or 3×N image as channels-first
+        pixels = reference.processor(images=[np.asarray(i) for i in images], return_tensors="pt",
+                                     input_data_format="channels_last")
+        pieces = rendered.split("<|image_pad|>")
+        counts = [int(g.prod()) // reference.processor.merge_size**2 for g in pixels["image_grid_thw"]]
+        rendered = pieces[0] + "".join("<|image_pad|>" * n + pieces[i + 1] for i, n in enumerate(counts))
+        inputs.update(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
+    ids = reference.tokenizer(rendered, return_tensors="pt").input_ids
+    inputs.update(input_ids=ids, attention_mask=torch.ones_like(ids),
+                  mm_token_type_ids=(ids == reference.model.config.image_token_id).int())
+    return inputs
+
+
 class Reference:
     """HF transformers generate() on the same checkpoint: the ground truth for greedy output."""
 
@@ -48,21 +77,7 @@ class Reference:
 
     def inputs(self, text: str, images: list[Image.Image]) -> dict:
         content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
-        rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                                      add_generation_prompt=True)
-        inputs: dict = {}
-        if images:
-            # the layout is given: HF guesses it from the shape, and reads a 1×1 or 3×N image as channels-first
-            pixels = self.processor(images=[np.asarray(i) for i in images], return_tensors="pt",
-                                    input_data_format="channels_last")
-            pieces = rendered.split("<|image_pad|>")
-            counts = [int(g.prod()) // self.processor.merge_size**2 for g in pixels["image_grid_thw"]]
-            rendered = pieces[0] + "".join("<|image_pad|>" * n + pieces[i + 1] for i, n in enumerate(counts))
-            inputs.update(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
-        ids = self.tokenizer(rendered, return_tensors="pt").input_ids
-        inputs.update(input_ids=ids, attention_mask=torch.ones_like(ids),
-                      mm_token_type_ids=(ids == self.model.config.image_token_id).int())
-        return inputs
+        return hf_chat_inputs(self, [{"role": "user", "content": content}], images)
 
     def generate(self, text: str, images: list[Image.Image], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
         """Greedy ids; ``ignore_eos``: exactly ``max_new_tokens`` (EOS may be generated, nothing stops it)."""

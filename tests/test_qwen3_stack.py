@@ -15,7 +15,7 @@ import pytest
 
 from shared.model.config import ModelConfig
 from shared.model.tiny import write_tiny_checkpoint
-from tests.support import Reference, RunningStack, chat_messages, make_image
+from tests.support import Reference, RunningStack, chat_messages, make_image, openai_chat
 
 MAX_TOKENS = 16
 
@@ -50,13 +50,7 @@ def expected(reference: Reference, case: str) -> tuple[str, int, int]:
 
 def ask(client, case: str, stream: bool = False):
     text, specs = CASES[case]
-    kwargs = dict(model=client.models.list().data[0].id, messages=chat_messages(text, [make_image(*s) for s in specs]),
-                  max_tokens=MAX_TOKENS, temperature=0)
-    if stream:
-        chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
-        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].usage
-    response = client.chat.completions.create(**kwargs)
-    return response.choices[0].message.content, response.usage
+    return openai_chat(client, chat_messages(text, [make_image(*s) for s in specs]), MAX_TOKENS, stream)
 
 
 @pytest.mark.parametrize("case,stream", [("text-only", False), ("one-image", True), ("three-images", False)])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shared.model.tiny import write_tiny_checkpoint
-from tests.support import Reference, RunningStack, endpoint_data, make_image
+from tests.support import Reference, RunningStack, endpoint_data, make_image, openai_chat
 from tests.video_support import VideoReference, make_clip, media_messages, video_url
 
 MAX_TOKENS = 12
@@ -31,13 +31,7 @@ def parts(case: str) -> list[tuple[str, object]]:
 
 
 def ask(client, case: str, stream: bool = False):
-    kwargs = dict(model=client.models.list().data[0].id, messages=media_messages(CASES[case][0], parts(case)),
-                  max_tokens=MAX_TOKENS, temperature=0)
-    if stream:
-        chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
-        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].usage
-    response = client.chat.completions.create(**kwargs)
-    return response.choices[0].message.content, response.usage
+    return openai_chat(client, media_messages(CASES[case][0], parts(case)), MAX_TOKENS, stream)
 
 
 def expected(reference: VideoReference, case: str) -> tuple[str, int, int]:
