@@ -881,6 +881,7 @@ def video(ctx):
     height, width = (720, 1280) if ctx["big"] else (120, 160)
     out = {"resolution": f"{width}x{height}", "budget": {"cap_pixels_per_frame": g.cap_pixels_per_frame,
                                                           "max_video_tokens": g.max_video_tokens}}
+    RESULTS["video"] = out  # rows land as they are measured: a fault later keeps the earlier ones
     for seconds in ((10, 30) if ctx["big"] else (2, 4)):
         frames = g.sampled_count(seconds * 30, 30.0)
         grid = g.grid(frames, height, width)
@@ -890,8 +891,11 @@ def video(ctx):
         patches, _ = processor(pixels.to(dev))
         row = {"frames": frames, "grid": grid, "patches": patches.shape[0],
                "tokens": patches.shape[0] // cfg.vision.merge_size ** 2, "preprocess_ms": prep_ms}
+        out[f"{seconds}s"] = row
+        row["decode"] = _decode_cost(seconds, width, height, g)  # the CPU's part first: a GPU fault keeps it
         with torch.inference_mode():
             for clips in (1, 4):
+                log(f"video {seconds}s: ViT over {clips} clip(s), grid {grid}")
                 batch = patches.repeat(clips, 1)
                 ms = timer.ms(lambda: tower(batch, [grid] * clips), repeat=repeat, warmup=1)
                 floor = vit_flops(cfg.vision, grid[1] * grid[2], grid[0] * clips) / ctx.get("matmul_rate", math.inf) \
@@ -899,14 +903,12 @@ def video(ctx):
                 row[f"vit_{clips}"] = {"ms": ms, "patches_per_s": batch.shape[0] / ms * 1e3,
                                        "sampled_frames_per_s": frames * clips / ms * 1e3, "compute_floor_ms": floor}
             if seconds == (10 if ctx["big"] else 2):
+                log(f"video {seconds}s: HF's tower")
                 thw = torch.tensor([grid], device=dev)
                 row["hf_vit_ms"] = timer.ms(lambda: hf_visual(patches, grid_thw=thw), repeat=2, warmup=1)
-        row["decode"] = _decode_cost(seconds, width, height, g)
-        out[f"{seconds}s"] = row
         log(f"video {seconds}s {width}x{height}: {frames} frames → grid {grid} ({row['tokens']} tokens); "
             f"preprocess {prep_ms:.1f} ms, ViT {row['vit_1']['ms']:.1f} ms ({row['vit_1']['patches_per_s']:.3g} "
             f"patches/s), 4 clips {row['vit_4']['ms']:.1f} ms, HF {row.get('hf_vit_ms')}; decode {row['decode']}")
-    RESULTS["video"] = out
 
 
 def _decode_cost(seconds: int, width: int, height: int, geometry) -> dict:
