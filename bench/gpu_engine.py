@@ -481,12 +481,23 @@ def _prefill_at_budgets(ctx) -> dict:
     budgets = (1024, 2048, 4096, 8192, 16384) if ctx["big"] else (16, 32, 64, 128)
     runs = {"unchunked": _engine_like(ctx, max_batched_tokens=len(tokens), chunked_prefill=False, prefix_caching=False)}
     runs.update({str(b): _engine_like(ctx, max_batched_tokens=b, prefix_caching=False) for b in budgets})
+    backend = ctx["engine"].runner.backend
+    ways = ["split", "paged"] if getattr(backend, "prefix_chunks", None) else [None]  # chunks after a prefix
     result = {}
     for name, engine in runs.items():
-        ms = ctx["timer"].ms(lambda: _run_prefill(engine, tokens, images), repeat=3, warmup=1)
-        result[name] = {"ms": ms, "tokens_per_s": len(tokens) / (ms / 1e3)}
+        for way in ways if name != "unchunked" else ways[:1]:
+            if way:
+                backend.prefix_chunks = way
+            ms = ctx["timer"].ms(lambda: _run_prefill(engine, tokens, images), repeat=3, warmup=1)
+            key = name if way in (None, "split") or name == "unchunked" else f"{name}_{way}"
+            result[key] = {"ms": ms, "tokens_per_s": len(tokens) / (ms / 1e3), "prefix_chunks": way}
+    if ways[0]:
+        backend.prefix_chunks = "split"
+        result["lse_kernel"] = repr(getattr(backend, "_lse", None) and vars(backend._lse))
     base = result["unchunked"]["ms"]
     for name, row in result.items():
+        if not isinstance(row, dict):
+            continue
         row["vs_unchunked"] = base / row["ms"]
         log(f"chunked prefill {len(tokens)} tokens, budget {name}: {row['ms']:.1f} ms, "
             f"{row['tokens_per_s']:.0f} tokens/s ({row['vs_unchunked']:.2f}x unchunked)")
@@ -559,13 +570,13 @@ def _prefill_attention_kernels(ctx) -> dict:
         return {"skipped": "no GPU (tests/test_kernels.py checks the kernel in Triton's interpreter)"}
     from torch.nn.attention.bias import causal_lower_right
 
-    from shared.engine.attention import causal_attention
+    from shared.engine.attention import LseKernel, causal_attention, split_chunk_attention
     from shared.kernels.attention import paged_prefill_attention
 
     cfg, dev, dtype, timer = ctx["config"], ctx["device"], ctx["dtype"], ctx["timer"]
     heads, kv_heads, dim, bs = cfg.text.num_heads, cfg.text.num_kv_heads, cfg.text.head_dim, 16
     result = {}
-    for prefix, chunk in ((0, 2048), (2048, 2048), (8192, 2048), (8192, 512)):
+    for prefix, chunk in ((0, 2048), (2048, 2048), (8192, 2048), (8192, 2711), (8192, 512), (4096, 256)):
         ctx_len = prefix + chunk
         blocks = (ctx_len + bs - 1) // bs
         k_cache = torch.randn(blocks + 1, bs, kv_heads, dim, device=dev, dtype=dtype)
@@ -587,10 +598,17 @@ def _prefill_attention_kernels(ctx) -> dict:
 
         sdpa = timer.ms(gathered)
         flops = 4 * chunk * (prefix + chunk / 2) * heads * dim
-        result[f"prefix{prefix}_chunk{chunk}"] = {"triton_ms": kernel, "gather_sdpa_ms": sdpa,
-                                                  "triton_TFLOPs": flops / kernel / 1e9}
+        row = {"triton_ms": kernel, "gather_sdpa_ms": sdpa, "triton_TFLOPs": flops / kernel / 1e9}
+        lse = LseKernel.find(dev, dtype, heads, kv_heads, dim)
+        if prefix and lse is not None:  # what the engine runs: gather, two fused calls, the merge
+            new = torch.randn(chunk, kv_heads, dim, device=dev, dtype=dtype)
+            pool_k, pool_v = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
+            row["split_ms"] = timer.ms(lambda: split_chunk_attention(
+                q, pool_k[slots[:prefix]], pool_v[slots[:prefix]], new, new, lse))
+            row.update(split_kernel=vars(lse), split_TFLOPs=flops / row["split_ms"] / 1e9)
+        result[f"prefix{prefix}_chunk{chunk}"] = row
         log(f"prefill attention, chunk {chunk} after {prefix}: paged Triton {kernel:.3f} ms "
-            f"({flops / kernel / 1e9:.0f} TFLOP/s), gather + SDPA {sdpa:.3f} ms")
+            f"({flops / kernel / 1e9:.0f} TFLOP/s), gather + SDPA {sdpa:.3f} ms, split {row.get('split_ms')}")
     return result
 
 

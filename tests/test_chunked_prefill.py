@@ -4,6 +4,8 @@ preemption mid-prompt, and role prefill handing chunked KV to a decode engine.""
 
 from __future__ import annotations
 
+import pytest
+
 from shared.engine.attention import TritonAttention
 from shared.engine.sequence import Sequence
 from tests.engine_support import (make_engine, model_parts, requests_with_reference, run_to_completion,  # noqa: F401
@@ -138,15 +140,42 @@ def test_prefill_role_hands_chunked_kv_to_decode(model_parts, requests_with_refe
     assert decode.blocks.num_free == decode.blocks.num_blocks
 
 
-def test_triton_backend_chunks_and_cached_prefixes_give_hf_tokens(model_parts, requests_with_reference):
-    """The GPU attention path in Triton's interpreter: the paged prefill kernel for chunks after a
-    prefix (and, with SDPA turned off, for first chunks too), the decode kernel for rows riding along."""
-    for sdpa in (True, False):
-        engine = make_engine(model_parts, max_batched_tokens=32, backend=lambda cache: TritonAttention(
-            cache, model_parts[0].text.head_dim ** -0.5, sdpa_for_fresh_chunks=sdpa))
-        picks = [2, 0, 2]
-        seqs = [sequence(f"{n}-{i}", requests_with_reference[i]) for n, i in enumerate(picks)]
-        run_to_completion(engine, {0: seqs[:2], 4: seqs[2:]})
-        for seq, i in zip(seqs, picks):
-            assert seq.output_ids == requests_with_reference[i][3], (sdpa, seq.request_id)
-        assert engine.cached_prompt_tokens > 0
+def make_triton(cache, head_dim: int, sdpa: bool, prefix_chunks: str) -> TritonAttention:
+    backend = TritonAttention(cache, head_dim ** -0.5, sdpa_for_fresh_chunks=sdpa, prefix_chunks=prefix_chunks)
+    backend.split_min_tokens = 1  # this test's chunks are 32 tokens at most
+    return backend
+
+
+@pytest.mark.parametrize("sdpa,prefix_chunks", [(True, "split"), (True, "paged"), (False, "paged")])
+def test_triton_backend_chunks_and_cached_prefixes_give_hf_tokens(model_parts, requests_with_reference, sdpa,
+                                                                   prefix_chunks):
+    """The GPU attention path in Triton's interpreter: for chunks after a prefix, the two fused calls
+    merged by their log-sum-exps ("split") or the paged prefill kernel (which, with SDPA turned off,
+    does first chunks too); the decode kernel for rows riding along."""
+    engine = make_engine(model_parts, max_batched_tokens=32, backend=lambda cache: make_triton(
+        cache, model_parts[0].text.head_dim, sdpa, prefix_chunks))
+    picks = [2, 0, 2]
+    seqs = [sequence(f"{n}-{i}", requests_with_reference[i]) for n, i in enumerate(picks)]
+    run_to_completion(engine, {0: seqs[:2], 4: seqs[2:]})
+    for seq, i in zip(seqs, picks):
+        assert seq.output_ids == requests_with_reference[i][3], seq.request_id
+    assert engine.cached_prompt_tokens > 0
+    if prefix_chunks == "split":  # the merge ran: the kernel was found and agreed with the reference
+        assert engine.runner.backend._lse is not None and engine.runner.backend._lse is not False
+
+
+@pytest.mark.parametrize("prefix,n,heads,kv_heads", [(1, 1, 2, 2), (37, 5, 4, 2), (128, 96, 6, 1)])
+def test_split_chunk_attention_equals_one_masked_attention(prefix, n, heads, kv_heads):
+    """A chunk after a prefix attended as two fused calls merged by their log-sum-exps equals one
+    lower-right causal attention over prefix and chunk (grouped-query heads; fp32)."""
+    import torch
+
+    from shared.engine.attention import LseKernel, causal_attention, split_chunk_attention
+
+    kernel = LseKernel.find(torch.device("cpu"), torch.float32, heads, kv_heads, 16)
+    assert kernel is not None
+    gen = torch.Generator().manual_seed(prefix + n)
+    q = torch.randn(n, heads, 16, generator=gen)
+    k, v = (torch.randn(prefix + n, kv_heads, 16, generator=gen) for _ in range(2))
+    got = split_chunk_attention(q, k[:prefix], v[:prefix], k[prefix:], v[prefix:], kernel)
+    torch.testing.assert_close(got, causal_attention(q, k, v, prefix), rtol=1e-5, atol=1e-5)
