@@ -256,6 +256,8 @@ def child_env(tiny: bool) -> dict[str, str]:
 def stack_env(args) -> dict[str, str]:
     env = child_env(args.tiny)
     env.update(EPD_LOG_FORMAT="json", EPD_LOG_LEVEL="info", EPD_TRANSPORT=args.transport)
+    if args.max_batched_tokens:
+        env["EPD_MAX_BATCHED_TOKENS"] = str(args.max_batched_tokens)
     if not args.tiny:
         env.update(EPD_MODEL=args.model, EPD_LOAD_FORMAT="dummy", EPD_KV_CACHE_MB=str(args.kv_cache_mb),
                    EPD_MAX_MODEL_LEN="32768")
@@ -752,6 +754,8 @@ def parse_args(argv=None):
     parser.add_argument("--request-timeout", type=float, default=60.0, help="seconds one request may take (a "
                         "collapsed point must not eat the GPU time of the rest)")
     parser.add_argument("--kv-cache-mb", type=int, default=20480, help="KV pool of every LM process (MiB)")
+    parser.add_argument("--max-batched-tokens", type=int, default=0,
+                        help="every LM worker's step budget (EPD_MAX_BATCHED_TOKENS; 0: the engine's default)")
     parser.add_argument("--model", default="qwen2.5-vl-7b", choices=sorted(PRESETS),
                         help="the preset every stack serves with dummy weights (qwen3-vl-30b-a3b: the MoE model the "
                              "references run EPD on; give it a smaller --kv-cache-mb on one GPU)")

@@ -42,7 +42,7 @@ from tools.bench.settings import BenchSettings, parse_resolution  # noqa: E402
 from tools.bench.stack import StackProcess  # noqa: E402
 
 TARGET = 3.0  # TTFT from turn 2 on, without caching over with it
-MODES = {"caching": True, "no caching": False}
+MODES = {"no caching": False, "caching": True}  # in this order: the second replays the first's histories
 DEFAULTS = {False: dict(users=16, turns=6, max_tokens=64, input_len=64, image_resolution="1080p"),
             True: dict(users=3, turns=3, max_tokens=8, input_len=16, image_resolution="224x224")}
 SETTLE_S = 2.0  # the frontend refreshes the workers' stats about once a second
@@ -86,7 +86,9 @@ class ChatRun:
         self.generator = LoadGenerator(BenchSettings(base_url=api, timeout=args.request_timeout, progress=False))
         self.t0 = time.perf_counter()
 
-    async def run(self, chats: list[Conversation]) -> dict:
+    async def run(self, chats: list[Conversation], replay: list[list[str]] | None = None) -> dict:
+        """``replay``: each user's earlier answers to put in its history (another run's), so both runs
+        send the very same prompts and their answers can be compared turn by turn."""
         try:
             await self.generator.resolve_model()
             warm = await self.chat(chats[-1], min(2, self.args.turns))
@@ -95,7 +97,8 @@ class ChatRun:
             await asyncio.sleep(SETTLE_S)
             before = await prefix_counters(self.api)
             started = time.perf_counter()
-            users = await asyncio.gather(*(self.chat(c, self.args.turns) for c in chats[:-1]))
+            users = await asyncio.gather(*(self.chat(c, self.args.turns, replay[i] if replay else None)
+                                           for i, c in enumerate(chats[:-1])))
             seconds = time.perf_counter() - started
             await asyncio.sleep(SETTLE_S)
             after = await prefix_counters(self.api)
@@ -104,14 +107,18 @@ class ChatRun:
         return {"seconds": seconds, "counters": {k: after.get(k, 0) - before.get(k, 0) for k in after},
                 "users": [[{**r.record(), "text": r.text} for r in turns] for turns in users]}
 
-    async def chat(self, chat: Conversation, turns: int) -> list[RequestResult]:
-        """One user's turns; a failed turn ends the chat (the next one would need its answer)."""
+    async def chat(self, chat: Conversation, turns: int, answers: list[str] | None = None) -> list[RequestResult]:
+        """One user's turns, each after the previous answer (its own, or ``answers[turn - 1]``); a
+        failed turn ends the chat (the next one would need its answer)."""
         spec = RequestSpec(chat.user, "image", chat.texts[0], chat.image_ids, self.args.max_tokens)
         messages = self.pool.messages(spec)
         results: list[RequestResult] = []
         for turn in range(turns):
             if turn:
-                messages += [{"role": "assistant", "content": results[-1].text},
+                if answers is not None and turn > len(answers):
+                    break  # the replayed run's chat ended here
+                answer = answers[turn - 1] if answers is not None else results[-1].text
+                messages += [{"role": "assistant", "content": answer},
                              {"role": "user", "content": chat.texts[turn]}]
             body = request_body(self.generator.model, messages, spec, ignore_eos=True)
             results.append(await send(self.generator.client, self.generator.url, body, spec, self.t0))
@@ -127,10 +134,11 @@ def stack_of(args, caching: bool) -> StackProcess:
 
 
 def run_both(args, pool: ImagePool, chats: list[Conversation]) -> dict[str, dict]:
-    """Each mode on a stack of its own, one after the other. Tiny: both start up front (start-up
-    dominates a CPU smoke run; the idle stack costs next to nothing)."""
+    """Each mode on a stack of its own, one after the other, the second on the first's histories. Tiny:
+    both start up front (start-up dominates a CPU smoke run; the idle stack costs next to nothing)."""
+    first = next(iter(MODES))
     early = {mode: stack_of(args, on) for mode, on in MODES.items()} if args.tiny else {}
-    out = {}
+    out: dict[str, dict] = {}
     try:
         for mode, on in MODES.items():
             started = time.monotonic()
@@ -138,7 +146,8 @@ def run_both(args, pool: ImagePool, chats: list[Conversation]) -> dict[str, dict
             try:
                 api = stack.wait_ready(900)
                 print(f"## {mode}: {api} (up in {time.monotonic() - started:.0f} s)", flush=True)
-                out[mode] = asyncio.run(ChatRun(args, api, pool).run(chats))
+                replay = [[r["text"] for r in user] for user in out[first]["users"]] if out else None
+                out[mode] = asyncio.run(ChatRun(args, api, pool).run(chats, replay))
             finally:
                 stack.stop()
     finally:
@@ -168,21 +177,24 @@ def per_turn(run: dict, turns: int) -> list[dict]:
     return out
 
 
-def mismatches(runs: dict[str, dict]) -> tuple[int, int]:
-    """(turns whose answers differ or are missing in one run, turns compared)."""
-    on, off = (runs[m]["users"] for m in MODES)
+def mismatches(runs: dict[str, dict], turns: slice) -> tuple[int, int]:
+    """(turns of this slice whose answers differ or are missing in one run, turns compared): the
+    prompts are the same in both runs (the second replays the first's histories)."""
+    off, on = (runs[m]["users"] for m in MODES)
     pairs = [(a[t] if t < len(a) else None, b[t] if t < len(b) else None)
-             for a, b in zip(on, off) for t in range(max(len(a), len(b)))]
+             for a, b in zip(on, off) for t in range(max(len(a), len(b)))[turns]]
     return sum(x is None or y is None or x["text"] != y["text"] for x, y in pairs), len(pairs)
 
 
 def summarize(args, runs: dict[str, dict]) -> dict:
     turns = {mode: per_turn(run, args.turns) for mode, run in runs.items()}
-    with_, without = (mean_ttft_ms(answered(runs[m], slice(1, None))) for m in MODES)
-    differ, compared = mismatches(runs)
+    with_, without = (mean_ttft_ms(answered(runs[m], slice(1, None))) for m in ("caching", "no caching"))
+    differ, compared = mismatches(runs, slice(None))
+    first_differ, first_compared = mismatches(runs, slice(0, 1))
     failed = sum(not r["ok"] for run in runs.values() for u in run["users"] for r in u)
     return {"turns": turns, "later_ttft_ms": {"caching": with_, "no caching": without},
             "ratio": without / with_ if with_ else float("nan"), "mismatches": differ, "compared": compared,
+            "first_turn_mismatches": first_differ, "first_turns": first_compared,
             "failed": failed, "counters": {m: runs[m]["counters"] for m in MODES}}
 
 
@@ -202,8 +214,11 @@ def report(args, meta: dict, summary: dict) -> str:
                          for m, c in summary["counters"].items())
     lines += ["", f"Turns ≥ 2: mean TTFT {later['caching']:.0f} ms with caching, {later['no caching']:.0f} ms "
               f"without. Workers' prefix-cache hits: {counters}. Failed requests: {summary['failed']}.",
-              f"Same outputs in both runs: {summary['mismatches']} of {summary['compared']} turns differ — "
-              f"{'yes' if summary['mismatches'] == 0 else 'no'}",
+              f"Same outputs in both runs (the same prompts: the caching run replays the other's histories): "
+              f"{summary['mismatches']} of {summary['compared']} turns differ — "
+              f"{'yes' if summary['mismatches'] == 0 else 'no'}; of them in turn 1, where neither run has a "
+              f"prefix cached (only the batches around each prompt differ): {summary['first_turn_mismatches']} of "
+              f"{summary['first_turns']}.",
               f"TTFT from turn 2 on ≥ {TARGET:g}× lower with prefix caching: measured {summary['ratio']:.2f}× — "
               f"{'yes' if summary['ratio'] >= TARGET else 'no'}"]
     return "\n".join(lines) + "\n"
@@ -233,6 +248,8 @@ def parse_args(argv=None):
                                                          "224x224)")
     parser.add_argument("--model", default="qwen2.5-vl-7b", choices=sorted(PRESETS), help="preset, dummy weights")
     parser.add_argument("--kv-cache-mb", type=int, default=20480, help="KV pool of every LM process (MiB)")
+    parser.add_argument("--max-batched-tokens", type=int, default=0,
+                        help="every LM worker's step budget (EPD_MAX_BATCHED_TOKENS; 0: the engine's default)")
     parser.add_argument("--transport", default="auto", choices=("auto", "zmq", "ucx"))
     parser.add_argument("--request-timeout", type=float, default=300.0, help="seconds one turn may take")
     parser.add_argument("--seed", type=int, default=0)

@@ -446,6 +446,7 @@ def test_multi_turn_tiny_answers_alike_with_and_without_caching(tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     summary = results["summary"]
     assert (summary["failed"], summary["mismatches"], summary["compared"]) == (0, 0, 4)
+    assert (summary["first_turn_mismatches"], summary["first_turns"]) == (0, 2)
     caching, plain = summary["turns"]["caching"], summary["turns"]["no caching"]
     assert caching[0]["cached_share"] < 0.5 < caching[1]["cached_share"]  # turn 2 reuses turn 1's prompt
     assert all(t["cached_share"] == 0 for t in plain) and summary["counters"]["no caching"]["hits"] == 0
