@@ -7,7 +7,8 @@ model) with random bf16 weights (timing does not depend on weight values):
   check       our GPU path (Triton kernels) against the torch reference path, same inputs
   decode1     decode step at batch 1 (128-token context): CUDA-graph replay and a whole engine step,
               against the bytes it reads / bandwidth (MoE: attention, routers, head and the experts
-              its token routes to, counted; bench/roofline.py)
+              its token routes to, counted; bench/roofline.py); MoE on a GPU: one token's experts a
+              layer on the small path (GEMVs) and on the sorted path (grouped GEMMs), each forced
   decode64    decode step at batch 64 with 2,048-token contexts, against weights (MoE: the experts the
               batch touches) + KV bytes / bandwidth
   prefill     prefill of the four-1080p-image prompt (10,903 tokens), against FLOPs (active parameters)
@@ -313,6 +314,44 @@ def decode1(ctx):
                           "experts_read": experts, "ratio_to_floor": replay / floor if replay and floor else None}
     log(f"decode b1: graph replay {replay and round(replay, 3)} ms, engine step {step:.3f} ms, floor {floor:.2f} ms "
         f"({moved / 1e9:.2f} GB read, {experts} experts)")
+    RESULTS["decode1"].update(_moe_layer_paths(ctx))
+
+
+def _moe_layer_paths(ctx) -> dict:
+    """``moe()`` for one random hidden row, small path against sorted path, in µs a layer (MoE on a GPU
+    only; else nothing). Every MoE layer's weights in turn, in one CUDA graph: launches cost what they
+    cost in a captured step, and one layer's experts (75 MB at Qwen3-VL-30B-A3B, more than the 60 MB
+    L2) are not still cached when the same layer runs again, as repeating layer 0 alone would have
+    them partly."""
+    from shared.kernels import moe as moe_kernels
+    from shared.model.moe import SparseMoeBlock
+
+    blocks = [m for m in ctx["lm"].modules() if isinstance(m, SparseMoeBlock)]
+    if not blocks or ctx["device"].type != "cuda":
+        return {}
+    with torch.inference_mode():
+        x = torch.randn(1, ctx["config"].text.hidden_size, dtype=ctx["dtype"], device=ctx["device"],
+                        generator=torch.Generator(ctx["device"]).manual_seed(0))
+        logits = [block.gate(x) for block in blocks]
+        per_layer = {}
+        for path in moe_kernels.PATHS:
+            def layers(path=path):
+                for block, lg in zip(blocks, logits):
+                    experts = block.experts
+                    moe_kernels.moe(x, lg, experts.gate_up_proj, experts.down_proj, block.top_k, block.norm_topk_prob,
+                                    path=path)
+
+            layers()  # compiles the kernels outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                layers()
+            per_layer[path] = ctx["timer"].ms(graph.replay, repeat=50, warmup=5) * 1e3 / len(blocks)
+            del graph
+    log(f"decode b1 MoE layer (1 token, {len(blocks)} layers in a graph): small path {per_layer['small']:.1f} µs, "
+        f"sorted path {per_layer['sorted']:.1f} µs")
+    return {"moe_layer_small_us": per_layer["small"], "moe_layer_sorted_us": per_layer["sorted"],
+            "moe_layers_timed": len(blocks)}
 
 
 def _decode_batch(ctx, name: str) -> list[Sequence]:

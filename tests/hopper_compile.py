@@ -14,7 +14,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from shared.kernels import moe, moe_routing, qk_norm  # noqa: E402
+from shared.kernels import moe, moe_routing, moe_small, qk_norm  # noqa: E402
 
 
 def compile_for_hopper(kernel, pointers: dict[str, str], constants: dict, **options) -> None:
@@ -39,8 +39,16 @@ def main() -> int:
     compile_for_hopper(moe_routing._route_align_kernel, dict(
         logits_ptr=bf16, weights_ptr=bf16, ids_ptr=i32, sorted_ids_ptr=i32, block_experts_ptr=i32,
         num_padded_ptr=i32), dict(routing, ROWS=16, BLOCK_M=16, BLOCKS_PAD=128), num_warps=8)
-    compile_for_hopper(moe_routing._route_kernel, dict(logits_ptr=bf16, weights_ptr=bf16, ids_ptr=i32, counts_ptr=i32),
-                       dict(routing, ROWS=16))
+    route = dict(logits_ptr=bf16, weights_ptr=bf16, ids_ptr=i32, counts_ptr=i32)
+    compile_for_hopper(moe_routing._route_kernel, route, dict(routing, ROWS=16, COUNT=True))
+    compile_for_hopper(moe_routing._route_kernel, route, dict(routing, ROWS=1, COUNT=False), num_warps=1)
+    for kernel, pointers, tiles, constants in (
+            (moe_small._gate_up_kernel, dict(x_ptr=bf16, w_ptr=bf16, act_ptr=bf16, ids_ptr=i32), moe_small.GATE_UP,
+             dict(TOP_K=8)),
+            (moe_small._down_kernel, dict(act_ptr=bf16, w_ptr=bf16, out_ptr=bf16, weights_ptr=bf16, ids_ptr=i32),
+             moe_small.DOWN, dict(TOP_K=8, K_PAD=8))):
+        compile_for_hopper(kernel, pointers, dict(constants, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k),
+                           num_warps=tiles.num_warps)
     compile_for_hopper(moe_routing._align_kernel, dict(
         ids_ptr=i32, counts_ptr=i32, cursor_ptr=i32, sorted_ids_ptr=i32, block_experts_ptr=i32, num_padded_ptr=i32),
         dict(NUM_EXPERTS=128, E_PAD=128, BLOCK_M=64, CHUNK=64))

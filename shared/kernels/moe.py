@@ -1,17 +1,26 @@
-"""Mixture-of-experts MLP as two grouped GEMMs over tokens sorted by expert (the GPU path).
+"""Mixture-of-experts MLP on the GPU: two grouped GEMMs over tokens sorted by expert, or two GEMVs for
+a few tokens.
 
-A layer's ``T`` tokens each pick ``top_k`` experts: ``A = T · top_k`` assignments, sorted by expert
-with each expert's run padded to a multiple of ``BLOCK_M`` (``shared.kernels.moe_routing``), so every
-row block of the sorted list belongs to one expert. Then one launch computes SiLU(x·Wg)·(x·Wu) for
-every assignment (``gate_up``: both halves of the expert's fused weight in one program, the
-activation applied before anything is stored) and one launch the down projection times the routing
-weight (``down``); the ``top_k`` rows of a token are summed at the end. A MoE layer is five kernels
-at decode (router GEMM, routing, the two GEMMs, the sum; seven for larger batches) whatever the
-number of experts. Nothing loops over experts in Python and nothing waits for the host: shapes
-depend only on ``T`` (the padded list has room for the worst case, blocks past the real end exit at
-once), so a decode step with this layer can be captured in a CUDA graph.
+A layer's ``T`` tokens each pick ``top_k`` experts: ``A = T · top_k`` assignments. Two paths, picked
+from ``A`` alone (``expert_path``), so from the shapes and never from the routing:
 
-Block sizes (``kernel_config``), chosen for H200 (132 SMs, ~4.8 TB/s HBM, bf16 tensor cores):
+- ``"small"`` (``A <= moe_small.MAX_ASSIGNMENTS``, decode at small batches): routing alone, one
+  program per token (``moe_routing.route``), then each assignment reads its expert's weights directly
+  (``shared.kernels.moe_small``): four kernels a layer (router GEMM, routing, gate|up, down with the
+  weighted sum), nothing sorted or padded;
+- ``"sorted"``: the assignments sorted by expert with each expert's run padded to a multiple of
+  ``BLOCK_M`` (``shared.kernels.moe_routing``), so every row block of the sorted list belongs to one
+  expert. Then one launch computes SiLU(x·Wg)·(x·Wu) for every assignment (``gate_up``: both halves of
+  the expert's fused weight in one program, the activation applied before anything is stored) and one
+  launch the down projection times the routing weight (``down``); the ``top_k`` rows of a token are
+  summed at the end: five kernels (seven for larger batches) whatever the number of experts.
+
+Nothing loops over experts in Python and nothing waits for the host: shapes depend only on ``T`` (the
+padded list has room for the worst case, blocks past the real end exit at once), so a decode step
+with this layer can be captured in a CUDA graph.
+
+Block sizes of the sorted path (``kernel_config``), chosen for H200 (132 SMs, ~4.8 TB/s HBM, bf16
+tensor cores; the small path's are in ``shared.kernels.moe_small``):
 
 - few assignments per expert (decode, small batches): the layer is bound by reading the touched
   experts' weights once. ``BLOCK_M = 16`` (the smallest ``tl.dot`` tile, so little of the tile is
@@ -32,7 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from shared.kernels.moe_routing import ExpertLayout, align, route_and_align
+from shared.kernels import moe_small
+from shared.kernels.moe_routing import ExpertLayout, align, route, route_and_align
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,19 @@ class KernelConfig:
 
 SMALL = KernelConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4)
 LARGE = KernelConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
+PATHS = ("small", "sorted")
+
+
+def expert_path(num_assignments: int, forced: str | None = None) -> str:
+    """``"small"`` (per-assignment GEMVs, no sorting) for a few assignments, else ``"sorted"``; ``forced``
+    (tests, benchmarks) wins."""
+    if forced is None:
+        return "small" if num_assignments <= moe_small.MAX_ASSIGNMENTS else "sorted"
+    if forced not in PATHS:
+        raise ValueError(f"unknown MoE path {forced!r}: use one of {PATHS}")
+    return forced
 
 
 def kernel_config(num_assignments: int, num_experts: int) -> KernelConfig:
@@ -131,16 +154,24 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
 
 
 def moe(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
-        renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """A whole MoE MLP from the router's logits: (output ``[T, H]``, expert ids ``[T, top_k]``)."""
-    config = kernel_config(x.shape[0] * top_k, gate_up.shape[0])
+        renormalize: bool, path: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A whole MoE MLP from the router's logits: (output ``[T, H]``, expert ids ``[T, top_k]``).
+    ``path``: ``"small"`` or ``"sorted"`` to force one (tests, benchmarks); by default ``expert_path``."""
+    a = x.shape[0] * top_k
+    if expert_path(a, path) == "small":
+        weights, ids = route(logits, top_k, renormalize)
+        return moe_small.gemv_experts(x, gate_up, down, ids, weights), ids
+    config = kernel_config(a, gate_up.shape[0])
     weights, ids, layout = route_and_align(logits, top_k, renormalize, config.block_m)
     return grouped_experts(x, gate_up, down, weights, layout, config), ids
 
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
-                  weights: torch.Tensor, config: KernelConfig | None = None) -> torch.Tensor:
-    """The experts for a routing decided elsewhere (``ids``/``weights`` ``[T, top_k]``)."""
+                  weights: torch.Tensor, config: KernelConfig | None = None, path: str | None = None) -> torch.Tensor:
+    """The experts for a routing decided elsewhere (``ids``/``weights`` ``[T, top_k]``). ``path`` as for
+    ``moe``; ``config``: the sorted path's tiles (tests)."""
+    if expert_path(ids.numel(), path) == "small":
+        return moe_small.gemv_experts(x, gate_up, down, ids, weights)
     num_experts = gate_up.shape[0]
     config = config or kernel_config(ids.numel(), num_experts)
     layout = align(ids, num_experts, config.block_m)

@@ -11,6 +11,10 @@ sums, the block experts, the padding and every assignment's row. Beyond, three l
 ``_route_kernel`` over token blocks (counting through atomics) and ``_align_kernel`` over slot blocks.
 The order inside one expert's run is whatever the atomics give, which changes nothing: output rows
 are computed independently of each other.
+
+``route`` is the routing alone, for the experts that need no layout (``shared.kernels.moe_small``, a
+few tokens at decode): ``_route_kernel`` with one program (one warp) per token and no counting, so at
+batch 1 it is one short program instead of the ~50 dependent reductions of the one-program alignment.
 """
 
 from __future__ import annotations
@@ -151,12 +155,14 @@ def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ids_ptr, block_
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, num_tokens, stride_l,
                   NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                  RENORMALIZE: tl.constexpr, ROWS: tl.constexpr):
+                  RENORMALIZE: tl.constexpr, ROWS: tl.constexpr, COUNT: tl.constexpr):
+    """Routing of ``ROWS`` tokens; COUNT: also add each assignment to its expert's count."""
     t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     t_ok = t < num_tokens
     weights, ids = _top_k(logits_ptr, t, t_ok, stride_l, NUM_EXPERTS, E_PAD, TOP_K, K_PAD, RENORMALIZE)
     ok = _store_routing(weights_ptr, ids_ptr, weights, ids, t, t_ok, TOP_K, K_PAD)
-    tl.atomic_add(counts_ptr + ids, 1, mask=ok)
+    if COUNT:
+        tl.atomic_add(counts_ptr + ids, 1, mask=ok)
 
 
 @triton.jit
@@ -188,28 +194,49 @@ def _layout_buffers(a: int, num_experts: int, block_m: int, device) -> ExpertLay
                         torch.empty(1, dtype=torch.int32, device=device), a, block_m)
 
 
+def _routing_buffers(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = logits.shape[0]
+    return (torch.empty(tokens, top_k, dtype=logits.dtype, device=logits.device),
+            torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device))
+
+
+def _routing_constants(experts: int, top_k: int, renormalize: bool) -> dict:
+    # at least 2 slot columns: padding slots are masked out
+    return dict(E_PAD=triton.next_power_of_2(experts), TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)),
+                NUM_EXPERTS=experts, RENORMALIZE=renormalize)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits ``[T, E]`` → routing weights (the logits' dtype) and expert ids ``[T, top_k]`` int32,
+    one program per token, no layout: what ``SparseMoeBlock.route`` gives (float32 softmax, top-k with
+    the first index on ties, optional renormalization)."""
+    tokens, experts = logits.shape
+    weights, ids = _routing_buffers(logits, top_k)
+    # one warp: a [1, E] row is 4 values a lane at 128 experts, every reduction a few shuffles
+    _route_kernel[(tokens,)](logits, weights, ids, ids, tokens, logits.stride(0), ROWS=1, COUNT=False, num_warps=1,
+                             **_routing_constants(experts, top_k, renormalize))
+    return weights, ids
+
+
 def route_and_align(logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int,
                     one_program: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, ExpertLayout]:
     """Router logits ``[T, E]`` → routing weights (the logits' dtype), expert ids ``[T, top_k]`` int32,
     and the layout. ``one_program``: force a path (tests); by default by size."""
     tokens, experts = logits.shape
     a = tokens * top_k
-    weights = torch.empty(tokens, top_k, dtype=logits.dtype, device=logits.device)
-    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
+    weights, ids = _routing_buffers(logits, top_k)
     layout = _layout_buffers(a, experts, block_m, logits.device)
-    # tiles of at least 16 rows and 2 columns: padding rows and slots are masked out
-    routing = dict(E_PAD=triton.next_power_of_2(experts), TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)),
-                   NUM_EXPERTS=experts, RENORMALIZE=renormalize)
+    routing = _routing_constants(experts, top_k, renormalize)
     if one_program if one_program is not None else a <= SMALL_ASSIGNMENTS:
         _route_align_kernel[(1,)](
             logits, weights, ids, layout.sorted_ids, layout.block_experts, layout.num_padded, tokens,
-            logits.stride(0), layout.sorted_ids.numel(), ROWS=max(16, triton.next_power_of_2(tokens)),
+            logits.stride(0), layout.sorted_ids.numel(), ROWS=max(16, triton.next_power_of_2(tokens)),  # rows masked
             BLOCK_M=block_m, BLOCKS_PAD=triton.next_power_of_2(layout.block_experts.numel()), num_warps=8, **routing)
         return weights, ids, layout
     counts = torch.zeros(2, experts, dtype=torch.int32, device=logits.device)  # counts, then cursors
     rows = 16
     _route_kernel[(triton.cdiv(tokens, rows),)](logits, weights, ids, counts[0], tokens, logits.stride(0), ROWS=rows,
-                                                **routing)
+                                                COUNT=True, **routing)
     _align(ids, counts[0], counts[1], layout, experts)
     return weights, ids, layout
 

@@ -2,9 +2,10 @@
 
 Each token's router picks ``top_k`` of ``num_experts`` experts (softmax over all, top-k, renormalized
 to sum to 1 with ``norm_topk_prob``); its output is the routing-weighted sum of those experts'
-outputs. On GPU the experts run as two grouped GEMMs over the tokens sorted by expert
-(``shared.kernels.moe``); the torch path below is the fp32 reference, looping over the experts a
-batch touches in the order HF transformers does, so its sums round the same way.
+outputs. On GPU the experts run as two grouped GEMMs over the tokens sorted by expert, or for a few
+tokens (decode) as two GEMVs that need no sorting (``shared.kernels.moe``); the torch path below is
+the fp32 reference, looping over the experts a batch touches in the order HF transformers does, so
+its sums round the same way.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
-        if x.is_cuda and moe_kernels.available:  # routing, sorting and both GEMMs in Triton kernels
+        if x.is_cuda and moe_kernels.available:  # routing and the experts in Triton kernels
             experts = self.experts
             return moe_kernels.moe(x, logits, experts.gate_up_proj, experts.down_proj, self.top_k,
                                    self.norm_topk_prob)[0]
