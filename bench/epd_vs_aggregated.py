@@ -9,6 +9,8 @@ Workloads (Qwen2.5-VL-7B architecture, `--load-format dummy`, output forced with
   dynamo-1024   NVIDIA Dynamo's shape: 10 x 448x448 (258 tokens each), 128 in, 1024 out
   dynamo-128    the same requests, 128 out
   dynamo-mix    Dynamo's 50:50 mix: 50 % text only, 50 % 10 x 448x448; 128 in, 128 out
+  video-heavy   1 x 20 s 720p clip (30 fps, 2 frames/s sampled: 40 frames; `--video-seconds`), 128 in, 128 out;
+                run only when named (`--workloads video-heavy`)
 
 Topologies (`tools/plan/layouts.py` names them and gives their `epd up` flags):
   1 GPU    aggregated (ViT, prefill, decode in one engine thread); E/PD and E/PD+MPS (an encoder beside a
@@ -21,11 +23,13 @@ The run:
 1. floor: `python -m tools.plan.floor` measures, in-process on the GPU, every request shape's own compute,
    each part alone: the frontend's decode of its images, one ViT forward over them, the prefill of its
    prompt (and the decode steps, and how a ViT and the language model slow each other on one GPU: two
-   streams of a process, as under MPS, and two processes, time-sliced). A request's floor is media +
-   ViT + prefill. The same numbers are `epd plan`'s costs.
+   streams of a process, as under MPS, and two processes, time-sliced); for a clip, the frontend's PyAV
+   decode of it, the ViT over its sampled frames, the prefill with its video placeholders. A request's
+   floor is media + ViT + prefill. The same numbers are `epd plan`'s costs (images only).
 2. rates: a workload's capacity is the request rate one GPU would sustain doing nothing but that
-   compute (`Planner.capacity`); its points are fractions of it (`--quick`: 0.5, and 0.8 too for
-   image-heavy; else 0.25/0.5/0.75/0.9), the same rates for every topology.
+   compute (`Planner.capacity`; video: 1 / (ViT + prefill) of its clip, the decode running on the
+   frontend's CPU); its points are fractions of it (`--quick`: 0.5, and 0.8 too for image-heavy; else
+   0.25/0.5/0.75/0.9), the same rates for every topology.
 3. per topology, one `epd up`: unloaded TTFT (warm stack, one request at a time, 5 per request class:
    text, and each workload's image requests, 4 tokens out: TTFT alone does not depend on the output
    length), then every loaded point (Poisson arrivals for `--seconds`, each point its own images: no
@@ -35,7 +39,8 @@ The run:
    to first token) and the encoders' own split (ViT queue / forward, pixel pull / job encode, per image).
 4. `epd plan`: each point predicted for every topology from the floor's costs, with each topology's
    fixed costs calibrated from its own unloaded TTFT (measured minus the model's no-load TTFT, per
-   request class); the plan's pick is its lowest predicted TTFT.
+   request class); the plan's pick is its lowest predicted TTFT. Video points have no prediction
+   (`epd plan` models images, not clips).
 5. results.md (a table per workload, floor and unloaded rows beside the loaded ones; the plan against
    the measurements; the issue's targets measured/target/met), results.json, latency_vs_rate.png —
    rewritten after every topology, so a run cut short keeps what it measured.
@@ -49,6 +54,7 @@ the two with `--report-from` (no GPU needed; it also re-predicts with today's pl
     python bench/epd_vs_aggregated.py --quick --topologies E/PD,E/P/D --floor A/results.json --out B
     python bench/epd_vs_aggregated.py --report-from A/results.json B/results.json --out merged/
     python bench/epd_vs_aggregated.py --tiny --out /tmp/smoke            # CPU: the same path, tiny model
+    python bench/epd_vs_aggregated.py --workloads video-heavy --video-seconds 10 --out V   # clips
 """
 
 from __future__ import annotations
@@ -74,10 +80,11 @@ from tools.bench import scrape  # noqa: E402
 from tools.bench.environment import hardware, versions, visible_gpus  # noqa: E402,F401 - other scripts import them here
 from tools.bench.measure import StackMeter, as_result  # noqa: E402
 from tools.bench.metrics import Slo, summarize  # noqa: E402
-from tools.bench.settings import BenchSettings, Workload  # noqa: E402
+from tools.bench.settings import BenchSettings, Workload, parse_resolution  # noqa: E402
 from tools.bench.stack import StackProcess  # noqa: E402
 from tools.bench.tables import HEADER, ms, ordered_labels, row_text, stages  # noqa: E402
 from tools.plan.costs import Costs  # noqa: E402
+from tools.plan.floor import shape_label  # noqa: E402
 from tools.plan.layouts import Layout, bench_layouts  # noqa: E402
 from tools.plan.model import Planner, Prediction, traffic  # noqa: E402
 from tools.plan.plan import json_default, recommend  # noqa: E402
@@ -86,7 +93,11 @@ from tools.plan.plan import json_default, recommend  # noqa: E402
 @dataclass(frozen=True)
 class Case:
     name: str
-    workload: dict  # Workload fields
+    workload: dict  # Workload (and VideoWorkload) fields
+
+    @property
+    def video(self) -> bool:
+        return bool(self.workload.get("video_count"))
 
 
 CASES = [
@@ -99,8 +110,13 @@ CASES = [
     Case("dynamo-128", dict(image_count=10, image_resolution="448x448", input_len=128, output_len=128)),
     Case("dynamo-mix", dict(image_count=10, text_ratio=0.5, image_resolution="448x448", input_len=128,
                             output_len=128)),
+    # one 20 s 720p clip a request (30 fps source, 2 frames a second sampled: 40 frames; --video-seconds)
+    Case("video-heavy", dict(image_count=0, video_count=1, video_seconds=20.0, video_resolution="720p",
+                             video_fps=30.0, input_len=128, output_len=128)),
 ]
 TINY_RESOLUTION = {"1080p": "224x224", "448x448": "112x112"}  # two sizes still: costs are per resolution
+TINY_VIDEO = dict(video_seconds=2.0, video_resolution="160x120", video_fps=10.0)  # 4 frames sampled
+VIDEO_SECONDS = (10.0, 30.0)  # the issue's range of clip lengths
 SLO = Slo(ttft_ms=2000, itl_ms=100)
 UNLOADED_TOKENS = 4
 QUICK_FRACTIONS = {"image-heavy": (0.5, 0.8)}  # others: (0.5,)
@@ -112,9 +128,19 @@ def case_workload(case: Case, tiny: bool) -> dict:
     if not tiny:
         return dict(case.workload)
     out = dict(case.workload)
-    out.update(image_resolution=TINY_RESOLUTION[out["image_resolution"]], input_len=32,
-               image_count=min(out["image_count"], 3), output_len=max(4, out["output_len"] // 64))
+    if case.video:
+        out.update(TINY_VIDEO)
+    else:
+        out.update(image_resolution=TINY_RESOLUTION[out["image_resolution"]], image_count=min(out["image_count"], 3))
+    out.update(input_len=32, output_len=max(4, out["output_len"] // 64))
     return out
+
+
+def workload_cases(video_seconds: float = 0) -> list[Case]:
+    """Every workload, video-heavy's clips ``video_seconds`` long (0: its own 20 s)."""
+    if not video_seconds:
+        return list(CASES)
+    return [Case(c.name, {**c.workload, "video_seconds": float(video_seconds)}) if c.video else c for c in CASES]
 
 
 @dataclass(frozen=True)
@@ -132,7 +158,7 @@ def topologies(gpus: int, tiny: bool) -> list[Topology]:
 # -- request classes measured unloaded --------------------------------------------------------------------
 @dataclass(frozen=True)
 class RequestClass:
-    """Requests of one kind, sent one at a time: text only, or one workload's image requests."""
+    """Requests of one kind, sent one at a time: text only, or one workload's image (or clip) requests."""
 
     key: str
     workload: dict
@@ -146,25 +172,43 @@ def request_classes(cases: list[Case], tiny: bool) -> list[RequestClass]:
             key = f"text {w['input_len']}"
             out.setdefault(key, RequestClass(key, {**w, "image_count": 0, "text_ratio": 0,
                                                    "random_image_count": False}))
-        if w.get("text_ratio", 0) < 1 and w["image_count"]:
-            key = image_class(w)
+        if w.get("text_ratio", 0) < 1 and (w["image_count"] or w.get("video_count")):
+            key = media_class(w)
             out.setdefault(key, RequestClass(key, {**w, "text_ratio": 0}))
     return list(out.values())
 
 
-def image_class(w: dict) -> str:
+def clip_label(w: dict) -> str:
+    return f"{w['video_seconds']:g} s {w['video_resolution']} clip at {w['video_fps']:g} fps"
+
+
+def media_class(w: dict) -> str:
+    if w.get("video_count"):
+        return f"{w['video_count']} x {clip_label(w)}, {w['input_len']} in"
     counts = f"1-{w['image_count']}" if w.get("random_image_count") else str(w["image_count"])
     return f"{counts} x {w['image_resolution']}, {w['input_len']} in"
 
 
+def media_kind(w: dict) -> str:
+    """The kind ``epd bench`` records a workload's requests that are not text only as."""
+    return "video" if w.get("video_count") else "image"
+
+
 def class_keys(w: dict) -> dict[str, str]:
-    """{"text"/"image": request-class key} of a workload's requests."""
+    """{"text"/"image"/"video": request-class key} of a workload's requests."""
     keys = {}
     if w.get("text_ratio", 0) > 0:
         keys["text"] = f"text {w['input_len']}"
-    if w.get("text_ratio", 0) < 1 and w["image_count"]:
-        keys["image"] = image_class(w)
+    if w.get("text_ratio", 0) < 1 and (w["image_count"] or w.get("video_count")):
+        keys[media_kind(w)] = media_class(w)
     return keys
+
+
+def warm_shape(w: dict) -> str:
+    """What a stack's first request of a kind warms up: text, a resolution's images, a clip size."""
+    if w.get("video_count"):
+        return f"clip {w['video_resolution']}"
+    return w["image_resolution"] if w["image_count"] else "text"
 
 
 # -- the floor --------------------------------------------------------------------------------------------
@@ -174,7 +218,7 @@ def measure_floor(args, cases: list[Case], out: Path) -> dict:
     if args.tiny:
         cmd += ["--max-model-len", "1024", "--decode-batch", "4", "--kv-cache-mb", "64", "--corun-seconds", "0.2"]
     else:
-        cmd += ["--model", args.model, "--load-format", "dummy", "--max-model-len", "32768"]
+        cmd += ["--model", args.model, "--load-format", "dummy", "--max-model-len", str(args.max_model_len)]
     print("floor:", " ".join(cmd[:3]), "...", flush=True)
     subprocess.run(cmd, cwd=ROOT, env=child_env(args.tiny), check=True)
     return json.loads(out.read_text())
@@ -185,43 +229,69 @@ def measure_floor(args, cases: list[Case], out: Path) -> dict:
 DATA_PLANE_GBS = {"ucx": 20.0, "zmq": 1.7}
 
 
+PARTS = ("media_ms", "vit_ms", "prefill_ms", "floor_ms")
+
+
+def shape_key(w: dict, images: int = 0) -> tuple:
+    """The floor row of a workload's request with ``images`` images (a video workload's: its one clip)."""
+    if w.get("video_count"):
+        return "clip", w["video_resolution"], float(w["video_seconds"]), float(w["video_fps"]), w["input_len"]
+    return w["image_resolution"], w["input_len"], images
+
+
+def row_key(row: dict) -> tuple:
+    """``shape_key`` of a floor row (``tools.plan.floor``'s: a clip's row has ``video_seconds``)."""
+    if "video_seconds" in row:
+        return "clip", row["resolution"], float(row["video_seconds"]), float(row["video_fps"]), row["input_len"]
+    return row["resolution"], row["input_len"], row["images"]
+
+
 class Floor:
     """A request's floor from the floor file: media + ViT + prefill of its shape; and the planner on the
-    same costs."""
+    same costs (images only: ``epd plan`` models images, not clips)."""
 
     def __init__(self, data: dict, transport: str = "zmq"):
         self.data = data
         self.transport = transport
-        self.rows = {(r["resolution"], r["input_len"], r["images"]): r for r in data["shapes"]}
+        self.rows = {row_key(r): r for r in data["shapes"]}
         self.costs = {res: Costs.from_json(c) for res, c in data["costs"].items()}
 
     def missing(self, w: dict) -> list[str]:
         """The workload's request shapes this floor has not measured (a floor from another run's workloads)."""
+        if w.get("video_count"):
+            return [] if shape_key(w) in self.rows else [f"{clip_label(w)}, {w['input_len']} in"]
         counts = {0, *Workload(**w).image_counts()}
         return [f"{n} x {w['image_resolution']}, {w['input_len']} in" for n in sorted(counts)
-                if (w["image_resolution"], w["input_len"], n) not in self.rows]
+                if shape_key(w, n) not in self.rows]
 
-    def of(self, w: dict, images: int) -> dict:
-        return self.rows[(w["image_resolution"], w["input_len"], images)]
+    def of(self, w: dict, images: int = 0) -> dict:
+        return self.rows[shape_key(w, images)]
 
     def mean(self, w: dict, requests: list[dict]) -> dict[str, float]:
-        """Mean floor parts over these requests (each by its image count)."""
+        """Mean floor parts over these requests (each by its image count; a video workload's are alike)."""
         rows = [self.of(w, r["images"]) for r in requests]
         if not rows:
             return {}
-        return {k: sum(r[k] for r in rows) / len(rows) for k in ("media_ms", "vit_ms", "prefill_ms", "floor_ms")}
+        return {k: sum(r[k] for r in rows) / len(rows) for k in PARTS}
 
     def expected(self, w: dict) -> dict[str, float]:
         """Mean floor parts over the workload's distribution of requests."""
+        if w.get("video_count"):
+            return {k: self.of(w)[k] for k in PARTS}
         t = traffic(Workload(**w), 1.0)
-        return {k: sum(p * self.of(w, n)[k] for p, n in t.classes())
-                for k in ("media_ms", "vit_ms", "prefill_ms", "floor_ms")}
+        return {k: sum(p * self.of(w, n)[k] for p, n in t.classes()) for k in PARTS}
 
     def planner(self, w: dict) -> Planner:
         return Planner(self.costs[w["image_resolution"]], DATA_PLANE_GBS.get(self.transport, 1.7),
                        self.data.get("hidden_bytes", 0))
 
     def capacity(self, w: dict) -> float:
+        """Requests/s one GPU sustains doing only the workload's GPU work. A clip: its ViT and its
+        prefill (its decode runs in the frontend's CPU pool; 128 tokens of batched decode are left out
+        beside a prefill of thousands of tokens)."""
+        if w.get("video_count"):
+            row = self.of(w)
+            return 1e3 / (row["vit_ms"] + row["prefill_ms"])
         return self.planner(w).capacity(traffic(Workload(**w), 1.0))
 
 
@@ -239,9 +309,10 @@ def round_rate(rate: float) -> float:
     return float(f"{rate:.2g}")
 
 
-# Capacities (req/s, one H200) estimated from BASELINES.md's costs, only for --dry-run without --floor.
+# Capacities (req/s, one H200) estimated from BASELINES.md's costs, only for --dry-run without --floor
+# (video-heavy: a guess from FLOPs, ~1.5 s of ViT + prefill per 20 s clip; no H200 figure yet).
 NOMINAL_CAPACITY = {"image-heavy": 1.8, "mixed": 6.5, "image-light": 6.0, "dynamo-1024": 5.0, "dynamo-128": 9.0,
-                    "dynamo-mix": 16.0}
+                    "dynamo-mix": 16.0, "video-heavy": 0.6}
 
 
 # -- one topology ------------------------------------------------------------------------------------------
@@ -260,7 +331,7 @@ def stack_env(args) -> dict[str, str]:
         env["EPD_MAX_BATCHED_TOKENS"] = str(args.max_batched_tokens)
     if not args.tiny:
         env.update(EPD_MODEL=args.model, EPD_LOAD_FORMAT="dummy", EPD_KV_CACHE_MB=str(args.kv_cache_mb),
-                   EPD_MAX_MODEL_LEN="32768")
+                   EPD_MAX_MODEL_LEN=str(args.max_model_len))
     else:
         env.update(EPD_KV_CACHE_MB="64")
     return env
@@ -288,7 +359,7 @@ class TopologyRun:
         unloaded, warm = [], set()
         for number, cls in enumerate(classes):
             started = time.monotonic()
-            shape = cls.workload["image_resolution"] if cls.workload["image_count"] else "text"
+            shape = warm_shape(cls.workload)
             if shape not in warm:  # warm-up: the stack's first request of this resolution
                 warm.add(shape)
                 await self.meter.measure(self._settings(cls.workload, self.args.seed + 10_000 + 2 * number, 1,
@@ -388,8 +459,8 @@ def overheads(floor: Floor, unloaded: list[dict], topology: Topology, w: dict):
         if record["topology"] != topology.label:
             continue
         cw = record["config"]
-        if cw["image_count"] and cw["image_resolution"] != w["image_resolution"]:
-            continue
+        if cw.get("video_count") or cw["image_count"] and cw["image_resolution"] != w["image_resolution"]:
+            continue  # the plan models images, not clips
         t = traffic(Workload(**{k: cw[k] for k in Workload.model_fields}), 1e-9)
         base = planner.predict(topology.layout, t).ttft_by_images_ms
         for r in record["requests"]:
@@ -417,15 +488,23 @@ def theil_sen(points: list[tuple[float, float]]) -> tuple[float, float]:
     return _median([y - slope * x for x, y in points]), slope
 
 
-def plan_points(floor: Floor, runs: list[dict], unloaded: list[dict], chosen: list[Topology], tiny: bool) -> list[dict]:
+def plan_points(floor: Floor, runs: list[dict], unloaded: list[dict], chosen: list[Topology], cases: list[Case],
+                tiny: bool) -> list[dict]:
     """Per point: each measured topology's predicted TTFT (calibrated, and the bare model's), the plan's
-    pick among them, the measured best; the predictions are also written into the runs."""
+    pick among them, the measured best; the predictions are also written into the runs. Video points
+    are not predicted: `epd plan` models images, not clips."""
     by_label = {t.label: t for t in chosen}
     out = []
-    for case in CASES:
+    for case in cases:
+        mine = [r for r in runs if r["workload"] == case.name]
+        if case.video:
+            for r in mine:
+                r["predicted_ttft_ms"] = r["predicted_model_ttft_ms"] = None
+        if case.video or not mine:  # (a floor has the costs of the workloads it measured, only)
+            continue
         w = case_workload(case, tiny)
         planner = floor.planner(w)
-        for rate in sorted({r["request_rate"] for r in runs if r["workload"] == case.name}):
+        for rate in sorted({r["request_rate"] for r in mine}):
             here = [r for r in runs if r["workload"] == case.name and r["request_rate"] == rate]
             t = traffic(Workload(**w), rate)
             predictions: dict[str, Prediction] = {}
@@ -531,7 +610,7 @@ def unloaded_row(topology: str, w: dict, unloaded: list[dict]) -> dict | None:
                for kind, key in keys.items()}
     if any(r is None for r in records.values()):
         return None
-    share = {"text": w.get("text_ratio", 0), "image": 1 - w.get("text_ratio", 0)}
+    share = {kind: w.get("text_ratio", 0) if kind == "text" else 1 - w.get("text_ratio", 0) for kind in keys}
     results = [as_result(q) for r in records.values() for q in r["requests"]]
     summary = summarize(results, 1.0)
     summary["ttft_ms"]["mean"] = sum(share[k] * r["summary"]["ttft_ms"]["mean"] for k, r in records.items())
@@ -540,8 +619,8 @@ def unloaded_row(topology: str, w: dict, unloaded: list[dict]) -> dict | None:
         having = {k: r["stages_ms"][stage] for k, r in records.items() if stage in r["stages_ms"]}
         if having:
             means[stage] = sum(share[k] * v for k, v in having.items()) / sum(share[k] for k in having)
-    encoder = {k: records["image"]["encoder_ms"][k] for k in scrape.ENCODER_STAGES
-               if "image" in records and k in records["image"]["encoder_ms"]}
+    media = records.get(media_kind(w), {}).get("encoder_ms", {})
+    encoder = {k: media[k] for k in scrape.ENCODER_STAGES if k in media}
     parts = next(iter(records.values()))["floor_ms"]
     floor = {k: sum(share[kind] * r["floor_ms"][k] for kind, r in records.items()) for k in parts}
     return {"topology": topology, "request_rate": None, "summary": summary,
@@ -551,7 +630,7 @@ def unloaded_row(topology: str, w: dict, unloaded: list[dict]) -> dict | None:
 
 
 def report(meta: dict, floor: Floor, runs: list[dict], unloaded: list[dict], plan: list[dict],
-           goals: list[dict], stacks: list[dict], tiny: bool) -> str:
+           goals: list[dict], stacks: list[dict], cases: list[Case], tiny: bool) -> str:
     lines = [f"Hardware: {meta['hardware']}", f"Versions: {json.dumps(meta['versions'])}",
              f"Command: {' '.join(meta['command'])}", f"Wall time: {meta['wall_s']:.0f} s (floor measured in "
              f"{floor.data.get('seconds', 0):.0f} s)", "",
@@ -573,9 +652,9 @@ def report(meta: dict, floor: Floor, runs: list[dict], unloaded: list[dict], pla
     lines += ["", "## Floor", "", "| shape | prompt tokens | media (ms) | ViT (ms) | prefill (ms) | floor (ms) |",
               "|---|---|---|---|---|---|"]
     for r in floor.data["shapes"]:
-        lines.append(f"| {r['images']} x {r['resolution']}, {r['input_len']} in | {r['prompt_tokens']} | "
+        lines.append(f"| {shape_label(r)} | {r['prompt_tokens']} | "
                      f"{r['media_ms']:.1f} | {r['vit_ms']:.1f} | {r['prefill_ms']:.1f} | {r['floor_ms']:.1f} |")
-    for case in CASES:
+    for case in cases:
         mine = [r for r in runs if r["workload"] == case.name]
         if not mine:
             continue
@@ -592,8 +671,10 @@ def report(meta: dict, floor: Floor, runs: list[dict], unloaded: list[dict], pla
             if idle:
                 lines.append(row_text(idle))
             lines += [row_text(r) for r in sorted(mine, key=lambda r: r["request_rate"]) if r["topology"] == topology]
-    lines += ["", "## epd plan against the measurements", "",
-              "| workload | rate (req/s) | measured best (TTFT ms) | plan's pick | right | predicted TTFT of the best (error) "
+    lines += ["", "## epd plan against the measurements", ""]
+    if clips := [c.name for c in cases if c.video and any(r["workload"] == c.name for r in runs)]:
+        lines += [f"Not predicted: {', '.join(clips)} (`epd plan` models images, not clips).", ""]
+    lines += ["| workload | rate (req/s) | measured best (TTFT ms) | plan's pick | right | predicted TTFT of the best (error) "
               "| every topology: predicted (model alone) / measured (ms) |", "|---|---|---|---|---|---|---|"]
     for p in plan:
         measured = {r["topology"]: r["summary"]["ttft_ms"]["mean"] for r in runs
@@ -613,6 +694,8 @@ def report(meta: dict, floor: Floor, runs: list[dict], unloaded: list[dict], pla
 
 
 def describe(w: dict) -> str:
+    if w.get("video_count"):
+        return f"{w['video_count']} x {clip_label(w)}; {w['input_len']} text tokens in, {w['output_len']} out"
     images = (f"1-{w['image_count']}" if w.get("random_image_count") else str(w["image_count"])) + \
         f" x {w['image_resolution']}"
     text = f"{w['text_ratio']:.0%} text only, the rest " if w.get("text_ratio") else ""
@@ -627,12 +710,34 @@ def tokenizer_dir(tiny: bool, model: str = "qwen2.5-vl-7b") -> str:
     return str(default_tiny_checkpoint() if tiny else materialize_preset(model))
 
 
+CONTEXT = 32768  # the stacks' and the floor's max_model_len, unless a clip's prompt needs more
+
+
+def context_length(checkpoint: str, cases: list[Case]) -> int:
+    """The stacks' (and the floor's) max_model_len: ``CONTEXT``, or more where a clip's prompt needs it (a
+    30 s 720p clip is ~36k placeholder tokens on Qwen2.5-VL), in steps of 8192."""
+    from shared.model.config import ModelConfig
+    from shared.model.video import VideoGeometry
+
+    longest = 0
+    for case in (c for c in cases if c.video):
+        w = case_workload(case, False)
+        geometry = VideoGeometry.from_checkpoint(checkpoint, ModelConfig.from_checkpoint(checkpoint).family)
+        width, height = parse_resolution(w["video_resolution"])
+        frames = geometry.sampled_count(round(w["video_seconds"] * w["video_fps"]), w["video_fps"])
+        longest = max(longest, geometry.num_tokens(frames, height, width) + 1024)  # + text, timestamps, output
+    return max(CONTEXT, -(-longest // 8192) * 8192)
+
+
 def chosen_cases(args) -> list[Case]:
-    names = [c.name for c in CASES]
-    wanted = args.workloads.split(",") if args.workloads else names
+    """``--workloads``, by default every image workload (clips only when named: a sweep of every
+    topology on one GPU already takes more than one call)."""
+    cases = workload_cases(args.video_seconds)
+    names = [c.name for c in cases]
+    wanted = args.workloads.split(",") if args.workloads else [c.name for c in cases if not c.video]
     if unknown := set(wanted) - set(names):
         raise SystemExit(f"unknown workload(s) {', '.join(sorted(unknown))}; choose from {', '.join(names)}")
-    return [c for c in CASES if c.name in wanted]
+    return [c for c in cases if c.name in wanted]
 
 
 def chosen_topologies(args) -> list[Topology]:
@@ -652,16 +757,29 @@ def points(args, cases: list[Case], floor: Floor | None) -> list[Point]:
     return out
 
 
+def clip_s(w: dict) -> tuple[float, float]:
+    """(seconds of one clip request alone, seconds to make its clip) on one H200 and its host: guesses
+    for --dry-run, scaled from a 20 s 720p clip (decode ~1 s, ViT + prefill ~1.5 s; x264 ~4 CPU-seconds,
+    8 encoding threads); (0, 0) for a workload without clips."""
+    scale = w["video_seconds"] / 20 if w.get("video_count") else 0.0
+    return 2.5 * scale, 4.0 / 8 * scale
+
+
 def estimate(args, chosen: list[Topology], classes: list[RequestClass], todo: list[Point]) -> dict[str, float]:
     """Seconds each part should take on one H200 (from BASELINES.md-like costs): for --dry-run."""
-    warm_ups = len({c.workload["image_resolution"] if c.workload["image_count"] else "text" for c in classes})
-    unloaded = (len(classes) * args.unloaded + warm_ups) * 0.5
+    warm_ups = {warm_shape(c.workload): c.workload for c in classes}
+    requests = [(c.workload, args.unloaded) for c in classes] + [(w, 1) for w in warm_ups.values()]
+    unloaded = sum(n * (0.5 + sum(clip_s(w))) for w, n in requests)
     loaded = 0.0
-    for p in todo:  # arrivals, the last request's decode (~10 ms a token), reading the metrics
+    for p in todo:  # arrivals, the last request's decode (~10 ms a token), reading the metrics; making clips
+        w = case_workload(p.case, False)
         prompts = max(args.min_prompts, min(150, round(p.rate * args.seconds)))
-        loaded += prompts / p.rate + case_workload(p.case, False)["output_len"] * 0.010 + 1.0
+        loaded += prompts / p.rate + w["output_len"] * 0.010 + 1.0 + prompts * clip_s(w)[1]
     per_stack = 30 + 8 + unloaded + loaded  # start (7B, dummy weights; measured ~30 s) + stop + measuring
-    floor = 0.0 if args.floor else 75.0  # load the 7B once, capture graphs, time every shape
+    # the floor: load the 7B once, capture graphs, time every shape; a clip: made, decoded 4 times, 4 ViT
+    # forwards, 3 prefills
+    clips = sum(10 * clip_s(case_workload(c, False))[0] for c in {p.case.name: p.case for p in todo}.values())
+    floor = 0.0 if args.floor else 75.0 + clips
     return {"floor": floor, "per topology": per_stack, "total": floor + per_stack * len(chosen)}
 
 
@@ -692,17 +810,18 @@ def dry_run(args, chosen, classes, todo, floor: Floor | None) -> int:
 
 
 def finish(args, out: Path, meta: dict, floor: Floor, runs, unloaded, stacks, chosen, partial: bool = False) -> int:
-    cases = {c.name: c for c in CASES}
+    cases = workload_cases(args.video_seconds)
+    by_name = {c.name: c for c in cases}
     for run in runs:
-        run["floor_ms"] = floor.mean(case_workload(cases[run["workload"]], args.tiny), run["requests"])
-    for record in unloaded:
-        w = {k: record["config"][k] for k in ("image_resolution", "input_len")}
-        record["floor_ms"] = floor.mean(w, record["requests"])
-    plan = plan_points(floor, runs, unloaded, chosen, args.tiny)
+        run["floor_ms"] = floor.mean(case_workload(by_name[run["workload"]], args.tiny), run["requests"])
+    for record in unloaded:  # its own settings name its shape
+        record["floor_ms"] = floor.mean(record["config"], record["requests"])
+    plan = plan_points(floor, runs, unloaded, chosen, cases, args.tiny)
     goals = targets(runs, plan)
-    markdown = report(meta, floor, runs, unloaded, plan, goals, stacks, args.tiny)
+    markdown = report(meta, floor, runs, unloaded, plan, goals, stacks, cases, args.tiny)
     (out / "results.md").write_text(markdown)
-    (out / "results.json").write_text(json.dumps({**meta, "gpus": args.gpus, "tiny": args.tiny, "floor": floor.data,
+    (out / "results.json").write_text(json.dumps({**meta, "gpus": args.gpus, "tiny": args.tiny,
+                                                  "video_seconds": args.video_seconds, "floor": floor.data,
                                                   "stacks": stacks, "unloaded": unloaded, "runs": runs, "plan": plan,
                                                   "targets": goals, "partial": partial}, indent=1, default=json_default))
     if partial:
@@ -722,7 +841,7 @@ def report_from(args, out: Path) -> int:
     """Rebuild the report from earlier results.json files (merged; the first one's floor), with today's planner."""
     loaded = [json.loads(Path(f).read_text()) for f in args.report_from]
     first = loaded[0]
-    args.tiny, args.gpus = first["tiny"], first["gpus"]
+    args.tiny, args.gpus, args.video_seconds = first["tiny"], first["gpus"], first.get("video_seconds", 0)
     stacks = [s for data in loaded for s in data["stacks"]]
     labels = [s["topology"] for s in stacks]
     chosen = [Topology(label, Layout(**next(s["layout"] for s in stacks if s["topology"] == label)), ())
@@ -768,7 +887,12 @@ def parse_args(argv=None):
                         help="the stacks' data plane; auto: ucx where ucxx is installed (GPU to GPU), else zmq")
     parser.add_argument("--report-from", nargs="+", default=[], metavar="RESULTS_JSON",
                         help="no measuring: rebuild results.md/json from earlier results.json files (merged)")
+    parser.add_argument("--video-seconds", type=float, default=0,
+                        help="video-heavy's clip length, %g-%g s (default 20 s; --tiny: a 2 s clip)" % VIDEO_SECONDS)
     args = parser.parse_args(argv)
+    if args.video_seconds and not VIDEO_SECONDS[0] <= args.video_seconds <= VIDEO_SECONDS[1]:
+        parser.error(f"--video-seconds {args.video_seconds:g}: the issue's clips are {VIDEO_SECONDS[0]:g}-"
+                     f"{VIDEO_SECONDS[1]:g} s long")
     if args.transport == "auto":
         args.transport = "ucx" if not args.tiny and ucx_works() else "zmq"
     return args
@@ -800,9 +924,10 @@ def main(argv=None) -> int:
     if args.dry_run:
         return dry_run(args, chosen, classes, points(args, cases, floor), floor)
     args.started = time.monotonic()
+    tokenizer = tokenizer_dir(args.tiny, args.model)
+    args.max_model_len = CONTEXT if args.tiny else context_length(tokenizer, cases)
     floor = floor or Floor(measure_floor(args, cases, out / "floor.json"), args.transport)
     todo = points(args, cases, floor)
-    tokenizer = tokenizer_dir(args.tiny, args.model)
     meta = {"hardware": hardware(), "versions": versions(), "command": sys.argv, "transport": args.transport}
 
     def checkpoint(unloaded, runs, stacks, partial=True) -> int:

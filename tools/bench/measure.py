@@ -33,7 +33,8 @@ class StackMeter:
         before = self.reading
         run = await bench(settings)
         ok = [r for r in run["requests"] if r["ok"]]
-        self.reading = await scrape.settled(self.stack.api, before.images_encoded + sum(r["images"] for r in ok),
+        encoded = sum(r["images"] + r["videos"] for r in ok)  # the encoders count a clip as one ViT item
+        self.reading = await scrape.settled(self.stack.api, before.images_encoded + encoded,
                                             before.requests_seen + len(ok))
         if not details:
             return run

@@ -54,7 +54,28 @@ class Workload(BaseModel):
         return list(range(1, self.image_count + 1)) if self.random_image_count else [self.image_count]
 
 
-class BenchSettings(BaseSettings, Workload):
+class VideoWorkload(BaseModel):
+    """Video clips per request (``epd bench --video-*``; ``tools.plan.floor`` measures clip requests too)."""
+
+    video_count: int = Field(0, ge=0, description="video clips per request (0: none); --image-count 0 with "
+                                                  "this sends video-only requests")
+    video_seconds: float = Field(10.0, gt=0, le=600, description="length of each clip (seconds)")
+    video_resolution: str = Field("720p", description="360p, 720p, 1080p, 4k or WIDTHxHEIGHT")
+    video_fps: float = Field(30.0, gt=0, le=240, description="frame rate the clips are encoded at (the model "
+                                                             "samples 2 a second of them by default)")
+
+    @field_validator("video_resolution")
+    @classmethod
+    def _video_resolution(cls, value: str) -> str:
+        parse_resolution(value)
+        return value
+
+    @property
+    def video_size(self) -> tuple[int, int]:
+        return parse_resolution(self.video_resolution)
+
+
+class BenchSettings(BaseSettings, VideoWorkload, Workload):
     model_config = SettingsConfigDict(env_prefix="EPD_BENCH_", cli_kebab_case=True, cli_implicit_flags=True,
                                       extra="forbid", validate_default=True)
 
@@ -81,23 +102,6 @@ class BenchSettings(BaseSettings, Workload):
     timeout: float = Field(600.0, gt=0, description="seconds one request may take")
     out: str = Field("", description="write the results (summary, per class, per request) to this JSON file")
     progress: bool = Field(True, description="show a progress bar (stderr)")
-    # -- video: clips per request (every request that is not text only), made before the run ------------
-    video_count: int = Field(0, ge=0, description="video clips per request (0: none); --image-count 0 with "
-                                                  "this sends video-only requests")
-    video_seconds: float = Field(10.0, gt=0, le=600, description="length of each clip (seconds)")
-    video_resolution: str = Field("720p", description="360p, 720p, 1080p, 4k or WIDTHxHEIGHT")
-    video_fps: float = Field(30.0, gt=0, le=240, description="frame rate the clips are encoded at (the model "
-                                                             "samples 2 a second of them by default)")
-
-    @field_validator("video_resolution")
-    @classmethod
-    def _video_resolution(cls, value: str) -> str:
-        parse_resolution(value)
-        return value
-
-    @property
-    def video_size(self) -> tuple[int, int]:
-        return parse_resolution(self.video_resolution)
 
 
 class PlotSettings(BaseSettings):

@@ -1,10 +1,13 @@
 """What this model costs on this hardware, measured in-process through our own tower and engine.
 
 - media: the frontend's decode (and content hash) of images of the workload's resolution and format,
-  one, or several at once in a pool of the frontend's size;
+  one, or several at once in a pool of the frontend's size; or of one video clip (PyAV: decoded up to
+  its last sampled frame, the sampled frames kept);
 - ViT: one forward over 1..N images of a resolution (ms per forward); the image processor's CPU time per
-  image, or, where encoders preprocess on the GPU, that work inside each forward's time;
+  image, or, where encoders preprocess on the GPU, that work inside each forward's time; the same over a
+  clip's sampled frames through the video processor, grid (t, h, w);
 - prefill: one prompt of the workload's text plus 0..N images (ms, by prompt tokens), first token sampled;
+  or plus one clip's video placeholders, laid out as the frontend lays them;
 - decode: one engine step at batch 1 and batch B, at a short and a long context (ms per step). The
   sequences are reserved with their KV in place (as a decode worker holds them), so no prefill is paid
   to set them up; the step's cost does not depend on the KV's values;
@@ -30,6 +33,8 @@ import torch
 from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import ImageInput, Sequence
 from shared.model.geometry import Grid, grid_tokens
+from shared.model.rope import video_time_interval
+from shared.model.video import VideoGeometry, VideoTiming
 
 TEMPLATE_TOKENS = 24  # the chat template around one user turn (system prompt, role markers)
 PER_IMAGE_TOKENS = 2  # <|vision_start|> and <|vision_end|> around each image's placeholders
@@ -127,6 +132,17 @@ def measure_media(width: int, height: int, fmt: str, count: int = 1, threads: in
                                                                    payloads)), repeat=5)
 
 
+def measure_clip_media(data: bytes, geometry: VideoGeometry) -> tuple[float, "DecodedVideo"]:  # noqa: F821
+    """(ms for the frontend's decoder to decode and sample one clip, the frames it sampled): one clip a
+    request, so one thread of the frontend's pool (PyAV's frame threads inside it)."""
+    from services.frontend.video import VideoLimits, decode_video
+
+    # measuring, not refusing: the frontend's own limits are its settings'
+    limits = VideoLimits(max_seconds=600, max_fps=240, max_frames=768, max_frame_pixels=1 << 30, decode_timeout=600)
+    decoded = decode_video(data, geometry, limits)  # and the warm-up
+    return Timer(torch.device("cpu")).ms(lambda: decode_video(data, geometry, limits), warmup=0), decoded
+
+
 class VisionProbe:
     """The vision tower, loaded once, timed on batches of images of any size, preprocessed as the
     encoders do (``mode`` torch: on the device, inside the timed forward; pil: on CPU, timed apart)."""
@@ -138,6 +154,16 @@ class VisionProbe:
         self.config, self.path, self.mode = config, path, mode
         self.tower = load_vision_tower(path, config, self.device, self.dtype, settings.load_format)
         self.timer = Timer(self.device)
+        self._video = None
+
+    @property
+    def video(self) -> "VideoPreprocessor":  # noqa: F821
+        """The encoders' video processor (made on first use: image-only floors never need it)."""
+        from shared.model.video_processor import VideoPreprocessor
+
+        if self._video is None:
+            self._video = VideoPreprocessor.from_checkpoint(self.path, self.dtype)
+        return self._video
 
     def unit(self, width: int, height: int, batch: int) -> tuple[Callable[[], torch.Tensor], Grid, float]:
         """(one forward over ``batch`` images, their grid, CPU preprocessing ms per image)."""
@@ -167,6 +193,23 @@ class VisionProbe:
                 vit_ms[batch] = self.timer.ms(forward)
         return grid_tokens(grid, self.config.vision.merge_size), preprocess_ms, vit_ms
 
+    def clip_unit(self, frames: np.ndarray) -> tuple[Callable[[], torch.Tensor], Grid, float]:
+        """(one forward over a clip's sampled frames ``[T, H, W, 3]`` uint8, its grid, CPU preprocessing ms),
+        the frames through the video processor as the encoders do (torch: on the device, in the forward)."""
+        video, source = self.video, torch.from_numpy(np.ascontiguousarray(frames))
+        grid = video.grid(*frames.shape[:3])
+        if self.mode == "torch":
+            return (lambda: self.tower(video(source.to(self.device))[0], [grid])), grid, 0.0
+        preprocess_ms = self.timer.ms(lambda: video(source))
+        patches = video(source)[0].to(self.device)
+        return (lambda: self.tower(patches, [grid])), grid, preprocess_ms
+
+    def measure_clip(self, frames: np.ndarray) -> tuple[int, float, float, Grid]:
+        """(placeholder tokens, CPU preprocess ms, ms per forward, grid) of one clip."""
+        with torch.inference_mode():
+            forward, grid, preprocess_ms = self.clip_unit(frames)
+            return grid_tokens(grid, self.config.vision.merge_size), preprocess_ms, self.timer.ms(forward), grid
+
 
 class EngineProbe:
     """Our engine (prefill and decode in one), timed on prompts and decode batches."""
@@ -177,18 +220,53 @@ class EngineProbe:
         # the same random prompts are timed again and again: a prefix cache would serve the repeats
         self.engine, self.config = build_engine(settings.model_copy(update={"prefix_caching": False}), "both")
         self.timer = Timer(settings.torch_device())
+        self.path = settings.model_path()
         self._count = 0
 
     def prompt(self, input_len: int, images: int, image_tokens: int, grid: Grid) -> Callable[[], None]:
         """One prefill of ``input_len`` text tokens (+ the template) and ``images`` images, to its first token."""
-        runner, config = self.engine.runner, self.config
-        rng = np.random.default_rng(images)
-        ids = rng.integers(16, config.text.vocab_size, input_len + TEMPLATE_TOKENS).tolist()
-        slots = []
+        config = self.config
+        ids, slots = self._text(input_len, images), []
         for _ in range(images):
-            slots.append(ImageInput(len(ids) + 1, grid, torch.randn(image_tokens, config.embedding_width,
-                                                                    device=runner.device, dtype=runner.dtype)))
+            slots.append(ImageInput(len(ids) + 1, grid, self._embeds(image_tokens)))
             ids += [config.vision_start_token_id] + [config.image_token_id] * image_tokens + [config.vision_end_token_id]
+        return self.prefill(ids, slots)
+
+    def clip_inputs(self, input_len: int, grid: Grid, geometry: VideoGeometry,
+                    timing: VideoTiming) -> tuple[list[int], list[ImageInput]]:
+        """The prompt of ``input_len`` text tokens (+ the template) and one clip of ``grid``: its video
+        placeholders as the frontend lays them out (``PromptBuilder._place_video``) and the engine's
+        inputs as the language worker makes them (``intake.image_inputs``). Qwen2-VL / Qwen2.5-VL: one run
+        of video tokens, temporal positions ``second_per_grid`` apart; Qwen3-VL: a run per temporal patch,
+        after its ``<t seconds>`` timestamp."""
+        config = self.config
+        t, h, w = grid
+        per_patch = h * w // config.vision.merge_size ** 2
+        ids, embeds = self._text(input_len, t), self._embeds(t * per_patch)
+        start, video, end = config.vision_start_token_id, config.video_token_id, config.vision_end_token_id
+        if geometry.rule != "qwen3":
+            interval = video_time_interval(config.vision.tokens_per_second, timing.second_per_grid)
+            slots = [ImageInput(len(ids) + 1, grid, embeds, time_interval=interval)]
+            return ids + [start] + [video] * (t * per_patch) + [end], slots
+        from transformers import AutoTokenizer
+
+        tokenizer, slots = AutoTokenizer.from_pretrained(self.path), []
+        for i, seconds in enumerate(timing.timestamps):
+            ids += tokenizer.encode(f"<{seconds:.1f} seconds>", add_special_tokens=False) + [start]
+            slots.append(ImageInput(len(ids), (1, h, w), embeds[i * per_patch:(i + 1) * per_patch]))
+            ids += [video] * per_patch + [end]
+        return ids, slots
+
+    def _text(self, input_len: int, seed: int) -> list[int]:
+        rng = np.random.default_rng(seed)
+        return rng.integers(16, self.config.text.vocab_size, input_len + TEMPLATE_TOKENS).tolist()
+
+    def _embeds(self, tokens: int) -> torch.Tensor:
+        runner = self.engine.runner
+        return torch.randn(tokens, self.config.embedding_width, device=runner.device, dtype=runner.dtype)
+
+    def prefill(self, ids: list[int], slots: list[ImageInput]) -> Callable[[], None]:
+        """One prefill of the prompt ``ids`` with its image (or clip) inputs ``slots``, to its first token."""
 
         def once() -> None:
             self._count += 1

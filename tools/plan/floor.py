@@ -9,12 +9,18 @@ measurements are written as ``epd plan`` costs per resolution (plus the decode s
 forward and the language model slow each other side by side), so the planner predicts from the very
 numbers the floor is made of.
 
+A video workload's request is one clip (``--video-*``, no images): the frontend's PyAV decode of the
+clip as ``epd bench`` sends it (seeded H.264, decoded up to its last sampled frame), the ViT over its
+sampled frames (the encoders' video processor, grid (t, h, w)), the prefill of its prompt with the clip's
+video placeholders. ``epd plan`` models images, not clips: these rows have no costs entry.
+
     python -m tools.plan.floor --shapes '[{"image_resolution": "448x448", "image_count": 10}]' \\
         --model qwen2.5-vl-7b --load-format dummy --out floor.json
 
-The shapes are ``Workload`` fields (``epd bench``'s); output: ``{"costs": {resolution: Costs},
-"shapes": [{resolution, input_len, images, prompt_tokens, media_ms, vit_ms, prefill_ms, floor_ms}],
-"seconds": measuring time}``.
+The shapes are ``Workload`` and ``VideoWorkload`` fields (``epd bench``'s); output: ``{"costs": {resolution:
+Costs}, "shapes": [{resolution, input_len, images, prompt_tokens, media_ms, vit_ms, prefill_ms, floor_ms}],
+"seconds": measuring time}``; a clip's row has ``videos``, ``video_seconds``, ``video_fps``, ``frames``,
+``grid`` and ``video_tokens`` in place of ``images`` (``resolution``: the clip's).
 """
 
 from __future__ import annotations
@@ -30,9 +36,9 @@ from pydantic import Field
 
 from shared.engine.settings import EngineSettings
 from shared.settings import parse_settings
-from tools.bench.settings import Workload, parse_resolution
-from tools.plan.costs import (PER_IMAGE_TOKENS, TEMPLATE_TOKENS, Costs, EngineProbe, VisionProbe, measure_corun,
-                              measure_media)
+from tools.bench.settings import VideoWorkload, Workload, parse_resolution
+from tools.plan.costs import (PER_IMAGE_TOKENS, TEMPLATE_TOKENS, Costs, EngineProbe, VisionProbe, measure_clip_media,
+                              measure_corun, measure_media)
 from tools.plan.timeslice import measure_timeslice, ready_or_none, vit_child
 
 
@@ -50,17 +56,43 @@ class FloorSettings(EngineSettings):
     corun_seconds: float = Field(1.0, ge=0, description="seconds of each co-run measurement (0: skip them)")
 
 
-def request_shapes(workloads: list[Workload]) -> dict[tuple[str, int], list[int]]:
-    """{(resolution, input_len): image counts} over every request the workloads send (0: text only,
-    always measured: prefill is interpolated from it upwards)."""
+class ShapeWorkload(Workload, VideoWorkload):
+    """One workload of ``--shapes``: its images, or its clips."""
+
+
+ClipShape = tuple[str, float, float, int]  # (resolution, seconds, fps, input_len) of a one-clip request
+
+
+def request_shapes(workloads: list[ShapeWorkload]) -> dict[tuple[str, int], list[int]]:
+    """{(resolution, input_len): image counts} over every image or text request the workloads send (0:
+    text only, always measured: prefill is interpolated from it upwards)."""
     shapes: dict[tuple[str, int], set[int]] = {}
     for w in workloads:
+        if w.video_count:
+            continue
         counts = shapes.setdefault((w.image_resolution, w.input_len), {0})
         counts.update(n for n in w.image_counts() if n > 0)
     return {key: sorted(counts) for key, counts in shapes.items()}
 
 
-def measure_floor(settings: FloorSettings, workloads: list[Workload]) -> dict:
+def clip_shapes(workloads: list[ShapeWorkload]) -> list[ClipShape]:
+    """Every clip request the workloads send: one clip a request, no images, no text-only share (the
+    floor of a request mixing clips with images or of a mixed load is not measured: none of ours sends
+    one)."""
+    out: list[ClipShape] = []
+    for w in workloads:
+        if not w.video_count:
+            continue
+        if w.video_count != 1 or w.image_count or w.text_ratio:
+            raise ValueError("a video workload's floor is measured for requests of one clip and no images "
+                             "(video_count 1, image_count 0, text_ratio 0)")
+        shape = (w.video_resolution, w.video_seconds, w.video_fps, w.input_len)
+        if shape not in out:
+            out.append(shape)
+    return out
+
+
+def measure_floor(settings: FloorSettings, workloads: list[ShapeWorkload]) -> dict:
     from shared.model.config import ModelConfig
     from shared.model.processor import preprocess_mode
 
@@ -76,6 +108,7 @@ def measure_floor(settings: FloorSettings, workloads: list[Workload]) -> dict:
     with vit_child(settings, resolution, images) as child:
         engine = EngineProbe(settings)
         result = _measure(settings, path, config, mode, shapes, middle, seen, vision, engine, ready_or_none(child))
+        result["shapes"] += [_clip_row(vision, engine, clip) for clip in clip_shapes(workloads)]
     result["seconds"] = time.monotonic() - started
     return result
 
@@ -131,6 +164,33 @@ def _measure(settings, path, config, mode, shapes, middle, seen, vision, engine,
             "hidden_bytes": config.text.hidden_size * settings.torch_dtype().itemsize}
 
 
+def _clip_row(vision: VisionProbe, engine: EngineProbe, clip: ClipShape) -> dict:
+    """One clip request's floor: the frontend decoding the clip, the ViT over its sampled frames
+    (preprocessing as the encoders do it), the prefill of its prompt."""
+    from tools.bench.video import make_clip
+
+    resolution, seconds, fps, input_len = clip
+    geometry = vision.video.geometry
+    media, decoded = measure_clip_media(make_clip(0, seconds, fps, *parse_resolution(resolution)), geometry)
+    tokens, pre_ms, forward_ms, grid = vision.measure_clip(decoded.pixels)
+    s = decoded.sampling
+    ids, slots = engine.clip_inputs(input_len, grid, geometry, geometry.timing(s.frame_indices, s.total_frames,
+                                                                               s.source_fps))
+    prefill = engine.timer.ms(engine.prefill(ids, slots), repeat=2)
+    vit = forward_ms + pre_ms  # one clip, one preprocessing thread
+    return {"resolution": resolution, "input_len": input_len, "videos": 1, "video_seconds": seconds,
+            "video_fps": fps, "frames": decoded.num_frames, "grid": list(grid), "video_tokens": tokens,
+            "prompt_tokens": len(ids), "media_ms": media, "vit_ms": vit, "prefill_ms": prefill,
+            "floor_ms": media + vit + prefill}
+
+
+def shape_label(row: dict) -> str:
+    """A floor row's request shape, e.g. ``3 x 448x448, 128 in`` or ``20 s 720p clip (40 frames), 128 in``."""
+    if "video_seconds" in row:
+        return f"{row['video_seconds']:g} s {row['resolution']} clip ({row['frames']} frames), {row['input_len']} in"
+    return f"{row['images']} x {row['resolution']}, {row['input_len']} in"
+
+
 def _corun(settings, middle, seen, vision, engine, child) -> dict[str, float]:
     """Co-run factors on the median image request's ViT forward and prefill (optional: a failure leaves
     the planner its documented assumptions, never the floor unmeasured)."""
@@ -150,13 +210,16 @@ def _corun(settings, middle, seen, vision, engine, child) -> dict[str, float]:
 
 def main(argv: list[str]) -> int:
     settings = parse_settings(FloorSettings, argv, "python -m tools.plan.floor")
-    workloads = [Workload(**w) for w in json.loads(settings.shapes)]
+    workloads = [ShapeWorkload(**w) for w in json.loads(settings.shapes)]
+    try:
+        clip_shapes(workloads)
+    except ValueError as err:  # before loading anything
+        raise SystemExit(f"python -m tools.plan.floor: {err}") from None
     result = measure_floor(settings, workloads)
     Path(settings.out).write_text(json.dumps(result, indent=1))
     for row in result["shapes"]:
-        print(f"floor {row['resolution']} x{row['images']} ({row['prompt_tokens']} tokens): media "
-              f"{row['media_ms']:.1f} + ViT {row['vit_ms']:.1f} + prefill {row['prefill_ms']:.1f} = "
-              f"{row['floor_ms']:.1f} ms", flush=True)
+        print(f"floor {shape_label(row)} ({row['prompt_tokens']} tokens): media {row['media_ms']:.1f} + ViT "
+              f"{row['vit_ms']:.1f} + prefill {row['prefill_ms']:.1f} = {row['floor_ms']:.1f} ms", flush=True)
     return 0
 
 
