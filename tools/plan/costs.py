@@ -302,8 +302,12 @@ class EngineProbe:
             return self.timer.ms(step, repeat=5, warmup=2)
 
     def decode_steps(self, batch: int) -> list[tuple[int, int, float]]:
+        """Steps at batch 1 and ``batch`` over short contexts, and at ``batch`` over long ones (4,096
+        tokens, or what the pool holds for ``batch`` sequences: a large model's KV per token is larger)."""
+        blocks = self.engine.blocks
         short = min(256, self.engine.max_model_len // 4)
-        long = max(short + 1, min(4096, self.engine.max_model_len - 8))
+        fits = blocks.num_free * blocks.block_size // batch - 2 * blocks.block_size
+        long = max(short + 1, min(4096, self.engine.max_model_len - 8, fits))
         return [(b, ctx, self.decode_ms(b, ctx)) for b, ctx in ((1, short), (batch, short), (batch, long))]
 
 
