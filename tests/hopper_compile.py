@@ -21,18 +21,23 @@ def compile_for_hopper(kernel, pointers: dict[str, str], constants: dict, **opti
     """Scalars not named in ``pointers`` are int32 (``eps``: float32)."""
     names = inspect.signature(kernel.fn).parameters
     signature = {n: "constexpr" if n in constants else pointers.get(n, "fp32" if n == "eps" else "i32") for n in names}
-    triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
-                   target=GPUTarget("cuda", 90, 32), options=options)
-    print(kernel.fn.__name__, constants, "ok")
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
+                              target=GPUTarget("cuda", 90, 32), options=options)
+    shared = compiled.metadata.shared
+    if shared > moe.SHARED_MEMORY:  # the launch would fail with OutOfResources on the GPU
+        raise SystemExit(f"{kernel.fn.__name__} {constants}: {shared} bytes of shared memory, over {moe.SHARED_MEMORY}")
+    print(kernel.fn.__name__, constants, f"ok ({shared} bytes shared)")
 
 
 def main() -> int:
     bf16, i32 = "*bf16", "*i32"
     gemm = dict(a_ptr=bf16, b_ptr=bf16, c_ptr=bf16, weights_ptr=bf16, sorted_ids=i32, block_experts=i32,
                 num_padded=i32)
-    for tiles in (moe.SMALL, moe.LARGE):
+    f32 = {name: "*fp32" if kind == bf16 else kind for name, kind in gemm.items()}  # float32 weights (checks)
+    for pointers, tiles in ((gemm, moe.SMALL), (gemm, moe.LARGE), (f32, moe.kernel_config(8, 128, 4)),
+                            (f32, moe.kernel_config(10_000 * 8, 128, 4))):
         for gated in (True, False):
-            compile_for_hopper(moe._grouped_gemm_kernel, gemm, dict(
+            compile_for_hopper(moe._grouped_gemm_kernel, pointers, dict(
                 A_ROWS_PER_TOKEN=8 if gated else 1, GATED=gated, WEIGHTED=not gated, BLOCK_M=tiles.block_m,
                 BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k), num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     routing = dict(NUM_EXPERTS=128, E_PAD=128, TOP_K=8, K_PAD=8, RENORMALIZE=True)

@@ -35,7 +35,7 @@ tensor cores; the small path's are in ``shared.kernels.moe_small``):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -71,9 +71,17 @@ def expert_path(num_assignments: int, forced: str | None = None) -> str:
     return forced
 
 
-def kernel_config(num_assignments: int, num_experts: int) -> KernelConfig:
-    """Tiles for a launch: small while an expert's rows would mostly be padding in a 64-row tile."""
-    return SMALL if num_assignments <= 16 * num_experts else LARGE
+SHARED_MEMORY = 232_448  # bytes of shared memory one program may use on H100/H200 (sm_90)
+
+
+def kernel_config(num_assignments: int, num_experts: int, itemsize: int = 2) -> KernelConfig:
+    """Tiles for a launch: small while an expert's rows would mostly be padding in a 64-row tile; with
+    fewer pipeline stages where wider elements (float32 weights) would not fit the shared memory (each
+    stage holds a BLOCK_M x BLOCK_K tile of A and the gate and up BLOCK_N x BLOCK_K tiles of B)."""
+    config = SMALL if num_assignments <= 16 * num_experts else LARGE
+    per_stage = (config.block_m + 2 * config.block_n) * config.block_k * itemsize
+    stages = max(1, min(config.num_stages, SHARED_MEMORY // per_stage))
+    return config if stages == config.num_stages else replace(config, num_stages=stages)
 
 
 @triton.jit
@@ -161,7 +169,7 @@ def moe(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torc
     if expert_path(a, path) == "small":
         weights, ids = route(logits, top_k, renormalize)
         return moe_small.gemv_experts(x, gate_up, down, ids, weights), ids
-    config = kernel_config(a, gate_up.shape[0])
+    config = kernel_config(a, gate_up.shape[0], gate_up.element_size())
     weights, ids, layout = route_and_align(logits, top_k, renormalize, config.block_m)
     return grouped_experts(x, gate_up, down, weights, layout, config), ids
 
@@ -173,6 +181,6 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, id
     if expert_path(ids.numel(), path) == "small":
         return moe_small.gemv_experts(x, gate_up, down, ids, weights)
     num_experts = gate_up.shape[0]
-    config = config or kernel_config(ids.numel(), num_experts)
+    config = config or kernel_config(ids.numel(), num_experts, gate_up.element_size())
     layout = align(ids, num_experts, config.block_m)
     return grouped_experts(x, gate_up, down, weights, layout, config)
