@@ -23,16 +23,19 @@ TINY = KernelConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=
 TINY_GEMV = GemvTiles(block_n=16, block_k=16, num_warps=4)
 
 
-def plain_loop(x, gate_up, down, ids, weights):
-    """Token by token, expert by expert: the definition."""
+def plain_loop(x, gate_up, down, ids, weights, rounded=lambda t: t):
+    """Token by token, expert by expert: the definition; ``rounded`` is applied where the kernels round
+    to the model's dtype (gate, up, SiLU, their product, each expert's output, each weighted term, the sum)."""
     out = torch.zeros_like(x)
     inter = gate_up.shape[1] // 2
     for t in range(x.shape[0]):
         for k in range(ids.shape[1]):
             e = int(ids[t, k])
             h = gate_up[e] @ x[t]
-            out[t] += weights[t, k] * (down[e] @ (F.silu(h[:inter]) * h[inter:]))
-    return out
+            gate = rounded(h[:inter])
+            act = rounded(rounded(F.silu(gate)) * rounded(h[inter:]))
+            out[t] += rounded(rounded(down[e] @ act) * weights[t, k])
+    return rounded(out)
 
 
 def routing(tokens, experts, top_k, seed):
@@ -85,19 +88,9 @@ def to_bf16(t):
 
 
 def rounded_loop(x, gate_up, down, ids, weights):
-    """``plain_loop`` in float32 rounded to bf16 where the kernels round: gate, up, SiLU, their product,
-    each expert's output, each weighted term, the sum."""
+    """``plain_loop`` in float32, rounded to bf16 where the kernels round."""
     x, gate_up, down, weights = (t.float() for t in (x, gate_up, down, weights))
-    out = torch.zeros_like(x)
-    inter = gate_up.shape[1] // 2
-    for t in range(x.shape[0]):
-        for k in range(ids.shape[1]):
-            e = int(ids[t, k])
-            h = gate_up[e] @ x[t]
-            gate = to_bf16(h[:inter])
-            act = to_bf16(to_bf16(gate / (1 + torch.exp(-gate))) * to_bf16(h[inter:]))
-            out[t] += to_bf16(to_bf16(down[e] @ act) * weights[t, k])
-    return to_bf16(out)
+    return plain_loop(x, gate_up, down, ids, weights, rounded=to_bf16)
 
 
 def test_small_path_rounds_where_the_sorted_path_rounds_in_bf16():
