@@ -837,20 +837,23 @@ def encode_path(ctx):
             out[f"forward_{images}_ms"] = cpu.ms(lambda: (tower(batch, [grid] * images), sync()), repeat=10, warmup=2)
             out[f"forward_{images}_device_ms"] = timer.ms(lambda: tower(batch, [grid] * images), repeat=10, warmup=2)
 
-    def rounds(mode: str, spacing_s: float) -> list[dict]:
+    def rounds(mode: str, spacing_s: float, sibling_wait_s: float = 0.0) -> list[dict]:
         """Ten images one at a time, three rounds on one batcher (the first warms it up): ``thread``, an
-        encoder's vision thread; ``step``, the aggregated path (``step`` in the caller's thread)."""
+        encoder's vision thread; ``step``, the aggregated path (``step`` in the caller's thread). With
+        ``sibling_wait_s`` the batcher knows the request's images still to come, as an encoder does."""
         async def run() -> list[dict]:
+            left = [0]  # the round's images not fed yet
             batcher = VisionBatcher(tower, asyncio.get_running_loop(), max_images=16, max_patches=65536,
-                                    prepare=prepare)
+                                    prepare=prepare, sibling_wait_s=sibling_wait_s, pending=lambda group: left[0])
             if mode == "thread":
                 batcher.start()
             results = []
             for _ in range(3):
                 before, batches, started = batcher.times.stats(), batcher.batches, time.perf_counter()
-                jobs = []
+                jobs, left[0] = [], 10
                 for _ in range(10):
-                    jobs.append(batcher.encode(source, grid))
+                    jobs.append(batcher.encode(source, grid, group="request"))
+                    left[0] -= 1
                     await asyncio.sleep(spacing_s)
                 if mode == "step":
                     batcher.step()
@@ -868,6 +871,8 @@ def encode_path(ctx):
 
     out["batcher_thread_together"] = rounds("thread", 0.0)
     out["batcher_thread_2ms_apart"] = rounds("thread", 0.002)
+    out["batcher_thread_together_sibling_wait"] = rounds("thread", 0.0, 0.005)  # the encoder's default wait
+    out["batcher_thread_2ms_apart_sibling_wait"] = rounds("thread", 0.002, 0.005)
     out["batcher_step_together"] = rounds("step", 0.0)
     out["tower_10_in_threads"] = _forward_in_threads(lambda: (tower(patches.repeat(10, 1), [grid] * 10), sync()), cpu)
     interval = sys.getswitchinterval()

@@ -175,6 +175,7 @@ def test_a_repeated_image_is_encoded_once_and_counted_at_metrics(cache_stack):
     assert sum(after[k]["images"] - middle[k]["images"] for k in before) == 0, "the second request ran the ViT"
     hits = {k: after[k]["cache_hits"] - middle[k]["cache_hits"] for k in before}
     assert sum(hits.values()) == 1
+    assert all(v["jobs_arriving"] == 0 for v in after.values())  # a cache hit leaves no job counted arriving
 
     holder = next(k for k, v in hits.items() if v == 1)
     service_id = next(s["id"] for s in cache_stack.running.stats_sync("epd-encoder")
@@ -235,6 +236,7 @@ def test_ten_concurrent_requests_for_one_new_image_run_the_vit_once(cache_stack)
     assert added("images") == 1
     # The other nine: joined the encoding under way, hit the cache after it, or borrowed from its encoder.
     assert added("cache_joined") + added("cache_hits") + added("cache_borrowed") == 9
+    assert all(v["jobs_arriving"] == 0 for v in after.values())  # every way out counts the job out once
 
 
 def test_when_the_holder_dies_the_image_is_encoded_elsewhere(cache_stack):

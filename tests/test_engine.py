@@ -268,3 +268,40 @@ def test_an_image_arriving_while_the_vit_runs_is_encoded_in_the_same_gap(model_p
 
     assert asyncio.run(one_gap(budget_s=60)) == (2, 0)
     assert asyncio.run(one_gap(budget_s=0)) == (1, 1)  # budget spent: the late image waits one step
+
+
+def test_an_encoder_forward_waits_for_the_rest_of_its_request(model_parts, tiny_model):
+    """An encoder's vision thread: a request's first image waits (up to the sibling wait) for the others
+    the encoder has received but not queued yet, so they ride one forward; with no wait it goes alone."""
+    import asyncio
+
+    import numpy as np
+
+    from services.encoder.batcher import VisionBatcher
+    from shared.model.processor import ImagePreprocessor
+
+    _, _, tower = model_parts
+    pil = ImagePreprocessor(tiny_model)
+    (first, grid1), (second, grid2) = [pil(np.asarray(make_image(s, 56, 84))) for s in (41, 42)]
+
+    async def request(wait_s: float) -> tuple[int, int]:
+        arriving = {"r": 1}  # the second image's pixels are still being pulled
+        batcher = VisionBatcher(tower, asyncio.get_running_loop(), max_images=8, max_patches=10_000,
+                                sibling_wait_s=wait_s, pending=lambda group: arriving.get(group, 0))
+        batcher.start()
+        try:
+            jobs = [batcher.encode(torch.from_numpy(first), grid1, group="r")]
+            if wait_s:
+                await asyncio.sleep(0.05)  # the second pull takes a while: the first image waits for it
+                assert not jobs[0].done()
+            else:
+                await asyncio.wait_for(jobs[0], 60)  # forwarded alone, at once
+            jobs.append(batcher.encode(torch.from_numpy(second), grid2, group="r"))
+            arriving["r"] = 0
+            await asyncio.wait_for(asyncio.gather(*jobs), 60)
+            return batcher.batches, batcher.waited
+        finally:
+            await asyncio.to_thread(batcher.stop)
+
+    assert asyncio.run(request(wait_s=30)) == (1, 1)
+    assert asyncio.run(request(wait_s=0)) == (2, 0)

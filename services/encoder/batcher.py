@@ -5,7 +5,12 @@ device right before the forward (GPU preprocessing: only the 8-bit pixels cross 
 the bytes of the float32 patches, which repeat every pixel for both temporal frames).
 
 Who runs the forwards:
-- an encoder process: the batcher's own thread (``start``), blocking on its queue;
+- an encoder process: the batcher's own thread (``start``), blocking on its queue. A request's images
+  come as one job each and reach the queue a pixel pull apart, so a forward that took only what was
+  queued would run a request's first image alone and the rest in later forwards — and a small
+  image's forward is launch-bound (~12 ms for one 448² image on an H200, ~29 ms for ten in one). So
+  the batch waits up to ``sibling_wait_s`` for the other images of its requests that the encoder has
+  received but not queued yet (``pending``: the encoder counts them), and takes whatever else arrives;
 - a process that also runs the language model (aggregated): the engine's thread, which calls ``step``
   between engine steps (``EngineLoop.attach``). One thread then drives the GPU: the ViT waits for at
   most one engine step instead of contending with it for the interpreter and the device. Before each
@@ -38,6 +43,7 @@ from shared.model.vision import VisionTower
 log = get_logger(__name__)
 
 STEP_BUDGET_S = 0.25  # ViT seconds one gap between engine steps may take (two 1080p batches of four)
+SIBLING_POLL_S = 0.001  # how often a batch waiting for a request's images looks whether they are still coming
 
 
 @dataclass
@@ -46,6 +52,7 @@ class _Item:
     grid: Grid
     future: asyncio.Future
     prepare: Callable[[torch.Tensor], torch.Tensor] | None = None  # pixels on the device → patches
+    group: str = ""  # the request it belongs to: a batch waits for the request's other images (thread mode)
     queued_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -56,8 +63,11 @@ class _Item:
 
 class VisionBatcher:
     def __init__(self, tower: VisionTower, loop: asyncio.AbstractEventLoop, max_images: int, max_patches: int,
-                 prepare: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 prepare: Callable[[torch.Tensor], torch.Tensor] | None = None, sibling_wait_s: float = 0.0,
+                 pending: Callable[[str], int] = lambda group: 0):
         self.tower = tower
+        self.sibling_wait_s = sibling_wait_s
+        self.pending = pending  # a request's images received but not queued yet (read from the vision thread)
         self.prepare = prepare  # pixels on the tower's device → patches; None: items carry patches
         self.loop = loop
         self.max_images = max_images
@@ -69,6 +79,7 @@ class VisionBatcher:
         self._thread: threading.Thread | None = None
         self.wake: Callable[[], None] = lambda: None  # the engine loop's, once attached to one
         self.batches = 0
+        self.waited = 0  # batches that waited for a request's other images
         self.images = 0
         self.patches = 0
         self.batch_sizes = BatchSizes(max_images)
@@ -93,13 +104,14 @@ class VisionBatcher:
             self._queue.put(None)
             self._thread.join(timeout=30)
 
-    def encode(self, source: torch.Tensor, grid: Grid,
-               prepare: Callable[[torch.Tensor], torch.Tensor] | None = None) -> asyncio.Future:
+    def encode(self, source: torch.Tensor, grid: Grid, prepare: Callable[[torch.Tensor], torch.Tensor] | None = None,
+               group: str = "") -> asyncio.Future:
         """Queue one image or video clip (its patches, or its pixels with the batcher's ``prepare`` or its
         own); the future resolves to its embeddings ``[tokens, out_dim]``. A clip's temporal patches
-        attend within their frame (Qwen2.5-VL: within windows of it), like any image of the batch."""
+        attend within their frame (Qwen2.5-VL: within windows of it), like any image of the batch.
+        ``group``: the request's id, whose other images a batch may wait for."""
         future = self.loop.create_future()
-        self._queue.put(_Item(source, grid, future, prepare or self.prepare))
+        self._queue.put(_Item(source, grid, future, prepare or self.prepare, group))
         self.wake()
         return future
 
@@ -144,21 +156,41 @@ class VisionBatcher:
                 return []
         if first is None:
             return None
-        batch, patches = [first], first.patches
+        batch = [first]
+        self._fill(batch, None)
+        if block and self.sibling_wait_s > 0 and self._carry is None and self._siblings_coming(batch):
+            self.waited += 1
+            self._fill(batch, time.monotonic() + self.sibling_wait_s)
+        return batch
+
+    def _fill(self, batch: list[_Item], deadline: float | None) -> None:
+        """Add queued items while they fit; with a ``deadline``, also wait for more while any request in
+        the batch has images on their way."""
+        patches = sum(item.patches for item in batch)
         while len(batch) < self.max_images:
             try:
-                item = self._queue.get_nowait()
+                if deadline is None:
+                    item = self._queue.get_nowait()
+                else:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not self._siblings_coming(batch):
+                        return
+                    item = self._queue.get(timeout=min(left, SIBLING_POLL_S))  # a sibling may end as a cache hit
             except queue.Empty:
-                break
+                if deadline is None:
+                    return
+                continue
             if item is None:
                 self._queue.put(None)
-                break
+                return
             if patches + item.patches > self.max_patches:
                 self._carry = item  # starts the next batch
-                break
+                return
             batch.append(item)
             patches += item.patches
-        return batch
+
+    def _siblings_coming(self, batch: list[_Item]) -> bool:
+        return any(self.pending(group) > 0 for group in {item.group for item in batch if item.group})
 
     @torch.inference_mode()
     def _forward(self, batch: list[_Item]) -> list[torch.Tensor]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack
 
@@ -67,6 +68,7 @@ class Encoder:
         self._pool: ThreadPoolExecutor | None = None
         self.times = StageTimes(("pull", "encode"))
         self.jobs: dict[str, set[asyncio.Task]] = {}  # request id → its encode jobs running here
+        self.arriving: Counter[str] = Counter()  # request id → its jobs here not yet queued for the ViT
         self._encode_endpoints: list[Endpoint] = []
 
     async def start(self, nc, resources: AsyncExitStack, own_thread: bool = True) -> None:
@@ -88,7 +90,8 @@ class Encoder:
         self.fingerprint = await asyncio.to_thread(encoder_fingerprint, path, s.load_format, str(s.torch_dtype()),
                                                    self.preprocess_mode)
         self.batcher = VisionBatcher(tower, asyncio.get_running_loop(), s.max_batch_images, s.max_batch_patches,
-                                     prepare=self.on_device)
+                                     prepare=self.on_device, sibling_wait_s=s.vit_sibling_wait_ms / 1e3,
+                                     pending=lambda request_id: self.arriving.get(request_id, 0))
         if own_thread:
             self.batcher.start()
             resources.push_async_callback(asyncio.to_thread, self.batcher.stop)
@@ -126,9 +129,11 @@ class Encoder:
         key = embedding_key(job.content_hash, self.fingerprint)
         task = asyncio.current_task()
         self.jobs.setdefault(job.request_id, set()).add(task)
+        arrival = _Arrival(self.arriving, job.request_id)
         try:
-            embedding, origin = await self.embeddings.obtain(key, lambda: self._encode(job))
+            embedding, origin = await self.embeddings.obtain(key, lambda: self._encode(job, arrival))
         finally:
+            arrival.done()
             tasks = self.jobs.get(job.request_id, set())
             tasks.discard(task)
             if not tasks:
@@ -168,7 +173,7 @@ class Encoder:
         timing = self.video.geometry.timing(s.frame_indices, s.total_frames, s.source_fps)
         return VideoTiming(second_per_grid=timing.second_per_grid, timestamps=list(timing.timestamps))
 
-    async def _encode(self, job: EncodeJob) -> Embedding:
+    async def _encode(self, job: EncodeJob, arrival: "_Arrival") -> Embedding:
         started = time.monotonic()
         try:
             pixels = await self.plane.pull(job.image)
@@ -177,27 +182,29 @@ class Encoder:
         pulled = time.monotonic()
         self.times.add("pull", pulled - started)
         if job.video is not None:
-            tensor, grid = await self._encode_video(pixels)
+            tensor, grid = await self._encode_video(pixels, arrival)
         elif self.on_device is not None:  # preprocessed on the tower's device, by the batcher
             grid = self.on_device.grid(pixels.shape[0], pixels.shape[1])
-            tensor = await self.batcher.encode(pixels, grid)
+            tensor = await arrival.queued(self.batcher.encode(pixels, grid, group=job.request_id))
         else:
             loop = asyncio.get_running_loop()
             patches, grid = await loop.run_in_executor(self._pool, self._cpu_preprocess, pixels.numpy())
-            tensor = await self.batcher.encode(torch.from_numpy(patches), grid)
+            tensor = await arrival.queued(self.batcher.encode(torch.from_numpy(patches), grid, group=job.request_id))
         self.times.add("encode", time.monotonic() - pulled)
         return Embedding(tensor, grid)
 
-    async def _encode_video(self, frames: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    async def _encode_video(self, frames: torch.Tensor, arrival: "_Arrival") -> tuple[torch.Tensor, tuple]:
         """A clip's frames through the video processor (on the tower's device with torch preprocessing,
         else on a CPU thread), then the ViT with other requests' images and clips."""
         grid = self.video.grid(*frames.shape[:3])
+        group = arrival.request_id
         if self.preprocess_mode == "torch":
-            tensor = await self.batcher.encode(frames, grid, prepare=lambda f: self.video(f)[0])
+            tensor = await arrival.queued(self.batcher.encode(frames, grid, prepare=lambda f: self.video(f)[0],
+                                                              group=group))
         else:
             loop = asyncio.get_running_loop()
             patches, grid = await loop.run_in_executor(self._pool, self.video, frames)
-            tensor = await self.batcher.encode(patches, grid)
+            tensor = await arrival.queued(self.batcher.encode(patches, grid, group=group))
         self.videos += 1
         self.video_frames += int(frames.shape[0])
         return tensor, grid
@@ -232,6 +239,8 @@ class Encoder:
             "video_frames": self.video_frames,
             "images_per_s": b.images_rate.rate() if b else 0.0,  # through the ViT, last 10 s
             "batches": b.batches if b else 0,
+            "batches_waited": b.waited if b else 0,  # forwards that waited for a request's other images
+            "jobs_arriving": sum(self.arriving.values()),  # jobs received, not yet queued for the ViT
             "patches": b.patches if b else 0,
             **(b.batch_sizes.stats() if b else {}),
             **(b.times.stats("vit_") if b else {}),  # waiting for a forward, and the forward itself
@@ -251,3 +260,25 @@ class Encoder:
             "cache_borrow_failures": e.peers.failures if e else 0,
             "index_errors": e.index.errors if e and e.index else 0,
         }
+
+
+class _Arrival:
+    """One encode job in ``Encoder.arriving`` until its image is queued for the ViT or the job ends
+    otherwise (a cache hit, a joined encoding, a failure, a cancel): counted out exactly once."""
+
+    def __init__(self, arriving: Counter, request_id: str):
+        self.arriving, self.request_id = arriving, request_id
+        self.counted = True
+        arriving[request_id] += 1
+
+    def done(self) -> None:
+        if self.counted:
+            self.counted = False
+            self.arriving[self.request_id] -= 1
+            if self.arriving[self.request_id] <= 0:
+                del self.arriving[self.request_id]
+
+    def queued(self, future: asyncio.Future) -> asyncio.Future:
+        """The image is in the batcher's queue (``future`` its embeddings): it no longer counts as arriving."""
+        self.done()
+        return future

@@ -13,6 +13,10 @@ class EncoderSettings(CommonSettings):
     max_batch_images: int = Field(32, ge=1, description="images in one ViT forward at most")
     max_batch_patches: int = Field(65536, ge=1, description="patches in one ViT forward at most (1080p: 10,764)")
     max_concurrent_jobs: int = Field(256, ge=1, description="encode jobs admitted at once; more wait in NATS")
+    vit_sibling_wait_ms: float = Field(5.0, ge=0, le=1000, description="a ViT forward waits up to this long for "
+                                       "the rest of a request's images this encoder has received (their pixels "
+                                       "still being pulled or prepared), so a request's images ride one forward; "
+                                       "0: forward what is queued at once")
     preprocess: Literal["auto", "pil", "torch"] = Field(
         "auto", description="where images are resized and patchified: pil = the checkpoint's own processor on CPU "
                             "threads (exactly the reference); torch = tensor operations on the encoder's device "
