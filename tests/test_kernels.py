@@ -169,3 +169,33 @@ def test_segment_attention_matches_per_segment_sdpa():
         s = slice(start, end)
         ref = F.scaled_dot_product_attention(q[s].transpose(0, 1), k[s].transpose(0, 1), v[s].transpose(0, 1))
         close(out[s], ref.transpose(0, 1))
+
+
+def test_each_triton_compile_is_logged_with_its_time():
+    """``log_compiles`` hooks Triton's compile callbacks with the keywords Triton 3.6 passes them
+    (``JITFunction._call_hook``): a compile mid-serving shows up as a ``kernel.compiled`` line."""
+    pytest.importorskip("triton")
+    from triton import knobs
+    from triton.runtime.jit import JitFunctionInfo
+
+    from shared import kernels
+    from shared.kernels import attention
+
+    lines = []
+
+    class Log:
+        def info(self, event, **fields):
+            lines.append((event, fields))
+
+    saved = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    try:
+        kernels.log_compiles(Log())
+        hook_args = dict(key=("k", 1), repr="_prefill_kernel[num_warps=8](q_ptr: *bf16)", compile={},
+                         is_manual_warmup=False, already_compiled=False,
+                         fn=JitFunctionInfo(attention, "_prefill_kernel", attention._prefill_kernel))
+        assert not knobs.runtime.jit_cache_hook(**hook_args)  # falsy: Triton goes on and compiles
+        knobs.runtime.jit_post_compile_hook(**hook_args)
+    finally:
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = saved
+    assert lines[0][0] == "kernel.compiled" and lines[0][1]["kernel"] == "_prefill_kernel"
+    assert lines[0][1]["ms"] >= 0 and "q_ptr" in lines[0][1]["specialization"]

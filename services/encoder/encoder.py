@@ -28,6 +28,7 @@ from services.encoder.fingerprint import encoder_fingerprint
 from services.encoder.metrics import StageTimes
 from services.encoder.peers import PeerEncoders
 from services.encoder.settings import EncoderSettings
+from shared import kernels
 from shared.bus.publisher import listen_for_cancels
 from shared.bus.service_api import Endpoint, Request
 from shared.bus.subjects import QUEUE, Subjects
@@ -77,6 +78,8 @@ class Encoder:
         s = self.settings
         path = s.model_path()
         config = ModelConfig.from_checkpoint(path)
+        if s.torch_device().type == "cuda":
+            kernels.log_compiles(log)
         tower = await asyncio.to_thread(load_vision_tower, path, config, s.torch_device(), s.torch_dtype(),
                                         s.load_format)
         self.preprocess_mode = preprocess_mode(s.preprocess, s.torch_device())

@@ -14,6 +14,7 @@ from shared.model.config import ModelConfig
 from shared.model.loader import load_language_model
 from shared.model.processor import load_tokenizer
 from shared.engine.settings import EngineSettings
+from shared import kernels
 
 log = get_logger(__name__)
 
@@ -35,6 +36,8 @@ def build_engine(settings: EngineSettings, role: str) -> tuple[Engine, ModelConf
     path = settings.model_path()
     config = ModelConfig.from_checkpoint(path)
     device, dtype = settings.torch_device(), settings.torch_dtype()
+    if device.type == "cuda":
+        kernels.log_compiles(log)
     model = load_language_model(path, config, device, dtype, settings.load_format)
     max_len = min(settings.max_model_len or config.text.max_position_embeddings, config.text.max_position_embeddings)
     blocks = kv_pool_blocks(settings, config, device, dtype)

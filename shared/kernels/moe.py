@@ -84,7 +84,7 @@ def kernel_config(num_assignments: int, num_experts: int, itemsize: int = 2) -> 
     return config if stages == config.num_stages else replace(config, num_stages=stages)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_assignments"])  # varies every step: one compile, not one per residue
 def _grouped_gemm_kernel(
     a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids, block_experts, num_padded,
     N, K, num_assignments,

@@ -121,7 +121,7 @@ def _mark_all_blocks(sorted_ids_ptr, block_experts_ptr, num_blocks, counts, star
     tl.store(sorted_ids_ptr + s, num_assignments, mask=b_ok[:, None] & ((s >= total) | (s >= used[:, None])))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "capacity"])
 def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ids_ptr, block_experts_ptr, num_padded_ptr,
                         num_tokens, stride_l, capacity,
                         NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
@@ -152,7 +152,7 @@ def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ids_ptr, block_
         tl.store(sorted_ids_ptr + row, t * TOP_K + k, mask=t_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, num_tokens, stride_l,
                   NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                   RENORMALIZE: tl.constexpr, ROWS: tl.constexpr, COUNT: tl.constexpr):
@@ -165,7 +165,7 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, num_tokens, stri
         tl.atomic_add(counts_ptr + ids, 1, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_assignments", "capacity"])
 def _align_kernel(ids_ptr, counts_ptr, cursor_ptr, sorted_ids_ptr, block_experts_ptr, num_padded_ptr,
                   num_assignments, capacity,
                   NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
