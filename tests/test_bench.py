@@ -332,6 +332,31 @@ def test_plan_models_sharing_a_gpu():
 
 
 
+
+def test_plan_aggregated_thread_waits_for_decode_and_image_prefills():
+    planner = Planner(h200_like(), 5.0, 3584 * 2)
+    rate = 0.5 * planner.capacity(traffic(DYNAMO, 1.0))
+    short = planner.predict(Layout("aggregated", 1), traffic(DYNAMO.model_copy(update={"output_len": 128}), rate))
+    long = planner.predict(Layout("aggregated", 1), traffic(DYNAMO, rate))
+    assert long.ttft_ms > short.ttft_ms  # a larger running batch: longer steps to wait for, rows in every chunk
+    # text prompts go ahead of image prompts but share their steps: more image traffic, slower text
+    text = []
+    for share in (0.2, 0.5, 0.8):
+        mixed = DYNAMO.model_copy(update={"text_ratio": 1 - share, "output_len": 128})
+        text.append(planner.predict(Layout("aggregated", 1), traffic(mixed, 2.0)).ttft_by_images_ms[0])
+    assert text == sorted(text) and text[-1] > text[0] + 5
+
+
+def test_plan_mps_clients_share_what_the_pair_gets_done():
+    lopsided = {"vit|decode": 1.15, "decode|vit": 4.56, "vit|prefill": 2.17, "prefill|vit": 1.68}
+    swapped = {"vit|decode": 4.56, "decode|vit": 1.15, "vit|prefill": 1.68, "prefill|vit": 2.17}
+    one, other = Planner(h200_like(lopsided), 5.0, 3584 * 2), Planner(h200_like(swapped), 5.0, 3584 * 2)
+    assert one.k("vit", "decode", True) == one.k("decode", "vit", True) == pytest.approx(2 / (1 / 1.15 + 1 / 4.56))
+    t = traffic(DYNAMO, 2.0)
+    assert one.predict(Layout("colocated", 1, "joined", True), t).ttft_ms == pytest.approx(
+        other.predict(Layout("colocated", 1, "joined", True), t).ttft_ms)
+    assert one.k("vit", "decode", False) == TIMESLICE  # time-sliced: unmeasured here, the model's factor
+
 # -- bench/epd_vs_aggregated.py end to end, tiny --------------------------------------------------------
 def eva(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_") or k == "EPD_CACHE_DIR"}

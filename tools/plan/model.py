@@ -8,10 +8,16 @@ B sequences costs t(B) = a + b·B + c·B·ctx; B follows from Little's law, B = 
 
 Queues (Poisson arrivals, ``queueing.py``): a server whose service time varies with n is M/G/1,
 W = λ·E[S²] / 2(1 − ρ). Layouts:
-- aggregated: one engine thread does everything: a ViT batch between two engine steps, prefill before
-  decode. E+P work w(n) = v(n) + P(n) queues as one M/G/1 server; an arrival also waits for the decode
-  step in progress, and an image request for one more (its ViT batch and its prefill run in different
-  engine iterations): TTFT = m + W + α_D·t·(½ + [n>0]) + v + P; TPOT = t(B) / (1 − ρ_w).
+- aggregated: one engine thread is one server. Between two engine steps it runs a ViT batch of the
+  images waiting, then a step of at most C = ``step_tokens`` tokens: the running batch's decode rows,
+  then prompt chunks shortest first. Non-preemptive priorities (Cobham), classes ViT (1), text prompts
+  (2), image prompts (3) of loads ρ_1..ρ_3, σ_k = ρ_1 + … + ρ_k: class k waits
+  W_k = R / ((1 − σ_{k−1})(1 − σ_k)), R = λ·E[v² + Σ chunk²]/2 + α_D·t/2 the residual of whatever runs
+  (a ViT forward, a prompt chunk of ≤ C tokens with the decode rows in it, a pure decode step); for
+  image prompts R counts the whole prompt in service (λ·E[P'²]/2: its next chunks come first). An image
+  request: TTFT = m + W_1 + v + W_3 + P', its prefill P' stretched by the ViT batches of later requests
+  cutting in between its chunks; a text request: W_2 + P, plus (when an image prompt waits, by Little's
+  law) the rest of its step, filled with that prompt's chunk. TPOT = t(B) / (1 − σ_3).
 - joined language worker (E/PD, colocated or disaggregated): the encoder is a server of its own
   (M/G/1 over requests' image sets, a request's images split over the encoders it may use); prefill
   queues M/G/1 ahead of decode in its engine: TTFT = m + W_E + v + W_P + α_D·t/2 + P + x;
@@ -22,9 +28,11 @@ Sharing a GPU: processes on one GPU slow each other. A stage x runs s_x = 1 + Σ
 times slower, over the activities y of the *other* processes on its GPU, α_y the share of time y keeps
 the GPU busy (ViT and prefill: their utilisation, already slowed; decode: the share of time a sequence is
 running, 1 − e^−B, less the joined engine's prefill share), solved as a fixed point with B. k[x|y]:
-- with MPS, measured in ``costs.py`` (a ViT forward and decode steps, a ViT forward and a prefill, on two
-  CUDA streams at once against alone); prefill beside decode is taken as the ViT beside decode (both
-  are compute-bound GEMM streams next to a bandwidth-bound one);
+- with MPS, from ``costs.py``'s measurement (a ViT forward and decode steps, a ViT forward and a prefill,
+  on two CUDA streams at once against alone): the pair's combined rate 1/k[x|y] + 1/k[y|x] shared
+  equally, k = 2 / (1/k[x|y] + 1/k[y|x]) both ways (how two streams of one process split the GPU
+  swings with launch order; what they get done together holds); prefill beside decode is taken as the
+  ViT beside decode (both are compute-bound GEMM streams next to a bandwidth-bound one);
 - time-sliced (no MPS), measured in ``timeslice.py`` the same way with the ViT in a second process
   (prefill beside decode taken as above); without that measurement, a model: both busy means each gets
   the GPU half the time, plus the switch between contexts: k = ``TIMESLICE`` for every pair.
@@ -45,6 +53,7 @@ from tools.plan.costs import Costs
 from tools.plan.layouts import Layout
 from tools.plan.queueing import mg1_wait
 from tools.bench.settings import Workload
+from shared.engine.settings import GPU_STEP_TOKENS
 
 TIMESLICE = 2.1  # slowdown of a stage while another process keeps a time-sliced GPU busy (model, not measured)
 MPS_UNMEASURED = 1.5  # k under MPS when the costs carry no co-run measurement (plans written before them)
@@ -118,8 +127,10 @@ def decode_busy(batch: float) -> float:
 
 
 class Planner:
-    def __init__(self, costs: Costs, data_plane_gbs: float = 5.0, hidden_bytes: int = 0, max_batch: int = 256):
+    def __init__(self, costs: Costs, data_plane_gbs: float = 5.0, hidden_bytes: int = 0, max_batch: int = 256,
+                 step_tokens: int = GPU_STEP_TOKENS):
         self.costs = costs
+        self.step_tokens = step_tokens  # tokens an engine step computes at most (--max-batched-tokens)
         self.bandwidth = data_plane_gbs * 1e9
         self.hidden_bytes = hidden_bytes  # bytes of one token's embedding (for the E→P transfer)
         self.max_batch = max_batch  # sequences an engine runs at once (--max-num-seqs)
@@ -167,7 +178,15 @@ class Planner:
         pair = {"prefill|decode": "vit|decode", "decode|prefill": "decode|vit"}.get(f"{x}|{y}", f"{x}|{y}")
         if not mps:
             return max(1.0, self.costs.corun.get(f"ts:{pair}", TIMESLICE))
-        return max(1.0, self.costs.corun.get(pair, MPS_UNMEASURED))
+        first, second = pair.split("|")
+        beside, back = self.costs.corun.get(pair), self.costs.corun.get(f"{second}|{first}")
+        if beside is None or back is None:
+            return max(1.0, self.costs.corun.get(pair, MPS_UNMEASURED))
+        # Two streams of one process split the GPU by who launches first (Qwen2.5-VL-7B's floor: decode
+        # 4.6x slower beside the ViT, the ViT 1.15x; Qwen3-VL-30B-A3B's the other way round), while what
+        # the pair gets done together, 1/k[x|y] + 1/k[y|x] of the GPU, holds (1.04-1.09 in both): two
+        # MPS clients are taken to share that equally.
+        return max(1.0, 2 / (1 / beside + 1 / back))
 
     # -- layouts -------------------------------------------------------------------------------------
     def predict(self, layout: Layout, t: Traffic, overheads: Overheads | None = None) -> Prediction:
@@ -187,19 +206,62 @@ class Planner:
         return self._workers(layout, t) or unstable
 
     def _aggregated(self, rate: float, t: Traffic):
-        work = t.mean(lambda n: self.vit(n) + self.prefill(t, n))
-        spread = t.mean(lambda n: (self.vit(n) + self.prefill(t, n)) ** 2)
-        if rate * work >= 1:
+        """One engine thread, one server: between two engine steps a ViT batch of the images waiting
+        (ahead of every prompt), then a step of at most ``step_tokens`` tokens: decode rows first, then
+        prompt chunks shortest first, so a text prompt goes ahead of image prompts but shares its step
+        with their chunks. Non-preemptive priorities (Cobham): class k waits R / ((1 − σ_{k−1})(1 − σ_k)),
+        R the residual of whatever runs (a ViT forward, a prompt chunk, a decode step), σ_k the load of
+        classes 1..k (ViT; text prompts; image prompts)."""
+        classes = t.classes()
+        vit = {n: self.vit(n) for _, n in classes}
+        prompt = {n: self.prefill(t, n) for _, n in classes}
+        rho_vit = rate * t.mean(lambda n: vit[n])
+        rho_text = rate * sum(p * prompt[n] for p, n in classes if not n)
+        rho_image = rate * sum(p * prompt[n] for p, n in classes if n)
+        rho_work = rho_vit + rho_text + rho_image
+        if rho_work >= 1:
             return None
         step = self.step(t)
-        batch, tpot = decode_batch(rate, t.output_len, step, 1 / (1 - rate * work), self.max_batch)
+        batch, tpot = decode_batch(rate, t.output_len, step, 1 / (1 - rho_work), self.max_batch)
         if not math.isfinite(tpot):
             return None
-        active = max(0.0, decode_busy(batch) - rate * work)  # share of time a decode step is running
-        wait = mg1_wait(rate, work, spread)
-        ttft = {n: wait + active * step(batch) * (0.5 + (n > 0)) + self.vit(n) + self.prefill(t, n)
-                for _, n in t.classes()}
-        return ttft, tpot, {"vit+prefill": rate * work, "decode": active}
+        rows = self.decode_rows(t, batch)  # the running batch's rows, in every prompt chunk's step too
+        decoding = max(0.0, decode_busy(batch) - rho_work)  # share of time a pure decode step runs
+        chunks = {n: self.chunks(t, n, prompt[n] + rows) for _, n in classes}
+        # what an arrival finds running: the ViT and text prompts need only the current chunk to end; an
+        # image prompt, also the image prompt in service (it keeps the next chunks unless a shorter one comes)
+        in_step = rate * t.mean(lambda n: vit[n] ** 2 + sum(c ** 2 for c in chunks[n])) / 2 + decoding * step(batch) / 2
+        in_prompt = in_step + rate * t.mean(lambda n: sum(chunks[n]) ** 2 - sum(c ** 2 for c in chunks[n])) / 2
+        above_text = rho_vit + rho_text
+        wait_vit = in_step / (1 - rho_vit)
+        wait_text = in_step / ((1 - rho_vit) * (1 - above_text))
+        wait_image = in_prompt / ((1 - above_text) * (1 - rho_work))
+        images = [n for _, n in classes if n]
+        first_chunk = sum(chunks[n][0] for n in images) / len(images) if images else 0.0
+        image_prompt = sum(sum(chunks[n]) for n in images) / len(images) if images else 0.0
+        waiting = min(1.0, rate * t.image_share * (wait_image + image_prompt))  # image prompts queued (Little)
+        ttft = {}
+        for _, n in classes:
+            own = sum(chunks[n])
+            if n:  # the ViT batches of later requests cut in between its chunks
+                own += (len(chunks[n]) - 1) / len(chunks[n]) * own * rho_vit / (1 - rho_vit)
+                ttft[n] = wait_vit + vit[n] + wait_image + own
+            else:  # its step is filled up with an image prompt's chunk when one waits
+                ttft[n] = wait_text + own + waiting * max(0.0, first_chunk - own)
+        return ttft, tpot, {"vit+prefill": rho_work, "vit": rho_vit, "decode": decoding}
+
+    def decode_rows(self, t: Traffic, batch: float) -> float:
+        """Seconds ``batch`` decode rows add to a step that also computes prompt chunks (no fixed part:
+        the step's launch is the chunk's)."""
+        a, b, c = self.costs.decode_fit()
+        context = t.mean(lambda n: self.costs.prompt_tokens(t.input_len, n)) + t.output_len / 2
+        return batch * (b + c * context) / 1e3
+
+    def chunks(self, t: Traffic, n: int, seconds: float) -> list[float]:
+        """A prompt's steps (seconds each): ``step_tokens`` tokens at most, its time split by tokens."""
+        tokens = self.costs.prompt_tokens(t.input_len, n)
+        k = max(1, math.ceil(tokens / self.step_tokens))
+        return [seconds * min(self.step_tokens, tokens - i * self.step_tokens) / tokens for i in range(k)]
 
     def _workers(self, layout: Layout, t: Traffic):
         """Encoders and language workers, sharing GPUs as the layout says."""
