@@ -55,7 +55,8 @@ def role_permissions(role: str, prefix: str) -> dict[str, list[str]]:
         "encoder": dict(pub=[f"{p}.encode.>", *index_write], sub=[f"{p}.encode", f"{p}.encode.>", f"{p}.cancel"]),
         "prefill": dict(pub=[f"{p}.decode", f"{p}.decode.>", f"{p}.stream.>", f"{p}.cancel", "$SRV.>"],
                         sub=[f"{p}.prefill", f"{p}.prefill.>", f"{p}.cancel"]),
-        "decode": dict(pub=[f"{p}.stream.>"], sub=[f"{p}.decode", f"{p}.decode.>", f"{p}.cancel"]),
+        "decode": dict(pub=[f"{p}.stream.>", "$SRV.PING.epd-prefill.>"],  # is a reservation's prefill alive
+                       sub=[f"{p}.decode", f"{p}.decode.>", f"{p}.cancel"]),
         "language": dict(pub=[f"{p}.stream.>"], sub=[f"{p}.prefill", f"{p}.prefill.>", f"{p}.cancel"]),
         "aggregated": dict(pub=[f"{p}.stream.>", f"{p}.encode.>", *index_write],
                            sub=[f"{p}.encode", f"{p}.encode.>", f"{p}.prefill", f"{p}.prefill.>", f"{p}.cancel"]),

@@ -43,13 +43,19 @@ async def test_roles_publish_only_on_their_subjects(secured):
     try:
         to_prefill = await admin.subscribe(f"{PREFIX}.prefill")
         to_stream = await admin.subscribe(f"{PREFIX}.stream.r1")
+        pinged = await admin.subscribe("$SRV.PING.epd-prefill.prefill-0a1b2c3d4e5f")  # is its KV's sender alive
+        listed = await admin.subscribe("$SRV.STATS")
         await admin.flush()
         await decode.publish(f"{PREFIX}.prefill", b"not allowed")
+        await decode.publish("$SRV.STATS", b"not allowed")
         await decode.publish(f"{PREFIX}.stream.r1", b"allowed")
+        await decode.publish("$SRV.PING.epd-prefill.prefill-0a1b2c3d4e5f", b"allowed")
         await decode.flush()
         assert (await to_stream.next_msg(timeout=2)).data == b"allowed"
-        with pytest.raises(asyncio.TimeoutError):
-            await to_prefill.next_msg(timeout=0.5)
+        assert (await pinged.next_msg(timeout=2)).data == b"allowed"
+        for refused in (to_prefill, listed):
+            with pytest.raises(asyncio.TimeoutError):
+                await refused.next_msg(timeout=0.5)
     finally:
         await decode.close()
         await admin.close()

@@ -4,6 +4,7 @@ reserved blocks come back, and the request's stream gets an error — never a no
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 
 import nats
@@ -26,7 +27,7 @@ from shared.model.config import ModelConfig
 def decode_worker(nats_url, tiny_model):
     prefix = "kv" + str(int(time.time() * 1000) % 10**8)
     env = {"EPD_MODEL": str(tiny_model), "EPD_SUBJECT_PREFIX": prefix, "EPD_KV_CACHE_MB": "16",
-           "EPD_RESERVATION_TIMEOUT": "2", "EPD_LOG_LEVEL": "warning"}
+           "EPD_RESERVATION_TIMEOUT": "6", "EPD_LOG_LEVEL": "warning"}
     stack = Stack.start_nats({**__import__("os").environ, **env}, nats_url)
     stack.spawn("decode")
     asyncio.run(stack.wait_ready({"decode": 1}, timeout=120, prefix=prefix))
@@ -61,7 +62,7 @@ async def test_prefill_dying_mid_transfer_frees_blocks_and_reports_an_error(deco
         assert held["reservations"] == 1 and held["kv_blocks_used"] > 0
         chunk = KVChunk(request_id="half-way", first_layer=0, last_layer=1, kv=plane.publish(_kv(config, 1, 20)))
         await call(nc, subjects.decode_kv(decode_id), pack(chunk), 10, "decode")
-        # ... and the prefill dies: no second chunk, no start. The reservation expires (2 s here).
+        # ... and the prefill dies: no second chunk, no start. The reservation expires (6 s here).
         event = unpack(TokenEvent, (await events.next_msg(timeout=10)).data)
         assert event.error is not None and event.error.status == 504 and event.finish_reason is None
         after = await _decode_stats(nc, subjects)
@@ -75,6 +76,36 @@ async def test_prefill_dying_mid_transfer_frees_blocks_and_reports_an_error(deco
             await call(nc, subjects.decode_start(decode_id), pack(start), 10, "decode")
     finally:
         await plane.stop()
+        await nc.close()
+
+
+async def test_a_prefill_gone_after_reserving_ends_its_reservation_at_once(decode_worker, nats_url):
+    """The decode worker watches the prefill that reserved: once NATS has nobody at its service PING
+    (the process is gone), the reservation ends and the stream hears why within about a second — not
+    after --reservation-timeout, which a request used to wait out before it resumed elsewhere."""
+    subjects, _ = decode_worker
+    nc = await nats.connect(nats_url)
+    prefill_id = f"prefill-{secrets.token_hex(6)}"
+
+    async def pong(msg):
+        await msg.respond(b"{}")
+
+    alive = await nc.subscribe(f"$SRV.PING.epd-prefill.{prefill_id}", cb=pong)
+    try:
+        stream = subjects.stream("sender-gone")
+        events = await nc.subscribe(stream)
+        await call(nc, subjects.decode, pack(KVReserve(request_id="sender-gone", num_tokens=20, max_tokens=8,
+                                                         stream=stream, prefill_id=prefill_id)), 10, "decode")
+        await asyncio.sleep(1.5)  # pinged and answering: a slow prefill keeps its reservation
+        assert (await _decode_stats(nc, subjects))["reservations"] == 1
+        await alive.unsubscribe()
+        gone = time.monotonic()
+        event = unpack(TokenEvent, (await events.next_msg(timeout=4)).data)
+        assert event.error is not None and event.error.status == 504 and "is gone" in event.error.message
+        assert time.monotonic() - gone < 4  # the reservation timeout here is 6 s
+        after = await _decode_stats(nc, subjects)
+        assert after["reservations"] == 0 and after["kv_blocks_used"] == 0
+    finally:
         await nc.close()
 
 

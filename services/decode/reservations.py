@@ -2,8 +2,9 @@
 
 A reservation is made (``KVReserve``), filled layer group by layer group (``KVChunk``), and either
 started (``DecodeStart``, once every layer has landed) or ended: cancelled, or expired when its
-transfer or start did not come within ``--reservation-timeout`` (a prefill that died half-way). Expiry
-is a timer per reservation, not a sweep. Whoever ends a reservation frees its blocks.
+transfer or start did not come within ``--reservation-timeout``, or at once when the prefill sending it
+is gone (the decode service watches it). Expiry is a timer per reservation, not a sweep. Whoever ends a
+reservation frees its blocks.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ class Reservation:
     stream: str
     landed: dict[int, int] = field(default_factory=dict)  # layer → tokens of its KV in the blocks
     complete: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # taken: started, cancelled or expired
     timer: asyncio.TimerHandle | None = None
 
 
 class Reservations:
-    def __init__(self, timeout: float, on_expired: Callable[[str, Reservation], None]):
+    def __init__(self, timeout: float, on_expired: Callable[[str, Reservation, str], None]):
         self.timeout = timeout
-        self.on_expired = on_expired  # frees the blocks and tells the request's stream
+        self.on_expired = on_expired  # frees the blocks and tells the request's stream (and why)
         self.held: dict[str, Reservation] = {}
         self.none_held = asyncio.Event()
         self.none_held.set()
@@ -44,7 +46,8 @@ class Reservations:
 
     def hold(self, request_id: str, reservation: Reservation) -> None:
         loop = asyncio.get_running_loop()
-        reservation.timer = loop.call_later(self.timeout, self._expire, request_id, reservation)
+        reservation.timer = loop.call_later(self.timeout, self.expire, request_id, reservation,
+                                            "the KV transfer from prefill did not complete")
         self.held[request_id] = reservation
         self.none_held.clear()
 
@@ -58,6 +61,7 @@ class Reservations:
             self.none_held.set()
         if current.timer is not None:
             current.timer.cancel()
+        current.ended.set()
         return current
 
     def land(self, reservation: Reservation, layers: range, tokens: int, num_layers: int) -> None:
@@ -72,7 +76,8 @@ class Reservations:
         """Seconds left before ``reservation`` expires."""
         return max(0.0, reservation.timer.when() - asyncio.get_running_loop().time()) if reservation.timer else 0.0
 
-    def _expire(self, request_id: str, reservation: Reservation) -> None:
+    def expire(self, request_id: str, reservation: Reservation, reason: str) -> None:
+        """End ``reservation`` (if it is still held) as failed: its KV or its start will not come."""
         if self.take(request_id, reservation) is not None:
             self.expired += 1
-            self.on_expired(request_id, reservation)
+            self.on_expired(request_id, reservation, reason)

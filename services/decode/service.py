@@ -11,6 +11,8 @@ from services.decode.reservations import Reservation, Reservations
 from services.decode.settings import DecodeSettings
 from services.language.intake import validate_sampling
 from services.language.worker import LanguageWorker, Tracked
+from shared.aio import TaskSet
+from shared.bus.directory import Directory
 from shared.bus.service_api import Endpoint, Request
 from shared.bus.subjects import QUEUE
 from shared.dataplane.plane import DataPlane
@@ -38,10 +40,16 @@ class DecodeService(Service):
         self.worker = LanguageWorker(settings, "decode", self.subjects, self.instance)
         self.reservations = Reservations(settings.reservation_timeout, self._expired)
         self.worker.on_cancel.append(self.reservations.take)  # the worker's abort frees its blocks
+        self.senders = TaskSet("kv-sender-watch")  # a reservation's prefill, watched until it ends
+        self.directory: Directory | None = None
         self.accepted = 0
 
     async def setup(self) -> None:
         await self.open_plane()
+        self.directory = Directory(self.nc, self.subjects.prefix)
+        self.directory.start(listing=False)  # only the liveness pings of the prefills it waits on
+        self.resources.push_async_callback(self.directory.stop)
+        self.resources.push_async_callback(self.senders.cancel)
         await self.worker.start(self.nc, self.resources)
 
     def endpoints(self) -> list[Endpoint]:
@@ -73,8 +81,24 @@ class DecodeService(Service):
 
         if not await self.worker.loop.call(reserve_blocks):
             raise ServiceError(503, "decode worker has no free KV blocks")
-        self.reservations.hold(rid, Reservation(seq, reserve.stream))
+        reservation = Reservation(seq, reserve.stream)
+        self.reservations.hold(rid, reservation)
+        if reserve.prefill_id:
+            self.senders.spawn(self._watch_sender(rid, reservation, reserve.prefill_id))
         return pack(KVReservation(decode_id=self.instance))
+
+    async def _watch_sender(self, rid: str, reservation: Reservation, prefill_id: str) -> None:
+        """A prefill that dies after reserving never sends the rest: end the reservation as soon as NATS
+        says it is gone, not after ``--reservation-timeout`` (the request resumes elsewhere at once)."""
+        with self.directory.watching(prefill_id) as gone:
+            waits = [asyncio.ensure_future(gone.wait()), asyncio.ensure_future(reservation.ended.wait())]
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for wait in waits:
+                    wait.cancel()
+        if gone.is_set():
+            self.reservations.expire(rid, reservation, f"the prefill worker sending the KV ({prefill_id}) is gone")
 
     # -- 2. KV chunks -----------------------------------------------------------------------------
     async def handle_kv(self, request: Request) -> bytes:
@@ -132,12 +156,11 @@ class DecodeService(Service):
         self.accepted += 1
         return pack(DecodeAccepted(decode_id=self.instance))
 
-    def _expired(self, request_id: str, reservation: Reservation) -> None:
-        """A reservation whose transfer or start never came (a prefill that died half-way)."""
+    def _expired(self, request_id: str, reservation: Reservation, reason: str) -> None:
+        """A reservation whose transfer or start will not come (a prefill that died half-way)."""
         self.worker.loop.call(lambda engine: engine.abort(request_id))
-        self.worker.publisher.publish(reservation.stream, pack(error_event(
-            request_id, 504, "the KV transfer from prefill did not complete", self.instance)))
-        log.warning("decode.reservation_expired", request_id=request_id, layers=len(reservation.landed))
+        self.worker.publisher.publish(reservation.stream, pack(error_event(request_id, 504, reason, self.instance)))
+        log.warning("decode.reservation_expired", request_id=request_id, layers=len(reservation.landed), reason=reason)
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def drain(self) -> None:

@@ -73,7 +73,7 @@ class Handoffs:
     async def reserve(self, job: PrefillJob) -> Tracked:
         """Room on a decode worker; the ``Tracked`` that hands the request over after its first token."""
         request = pack(KVReserve(request_id=job.request_id, num_tokens=len(job.token_ids),
-                                 max_tokens=job.sampling.max_tokens, stream=job.stream))
+                                 max_tokens=job.sampling.max_tokens, stream=job.stream, prefill_id=self.worker.instance))
         deadline = time.monotonic() + self.settings.decode_wait
         pause, tried = _FULL_RETRY_FIRST, set()
         while True:

@@ -66,9 +66,12 @@ class Directory:
         self._watched: dict[str, _Watch] = {}
         self._tasks: list[asyncio.Task] = []
 
-    def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._refresh_forever(), name="directory"),
-                       asyncio.create_task(self._ping_forever(), name="liveness")]
+    def start(self, listing: bool = True) -> None:
+        """Poll the listing and ping watched instances; ``listing=False``: only the pings (a worker
+        that watches others and routes nothing)."""
+        self._tasks = [asyncio.create_task(self._ping_forever(), name="liveness")]
+        if listing:
+            self._tasks.append(asyncio.create_task(self._refresh_forever(), name="directory"))
 
     async def stop(self) -> None:
         for task in self._tasks:

@@ -22,6 +22,7 @@ from shared.messages.prefill import MAX_PROMPT_TOKENS
 
 RequestId = Annotated[str, Meta(max_length=128)]
 Subject = Annotated[str, Meta(max_length=256)]
+InstanceId = Annotated[str, Meta(pattern=r"^([a-z]+-[0-9a-f]{4,32})?$")]  # a worker's id: a NATS token, no wildcard
 
 
 class KVReserve(Message, frozen=True, kw_only=True):
@@ -29,6 +30,7 @@ class KVReserve(Message, frozen=True, kw_only=True):
     num_tokens: Annotated[int, Meta(ge=1, le=MAX_PROMPT_TOKENS)]  # prompt tokens whose KV will arrive
     max_tokens: Annotated[int, Meta(ge=1)]  # the sequence may grow by this much
     stream: Subject  # where to report a reservation that expires or fails
+    prefill_id: InstanceId = ""  # who sends the KV and the start: once it is gone, the reservation ends
 
 
 class KVReservation(Message, frozen=True, kw_only=True):
