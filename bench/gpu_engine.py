@@ -145,6 +145,9 @@ def build_lm(ctx):
                            max_batched_tokens=16384, prefix_caching=False)  # repeated prompts compute each time
     if dev.type == "cuda":
         runner.capture_graphs(ctx["max_batch"], ctx["max_len"])
+    started = time.perf_counter()  # what a worker's engine thread does before serving (this thread steps here)
+    RESULTS["warm_thread"] = {"attention_plans": ctx["engine"].warm_thread(),
+                              "ms": round((time.perf_counter() - started) * 1e3, 1)}
     ctx["weights_bytes"] = lm_bytes(lm) - lm.embed_tokens.weight.numel() * lm.embed_tokens.weight.element_size() \
         * (0 if cfg.text.tie_word_embeddings else 1)
     log(f"built LM ({lm_bytes(lm) / 1e9:.2f} GB, KV pool {cache.nbytes / 1e9:.1f} GB) in {time.perf_counter() - t:.1f}s")
@@ -532,7 +535,7 @@ def _prefill_at_budgets(ctx) -> dict:
             result[key] = {"ms": ms, "tokens_per_s": len(tokens) / (ms / 1e3), "prefix_chunks": way}
     if ways[0]:
         backend.prefix_chunks = "split"
-        result["lse_kernel"] = repr(getattr(backend, "_lse", None) and vars(backend._lse))
+        result["split_chunks"] = backend.split_chunks
     base = result["unchunked"]["ms"]
     for name, row in result.items():
         if not isinstance(row, dict):
@@ -609,7 +612,7 @@ def _prefill_attention_kernels(ctx) -> dict:
         return {"skipped": "no GPU (tests/test_kernels.py checks the kernel in Triton's interpreter)"}
     from torch.nn.attention.bias import causal_lower_right
 
-    from shared.engine.attention import LseKernel, causal_attention, split_chunk_attention
+    from shared.engine.attention import causal_attention, split_chunk_attention
     from shared.kernels.attention import paged_prefill_attention
 
     cfg, dev, dtype, timer = ctx["config"], ctx["device"], ctx["dtype"], ctx["timer"]
@@ -638,13 +641,12 @@ def _prefill_attention_kernels(ctx) -> dict:
         sdpa = timer.ms(gathered)
         flops = 4 * chunk * (prefix + chunk / 2) * heads * dim
         row = {"triton_ms": kernel, "gather_sdpa_ms": sdpa, "triton_TFLOPs": flops / kernel / 1e9}
-        lse = LseKernel.find(dev, dtype, heads, kv_heads, dim)
-        if prefix and lse is not None:  # what the engine runs: gather, two fused calls, the merge
+        if prefix:  # what the engine runs: gather, two fused calls, the merge
             new = torch.randn(chunk, kv_heads, dim, device=dev, dtype=dtype)
             pool_k, pool_v = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
             row["split_ms"] = timer.ms(lambda: split_chunk_attention(
-                q, pool_k[slots[:prefix]], pool_v[slots[:prefix]], new, new, lse))
-            row.update(split_kernel=vars(lse), split_TFLOPs=flops / row["split_ms"] / 1e9)
+                q, pool_k[slots[:prefix]], pool_v[slots[:prefix]], new, new))
+            row["split_TFLOPs"] = flops / row["split_ms"] / 1e9
         result[f"prefix{prefix}_chunk{chunk}"] = row
         log(f"prefill attention, chunk {chunk} after {prefix}: paged Triton {kernel:.3f} ms "
             f"({flops / kernel / 1e9:.0f} TFLOP/s), gather + SDPA {sdpa:.3f} ms, split {row.get('split_ms')}")

@@ -160,8 +160,8 @@ def test_triton_backend_chunks_and_cached_prefixes_give_hf_tokens(model_parts, r
     for seq, i in zip(seqs, picks):
         assert seq.output_ids == requests_with_reference[i][3], seq.request_id
     assert engine.cached_prompt_tokens > 0
-    if prefix_chunks == "split":  # the merge ran: the kernel was found and agreed with the reference
-        assert engine.runner.backend._lse is not None and engine.runner.backend._lse is not False
+    if prefix_chunks == "split":  # the merge ran
+        assert engine.runner.backend.split_chunks > 0
 
 
 @pytest.mark.parametrize("prefix,n,heads,kv_heads", [(1, 1, 2, 2), (37, 5, 4, 2), (128, 96, 6, 1)])
@@ -170,12 +170,10 @@ def test_split_chunk_attention_equals_one_masked_attention(prefix, n, heads, kv_
     lower-right causal attention over prefix and chunk (grouped-query heads; fp32)."""
     import torch
 
-    from shared.engine.attention import LseKernel, causal_attention, split_chunk_attention
+    from shared.engine.attention import causal_attention, split_chunk_attention
 
-    kernel = LseKernel.find(torch.device("cpu"), torch.float32, heads, kv_heads, 16)
-    assert kernel is not None
     gen = torch.Generator().manual_seed(prefix + n)
     q = torch.randn(n, heads, 16, generator=gen)
     k, v = (torch.randn(prefix + n, kv_heads, 16, generator=gen) for _ in range(2))
-    got = split_chunk_attention(q, k[:prefix], v[:prefix], k[prefix:], v[prefix:], kernel)
+    got = split_chunk_attention(q, k[:prefix], v[:prefix], k[prefix:], v[prefix:])
     torch.testing.assert_close(got, causal_attention(q, k, v, prefix), rtol=1e-5, atol=1e-5)

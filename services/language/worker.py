@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from shared.bus.publisher import CancelRegistry, Publisher, listen_for_cancels
 from shared.bus.subjects import Subjects
 from shared.engine.builder import build_engine
-from shared.engine.engine import StepOutput
+from shared.engine.engine import Engine, StepOutput
 from shared.engine.loop import EngineLoop
 from shared.engine.sequence import Sequence
 from shared.errors import ServiceError
@@ -76,6 +76,7 @@ class LanguageWorker:
             self.loop.attach(side)
         self.loop.start()
         resources.push_async_callback(asyncio.to_thread, self.loop.stop)
+        await self.loop.call(Engine.warm_thread)  # the engine thread's own library state, before any request
         self.publisher = Publisher(nc)
         resources.push_async_callback(self.publisher.close)
         subscription = await listen_for_cancels(nc, self.subjects, self.cancel)

@@ -5,16 +5,16 @@ slots and attends. ``TorchAttention`` is the reference path (any device, exact i
 ``scaled_dot_product_attention`` per sequence. ``TritonAttention`` is the GPU path: one fused
 rotary+cache-write kernel, the paged flash-decoding kernel for decode rows, and for prompt chunks:
 
-- a chunk that starts its prompt: SDPA (all its KV is in hand; cuDNN's flash kernel is the fastest
-  there is);
+- a chunk that starts its prompt: cuDNN's fused attention at a bucketed length (``shared.kernels.sdpa``:
+  all its KV is in hand, and a padded causal call is exact), so a new prompt length plans nothing;
 - a chunk after a cached or computed prefix (``prefix_chunks``): ``"split"`` attends in two fused
   kernels and merges them by their log-sum-exps — the chunk's queries over the prefix's keys
-  (gathered from the pool; no mask, so cuDNN's kernel applies although the lengths differ) and over
-  the chunk's own keys (causal, square) — or ``"paged"``, one Triton kernel reading the prefix through
-  the block table (133–224 TFLOP/s on an H200, well under cuDNN's rate on a whole prompt: most of
-  the 14 % that chunking cost at the 8,192-token budget). ``"split"`` is used where ``LseKernel.find`` found a
-  fused kernel that returns log-sum-exps and agrees with the reference on this device, in steps whose
-  longest such chunk has at least ``split_min_tokens``; else ``"paged"``.
+  (gathered from the pool; no mask: the flash kernel, at any length) and over the chunk's own keys
+  (causal: the bucketed cuDNN call) — or ``"paged"``, one Triton kernel reading the prefix through
+  the block table (133–224 TFLOP/s on an H200, well under the fused kernels' rate on a whole prompt:
+  most of the 14 % that chunking cost at the 8,192-token budget). ``"split"`` is used where the flash
+  kernel runs and agrees with the reference on this device (``sdpa.usable``), in steps whose longest
+  such chunk has at least ``split_min_tokens``; else ``"paged"``.
 
 A decode-only step syncs nothing with the host, so it can be captured in a CUDA graph.
 """
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from shared.kernels import TRITON, attention as paged, fused
+from shared.kernels import TRITON, attention as paged, fused, sdpa
 from shared.engine.kv_cache import KVCache
 from shared.model.rope import apply_rotary
 
@@ -97,19 +97,14 @@ class TorchAttention:
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int = 0) -> torch.Tensor:
     """One chunk's causal attention: ``q`` ``[n, H, D]`` for the tokens after ``prefix``; ``k,v``
     ``[prefix + n, KVH, D]``, the prefix's KV first. Query ``i`` sees keys ``0 … prefix + i``."""
-    qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, heads, tokens, dim]: 4-D for the flash kernels
-    group = q.shape[1] // k.shape[1]
-    if q.is_cuda and group > 1:
-        # expanded heads keep the flash kernel eligible (its GQA support varies across torch builds)
-        ks, vs = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)
-        group = 1
+    qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, heads, tokens, dim]
     if prefix == 0:
-        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=group > 1)
-    else:
-        rows = torch.arange(q.shape[0], device=q.device)[:, None] + prefix
-        mask = torch.arange(k.shape[0], device=q.device)[None, :] <= rows
-        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=group > 1)
-    return out[0].transpose(0, 1)
+        return sdpa.causal(qs, ks, vs)[0].transpose(0, 1)
+    group = q.shape[1] // k.shape[1]
+    ks, vs = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)
+    rows = torch.arange(q.shape[0], device=q.device)[:, None] + prefix
+    mask = torch.arange(k.shape[0], device=q.device)[None, :] <= rows
+    return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)[0].transpose(0, 1)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
@@ -120,70 +115,23 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     return out
 
 
-class LseKernel:
-    """A fused attention kernel that also returns each query's log-sum-exp (``torch.ops.aten``'s own
-    entry points, which SDPA dispatches to; the public call does not return it): ``q`` ``[1, H, n, D]``,
-    ``k, v`` ``[1, KVH, m, D]`` → (out ``[1, H, n, D]``, lse ``[1, H, n]`` float32)."""
-
-    def __init__(self, name: str, expand: bool):
-        self.name = name  # "cudnn" | "flash" | "cpu"
-        self.expand = expand  # repeat KV heads to the query's (a kernel without grouped-query support)
-
-    def __call__(self, q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.expand and k.shape[1] != q.shape[1]:
-            group = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        ops = torch.ops.aten
-        if self.name == "cudnn":
-            out, lse = ops._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False)[:2]
-        elif self.name == "flash":
-            out, lse = ops._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False)[:2]
-        else:
-            out, lse = ops._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)[:2]
-        lse = lse.squeeze(-1) if lse.dim() == 4 else lse  # cuDNN's is [B, H, n, 1]
-        return out, lse[..., : q.shape[2]].float()
-
-    _found: dict = {}
-
-    @classmethod
-    def find(cls, device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> "LseKernel | None":
-        """The first kernel, fastest first, that runs here and agrees with SDPA's reference on a probe
-        (these entry points are private: a torch build may lack one or lay its outputs out otherwise)."""
-        key = (str(device), dtype, heads, kv_heads, dim)
-        if key not in cls._found:
-            names = ["cudnn", "flash"] if device.type == "cuda" else ["cpu"]
-            cls._found[key] = next((k for k in (cls(n, e) for n in names for e in (False, True))
-                                    if k._agrees(device, dtype, heads, kv_heads, dim)), None)
-        return cls._found[key]
-
-    def _agrees(self, device, dtype, heads, kv_heads, dim) -> bool:
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        prefix, n = 200, 72
-        q = torch.randn(n, heads, dim, generator=gen).to(device, dtype)
-        k = torch.randn(prefix + n, kv_heads, dim, generator=gen).to(device, dtype)
-        v = torch.randn(prefix + n, kv_heads, dim, generator=gen).to(device, dtype)
-        try:
-            got = split_chunk_attention(q, k[:prefix], v[:prefix], k[prefix:], v[prefix:], self)
-        except RuntimeError:  # not in this build, or not for these shapes
-            return False
-        want = causal_attention(q.float(), k.float(), v.float(), prefix)
-        return bool(torch.allclose(got.float(), want, atol=2e-2 if dtype != torch.float32 else 1e-4, rtol=0))
-
-
-def split_chunk_attention(q, k_prefix, v_prefix, k_new, v_new, kernel: LseKernel) -> torch.Tensor:
+def split_chunk_attention(q, k_prefix, v_prefix, k_new, v_new) -> torch.Tensor:
     """``causal_attention(q, prefix ++ new, prefix_len)`` as two fused calls: the chunk's queries
     ``[n, H, D]`` over the prefix's keys ``[P, KVH, D]`` (all visible: no mask) and over its own ``[n, KVH, D]``
     (causal), merged by the log-sum-exps: ``out = o_new + (o_prefix − o_new) · σ(lse_prefix − lse_new)``."""
     qs = q.transpose(0, 1).unsqueeze(0)
-    o_prefix, lse_prefix = kernel(qs, *(x.transpose(0, 1).unsqueeze(0) for x in (k_prefix, v_prefix)), causal=False)
-    o_new, lse_new = kernel(qs, *(x.transpose(0, 1).unsqueeze(0) for x in (k_new, v_new)), causal=True)
+    o_prefix, lse_prefix = sdpa.flash(qs, *(x.transpose(0, 1).unsqueeze(0) for x in (k_prefix, v_prefix)),
+                                      causal=False, with_lse=True)
+    o_new, lse_new = sdpa.causal(qs, *(x.transpose(0, 1).unsqueeze(0) for x in (k_new, v_new)), with_lse=True)
     share = torch.sigmoid(lse_prefix - lse_new).unsqueeze(-1)  # the prefix's part of each row's softmax mass
     out = torch.lerp(o_new.float(), o_prefix.float(), share)
     return out[0].transpose(0, 1).to(q.dtype)
 
 
 class TritonAttention:
-    SPLIT_MIN_TOKENS = 256  # shorter chunks: the paged kernel (two launches, a gather and a merge cost more)
+    # shorter chunks: the paged kernel (H200: 0.34 against 0.53 ms for 512 after 8,192; 0.56 / 0.72 for 2,048
+    # after 2,048; the split wins from 2,048 after 8,192 on: 1.28 / 1.42 ms, and 2,711 after 8,192: 1.49 / 2.15)
+    SPLIT_MIN_TOKENS = 2048
 
     def __init__(self, cache: KVCache, scale: float, sdpa_for_fresh_chunks: bool = True,
                  prefix_chunks: str = "split"):
@@ -192,7 +140,7 @@ class TritonAttention:
         self.sdpa_for_fresh_chunks = sdpa_for_fresh_chunks  # False: the paged kernel does every chunk
         self.prefix_chunks = prefix_chunks  # "split" | "paged" (module docstring)
         self.split_min_tokens = self.SPLIT_MIN_TOKENS
-        self._lse: LseKernel | None | bool = False  # found on first use (the pool's device and dtype)
+        self.split_chunks = 0  # chunks attended the split way
 
     def forward(self, layer: int, q, k, v, cos, sin, batch: ForwardBatch) -> torch.Tensor:
         k_cache, v_cache = self.cache.layer(layer)
@@ -227,7 +175,8 @@ class TritonAttention:
             s = slice(cu[i], cu[i + 1])
             if split and batch.prefix_lens[i]:
                 slots = self._prefix_slots(batch, i)
-                out[s] = split_chunk_attention(q[s], k_pool[slots], v_pool[slots], k[s], v[s], self._lse)
+                out[s] = split_chunk_attention(q[s], k_pool[slots], v_pool[slots], k[s], v[s])
+                self.split_chunks += 1
             elif batch.prefix_lens[i] == 0 and self.sdpa_for_fresh_chunks:
                 out[s] = causal_attention(q[s], k[s], v[s])
         return out
@@ -237,9 +186,14 @@ class TritonAttention:
         launch covers every chunk, so the two ways do not mix in one step)."""
         if self.prefix_chunks != "split" or not self.sdpa_for_fresh_chunks or longest < self.split_min_tokens:
             return False
-        if self._lse is False:
-            self._lse = LseKernel.find(q.device, q.dtype, q.shape[1], self.cache.data.shape[-2], q.shape[2])
-        return self._lse is not None
+        return not q.is_cuda or sdpa.usable("flash", q.device, q.dtype, q.shape[1], self.cache.data.shape[-2],
+                                            q.shape[2])
+
+    def warm(self, heads: int, up_to: int) -> int:
+        """Plan the fresh chunks' attention at every length up to ``up_to`` tokens, in the calling thread
+        (the engine's: the plans are per thread); returns how many."""
+        kv_heads, dim = self.cache.data.shape[-2:]
+        return sdpa.warm(self.cache.data.device, self.cache.data.dtype, heads, kv_heads, dim, up_to)
 
     def _prefix_slots(self, batch: ForwardBatch, i: int) -> torch.Tensor:
         """Chunk ``i``'s prefix's slots in the pool, from its block table on the device (once a step)."""

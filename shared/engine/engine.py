@@ -13,6 +13,7 @@ prompts that follow until the pool needs the room.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,6 +26,9 @@ from shared.engine.runner import ModelRunner
 from shared.engine.sampling import TokenLogprobs
 from shared.engine.scheduler import Chunk, Scheduler
 from shared.engine.sequence import Sequence, Status
+from shared.logging import get_logger
+
+log = get_logger(__name__)
 
 ROLES = ("prefill", "decode", "both")
 
@@ -81,6 +85,19 @@ class Engine:
         self._by_id: dict[str, Sequence] = {}
         self.prompt_tokens = 0  # prompt tokens admitted, and how many of them the prefix cache served
         self.cached_prompt_tokens = 0
+
+    def warm_thread(self) -> int:
+        """Build, in the calling thread (the one that will step this engine), what libraries cache per
+        thread: cuDNN's attention plans for every fresh chunk length up to the step budget
+        (``shared.kernels.sdpa``). Returns how many plans; without it each is built by a first request."""
+        warm = getattr(self.runner.backend, "warm", None)
+        if warm is None:
+            return 0
+        started = time.perf_counter()
+        plans = warm(self.runner.model.config.num_heads, min(self.scheduler.max_batched_tokens, self.max_model_len))
+        if plans:
+            log.info("engine.warmed", attention_plans=plans, ms=round((time.perf_counter() - started) * 1e3))
+        return plans
 
     # -- admission -----------------------------------------------------------------------------------
     def add_prompt(self, seq: Sequence) -> None:

@@ -151,7 +151,7 @@ class Qwen3VisionTower(nn.Module):
         for t, h, w in grids:  # each frame attends over itself
             first = cu[-1]  # not read inside the generator: extend appends as it iterates
             cu.extend(first + h * w * (i + 1) for i in range(t))
-        attend = SegmentAttention(cu, device, grouped, cudnn=all(t == 1 for t, _, _ in grids))  # video: not cuDNN
+        attend = SegmentAttention(cu, device, grouped, recurring=all(t == 1 for t, _, _ in grids))  # video: flash
         levels = []
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, attend)

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from shared.kernels import attention as paged, fused
+from shared.kernels import attention as paged, fused, sdpa
 from shared.model.config import VisionConfig
 from shared.model.geometry import Grid
 from shared.model.rope import VisionRotaryEmbedding, rotate_half
@@ -75,9 +74,9 @@ class SegmentAttention:
 
     SHORT = 128  # segments up to this long (windows) go to the one-tile Triton kernel on GPU
 
-    def __init__(self, cu_seqlens: list[int], device: torch.device, grouped: bool, cudnn: bool = True):
+    def __init__(self, cu_seqlens: list[int], device: torch.device, grouped: bool, recurring: bool = True):
         self.cu_seqlens = cu_seqlens
-        self.cudnn = cudnn  # may SDPA pick cuDNN's fused attention (see ``_attention``)
+        self.recurring = recurring  # images: shapes that come back may get cuDNN's kernel (``_attention``)
         self.groups: list[tuple[torch.Tensor | slice, int]] = []
         self.short: torch.Tensor | None = None
         if not grouped:
@@ -105,7 +104,7 @@ class SegmentAttention:
                 qs, ks, vs = (x[group] for x in (q, k, v))
                 if isinstance(group, slice):  # [segments * length, H, D] → [segments, length, H, D]
                     qs, ks, vs = (x.unflatten(0, (-1, length)) for x in (qs, ks, vs))
-                attended = _attention(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2), self.cudnn)
+                attended = _attention(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2), self.recurring)
                 attended = attended.transpose(1, 2)
                 out[group] = attended.flatten(0, 1) if isinstance(group, slice) else attended
             return out
@@ -116,16 +115,13 @@ class SegmentAttention:
         return out
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cudnn: bool) -> torch.Tensor:
-    """SDPA over ``[segments, heads, length, dim]``; ``cudnn=False``: without cuDNN's fused attention.
-    Video forwards go without it: on the H200 (torch 2.11) the first forward over a 10 s 720p clip
-    (10 frames of 4,784 patches, 16 heads × 80) failed in it — ``mha_graph.execute`` not good, and in
-    the next run an illegal memory access, which poisons the process's CUDA context. Images keep it
-    (every GPU figure for images was measured with it)."""
-    if cudnn or not q.is_cuda:
-        return F.scaled_dot_product_attention(q, k, v)
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        return F.scaled_dot_product_attention(q, k, v)
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recurring: bool) -> torch.Tensor:
+    """Bidirectional attention over ``[segments, heads, length, dim]``. Each ViT batch has a shape of its
+    own, so on the GPU it runs where no plan is built per shape (``shared.kernels.sdpa``): images in
+    ``sdpa.recurring`` (cuDNN once a shape keeps coming back), video frames always in the flash kernel —
+    cuDNN failed outright on a 10 s 720p clip's frames (``mha_graph.execute`` not good, then an illegal
+    memory access, on the H200 with torch 2.11)."""
+    return sdpa.recurring(q, k, v) if recurring else sdpa.flash(q, k, v)
 
 
 class VisionMLP(nn.Module):
@@ -271,9 +267,9 @@ class VisionTower(nn.Module):
         x = self.patch_embed(patches)
         x = self._to_window_order(x, layout.order.to(device), unit)
         cos, sin = self.rotary(self._to_window_order(layout.rows_cols.to(device), layout.order.to(device), unit))
-        cudnn = all(t == 1 for t, _, _ in grids)  # not for video (``_attention``)
-        full = SegmentAttention(layout.cu_images, device, grouped, cudnn)
-        windowed = SegmentAttention(layout.cu_windows, device, grouped, cudnn) \
+        images = all(t == 1 for t, _, _ in grids)  # video: the flash kernel only (``_attention``)
+        full = SegmentAttention(layout.cu_images, device, grouped, images)
+        windowed = SegmentAttention(layout.cu_windows, device, grouped, images) \
             if layout.cu_windows != layout.cu_images else full
         residual = None
         for i, block in enumerate(self.blocks):
