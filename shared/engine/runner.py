@@ -127,12 +127,19 @@ class ModelRunner:
         return self.sampler.sample(logits, seqs)
 
     def _splits(self, batch: int) -> int:
+        """KV splits for ``batch`` decode rows: those of the graph bucket the count falls in. The count is
+        a compile-time constant of the decode kernels, so the rows riding along a prompt chunk (any
+        number) must not bring a new one — each was a Triton compile mid-serving, 1-11 per loaded point."""
         if self.device.type != "cuda":
             return 1
+        from shared.engine.graphs import BUCKETS
         from shared.kernels.attention import default_splits
 
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        return default_splits(batch, self.model.config.num_kv_heads, sms)
+        if self.graphs is not None and (bucket := self.graphs.bucket(batch)) is not None:
+            return self.graphs.splits[bucket]  # compiled when the graphs were captured
+        snapped = next((b for b in BUCKETS if b >= batch), BUCKETS[-1])
+        return default_splits(snapped, self.model.config.num_kv_heads, sms)
 
 
 def image_rows(chunks: list[Chunk], cu: list[int]) -> list[tuple[int, torch.Tensor]]:

@@ -29,7 +29,7 @@ class StackMeter:
         """``epd bench``'s results; with ``details``, plus ``stages_ms`` (frontend, per request),
         ``encoder_ms`` (per image), ``events`` and ``resumed`` over this run, and per request its own p99
         inter-token gap and gap count in place of the gaps (which would make a sweep's JSON huge)."""
-        events = self.stack.counts()
+        events, compiled = self.stack.counts(), len(self.stack.compiles)
         before = self.reading
         run = await bench(settings)
         ok = [r for r in run["requests"] if r["ok"]]
@@ -42,6 +42,7 @@ class StackMeter:
         after = self.stack.counts()
         run["events"] = {name: after[name] - events[name] for name in after}
         run["resumed"] = run["events"]["request.resume"]
+        run["compiles"] = self.stack.compiles[compiled:]  # Triton compiles during the run (kernel, ms)
         for r in run["requests"]:
             r["itl_p99"], r["itl_count"] = request_itl_p99(as_result(r)), len(r.pop("itl"))
         return run
