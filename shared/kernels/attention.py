@@ -22,7 +22,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# a mixed step's block tables are as wide as its longest table: their row stride changes from step to step
+# (one compile per new specialization of it, 0.4-0.6 s each on the H200), graph replays keep theirs
+@triton.jit(do_not_specialize=["stride_bt"])
 def _split_kernel(
     q_ptr, k_cache, v_cache, block_tables, context_lens, acc_ptr, m_ptr, l_ptr, scale,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
@@ -161,7 +163,8 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     return out
 
 
-@triton.jit(do_not_specialize=["first_chunk"])  # the decode rows before it: a new count must not recompile
+# the decode rows before it and the tables' width: a new value must not recompile
+@triton.jit(do_not_specialize=["first_chunk", "stride_bt"])
 def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, block_tables, cu_seqlens_q, context_lens, scale,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_bt,
                     first_chunk, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
