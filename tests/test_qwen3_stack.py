@@ -71,11 +71,13 @@ def test_concurrent_requests_equal_hf(qwen3_stack, family_model):
 
 
 def test_the_aggregated_process_serves_the_same(family_model, nats_url):
+    """With its ViT in a thread of its own (``--vit-thread``; tests/test_video.py's aggregated stack runs
+    it between engine steps, the default)."""
     family, path, reference = family_model
     if family != "qwen3_vl_moe":
         pytest.skip("one aggregated stack is enough: the MoE one")
     running = RunningStack(nats_url, path)
-    running.spawn("aggregated")
+    running.spawn("aggregated", "--vit-thread")
     try:
         running.start(encoders=0, prefills=0, decodes=0)
         running.wait_for({"aggregated": 1, "frontend": 1})

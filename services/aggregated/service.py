@@ -3,9 +3,9 @@ against, so it must itself run near its floor.
 
 It is the joined language worker plus an ``Encoder`` that answers the encoder's subjects (so the
 unchanged frontend talks to it as to a disaggregated stack). Its ViT forwards run in the engine's
-thread, between two engine steps (``VisionBatcher.step``): a vision thread beside the engine contended
-with it for the GPU and the interpreter, and images waited for whole seconds (docs/benchmarks.md). Embeddings its
-own encoder holds come from its data plane's store without a copy.
+thread, between two engine steps (``VisionBatcher.step``), or with ``--vit-thread`` in a thread and on a
+CUDA stream of their own beside the engine, as an encoder's do (docs/architecture.md says which and why).
+Embeddings its own encoder holds come from its data plane's store without a copy.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ class AggregatedService(LanguageService):
 
     async def start_worker(self) -> None:
         # the vision tower first: the KV pool is sized from the memory that is left
-        await self.encoder.start(self.nc, self.resources, own_thread=False)
-        await self.worker.start(self.nc, self.resources, side=self.encoder.batcher)
+        beside = self.settings.vit_thread
+        await self.encoder.start(self.nc, self.resources, own_thread=beside, own_stream=beside)
+        await self.worker.start(self.nc, self.resources, side=None if beside else self.encoder.batcher)
 
     def endpoints(self) -> list[Endpoint]:
         return [*self.encoder.endpoints(), *super().endpoints()]

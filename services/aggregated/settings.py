@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from pydantic import Field
+
 from services.encoder.settings import EncoderSettings
 from services.language.settings import LanguageSettings
 
 
 class AggregatedSettings(LanguageSettings, EncoderSettings):
-    pass
+    vit_thread: bool = Field(False, description="run the ViT in a thread of its own, on a CUDA stream of its "
+                                                "own, beside the engine (an image need not wait for an engine "
+                                                "step to end) instead of between engine steps in the engine's "
+                                                "thread")

@@ -77,6 +77,7 @@ class VisionBatcher:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._carry: _Item | None = None
         self._thread: threading.Thread | None = None
+        self.stream: torch.cuda.Stream | None = None  # the vision thread's own (``start``)
         self.wake: Callable[[], None] = lambda: None  # the engine loop's, once attached to one
         self.batches = 0
         self.waited = 0  # batches that waited for a request's other images
@@ -94,8 +95,12 @@ class VisionBatcher:
     def has_work(self) -> bool:
         return self.queued > 0
 
-    def start(self) -> None:
-        """Run forwards in a thread of this batcher's own."""
+    def start(self, own_stream: bool = False) -> None:
+        """Run forwards in a thread of this batcher's own; ``own_stream``: on a CUDA stream of its own too,
+        so they overlap an engine's steps in the same process (on the default stream they would queue
+        behind them)."""
+        if own_stream and self.device.type == "cuda":
+            self.stream = torch.cuda.Stream(self.device)
         self._thread = threading.Thread(target=self._run, name="vision", daemon=True)
         self._thread.start()
 
@@ -125,6 +130,8 @@ class VisionBatcher:
                 return
 
     def _run(self) -> None:
+        if self.stream is not None:
+            torch.cuda.set_stream(self.stream)  # this thread's current stream from now on
         while (batch := self._collect(block=True)) is not None:
             self._forward_and_settle(batch)
 
@@ -142,6 +149,9 @@ class VisionBatcher:
                 self.loop.call_soon_threadsafe(settle, item.future, None, err)
             return
         self.times.add("forward", time.monotonic() - started, count=len(batch))
+        if self.stream is not None:  # read on the default stream by the engine: keep their memory from this
+            for out in outputs:      # stream's next allocations until what it queued on them is done
+                out.record_stream(torch.cuda.default_stream(self.device))
         for item, out in zip(batch, outputs):
             self.loop.call_soon_threadsafe(settle, item.future, out, None)
 

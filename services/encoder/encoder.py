@@ -72,9 +72,10 @@ class Encoder:
         self.arriving: Counter[str] = Counter()  # request id → its jobs here not yet queued for the ViT
         self._encode_endpoints: list[Endpoint] = []
 
-    async def start(self, nc, resources: AsyncExitStack, own_thread: bool = True) -> None:
+    async def start(self, nc, resources: AsyncExitStack, own_thread: bool = True, own_stream: bool = False) -> None:
         """Load the tower and start batching; ``own_thread=False``: the caller's engine loop runs the
-        forwards (``attach`` it there). Everything taken is released through ``resources``."""
+        forwards (``attach`` it there); ``own_stream``: the thread's forwards go on a CUDA stream of their
+        own (beside an engine in the same process). Everything taken is released through ``resources``."""
         s = self.settings
         path = s.model_path()
         config = ModelConfig.from_checkpoint(path)
@@ -96,7 +97,7 @@ class Encoder:
                                      prepare=self.on_device, sibling_wait_s=s.vit_sibling_wait_ms / 1e3,
                                      pending=lambda request_id: self.arriving.get(request_id, 0))
         if own_thread:
-            self.batcher.start()
+            self.batcher.start(own_stream)
             resources.push_async_callback(asyncio.to_thread, self.batcher.stop)
         index = None
         if s.cache_index and s.encoder_cache_mb > 0:
