@@ -827,6 +827,8 @@ def finish(args, out: Path, meta: dict, floor: Floor, runs, unloaded, stacks, ch
     if partial:
         return 0
     print("\n" + markdown)
+    if not runs:  # no stack came up: results.md says why, there is nothing to draw
+        return 1
     try:
         from tools.bench.plot import plot
 
