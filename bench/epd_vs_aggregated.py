@@ -69,7 +69,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -488,6 +488,17 @@ def theil_sen(points: list[tuple[float, float]]) -> tuple[float, float]:
     return _median([y - slope * x for x, y in points]), slope
 
 
+def sent_traffic(workload: Workload, rate: float, requests: list[dict]):
+    """The traffic a point's requests were, for the model: its own share of image requests and their image
+    counts (a point draws 8-30 requests, whose mix can stray far from the workload's nominal one — a mixed
+    point of 26 had 4 image requests — and every topology of the point got the same ones)."""
+    nominal = traffic(workload, rate)
+    counts = [r["images"] for r in requests if r["images"] > 0]
+    if not requests:
+        return nominal
+    return replace(nominal, image_share=len(counts) / len(requests), counts=counts or nominal.counts)
+
+
 def plan_points(floor: Floor, runs: list[dict], unloaded: list[dict], chosen: list[Topology], cases: list[Case],
                 tiny: bool) -> list[dict]:
     """Per point: each measured topology's predicted TTFT (calibrated, and the bare model's), the plan's
@@ -506,7 +517,7 @@ def plan_points(floor: Floor, runs: list[dict], unloaded: list[dict], chosen: li
         planner = floor.planner(w)
         for rate in sorted({r["request_rate"] for r in mine}):
             here = [r for r in runs if r["workload"] == case.name and r["request_rate"] == rate]
-            t = traffic(Workload(**w), rate)
+            t = sent_traffic(Workload(**w), rate, here[0]["requests"])
             predictions: dict[str, Prediction] = {}
             for r in here:
                 topology = by_label[r["topology"]]
