@@ -753,7 +753,9 @@ def chosen_cases(args) -> list[Case]:
 
 def chosen_topologies(args) -> list[Topology]:
     every = topologies(args.gpus, args.tiny)
-    wanted = args.topologies.split(",") if args.topologies else [t.label for t in every]
+    # on CPU there is no MPS daemon: a +MPS stack (--mps auto) would be its plain twin, started again
+    default = [t.label for t in every if not (args.tiny and t.layout.mps)]
+    wanted = args.topologies.split(",") if args.topologies else default
     if unknown := set(wanted) - {t.label for t in every}:
         raise SystemExit(f"unknown topolog(ies) {', '.join(sorted(unknown))}; on {max(1, args.gpus)} GPU(s): "
                          f"{', '.join(t.label for t in every)}")
