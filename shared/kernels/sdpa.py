@@ -49,8 +49,10 @@ def bucket(n: int) -> int:
     """The padded length a causal chunk of ``n`` tokens runs at: at most 19 % more rows, 128-aligned."""
     if n <= _FIRST_GEOMETRIC:
         return max(128, -(-n // 128) * 128)
-    steps = math.ceil(_PER_DOUBLING * math.log2(n / _FIRST_GEOMETRIC) - 1e-9)
-    return -(-math.ceil(_FIRST_GEOMETRIC * 2 ** (steps / _PER_DOUBLING)) // 128) * 128
+    steps = math.floor(_PER_DOUBLING * math.log2(n / _FIRST_GEOMETRIC))  # the geometric point at or below n
+    while (size := -(-math.ceil(_FIRST_GEOMETRIC * 2 ** (steps / _PER_DOUBLING)) // 128) * 128) < n:
+        steps += 1  # the smallest rounded point that holds n
+    return size
 
 
 def buckets(up_to: int) -> list[int]:
