@@ -36,6 +36,7 @@ import torch
 
 from services.encoder.metrics import BatchSizes, RateMeter, StageTimes
 from shared.aio import settle
+from shared.kernels import sdpa
 from shared.logging import get_logger
 from shared.model.geometry import Grid, grid_tokens
 from shared.model.vision import VisionTower
@@ -80,6 +81,7 @@ class VisionBatcher:
         self.stream: torch.cuda.Stream | None = None  # the vision thread's own (``start``)
         self.wake: Callable[[], None] = lambda: None  # the engine loop's, once attached to one
         self.batches = 0
+        self.cudnn_shapes = 0  # batch shapes the forwarding thread moved to cuDNN's attention (``sdpa.recurring``)
         self.waited = 0  # batches that waited for a request's other images
         self.images = 0
         self.patches = 0
@@ -149,6 +151,7 @@ class VisionBatcher:
                 self.loop.call_soon_threadsafe(settle, item.future, None, err)
             return
         self.times.add("forward", time.monotonic() - started, count=len(batch))
+        self.cudnn_shapes = sdpa.promoted()  # this thread's (its plans are its own)
         if self.stream is not None:  # read on the default stream by the engine: keep their memory from this
             for out in outputs:      # stream's next allocations until what it queued on them is done
                 out.record_stream(torch.cuda.default_stream(self.device))

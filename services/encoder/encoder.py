@@ -243,6 +243,7 @@ class Encoder:
             "video_frames": self.video_frames,
             "images_per_s": b.images_rate.rate() if b else 0.0,  # through the ViT, last 10 s
             "batches": b.batches if b else 0,
+            "vit_cudnn_shapes": b.cudnn_shapes if b else 0,  # ViT shapes planned in cuDNN (the rest: flash)
             "batches_waited": b.waited if b else 0,  # forwards that waited for a request's other images
             "jobs_arriving": sum(self.arriving.values()),  # jobs received, not yet queued for the ViT
             "patches": b.patches if b else 0,

@@ -65,6 +65,7 @@ class LanguageWorker:
         self._idle.set()
         self.tokens = 0
         self.failed = 0
+        self.attention_plans = 0  # planned in the engine thread at start (shared.kernels.sdpa)
 
     async def start(self, nc, resources: AsyncExitStack, side=None) -> None:
         """Build the engine (in a thread: loading takes a while) and start stepping it; ``side``: other
@@ -76,7 +77,8 @@ class LanguageWorker:
             self.loop.attach(side)
         self.loop.start()
         resources.push_async_callback(asyncio.to_thread, self.loop.stop)
-        await self.loop.call(Engine.warm_thread)  # the engine thread's own library state, before any request
+        # the engine thread's own library state (cuDNN's attention plans), before any request
+        self.attention_plans = await self.loop.call(Engine.warm_thread)
         self.publisher = Publisher(nc)
         resources.push_async_callback(self.publisher.close)
         subscription = await listen_for_cancels(nc, self.subjects, self.cancel)
@@ -168,4 +170,4 @@ class LanguageWorker:
         waiting = len(self.engine.scheduler.waiting) if self.engine else 0
         return {**(self.engine.block_stats() if self.engine else {}), "running": len(self.requests),
                 "waiting": waiting,
-                "tokens": self.tokens, "requests_failed": self.failed}
+                "tokens": self.tokens, "requests_failed": self.failed, "attention_plans": self.attention_plans}

@@ -167,6 +167,11 @@ class _Sightings(threading.local):
 _sightings = _Sightings()
 
 
+def promoted() -> int:
+    """Shapes ``recurring`` has moved to cuDNN in the calling thread."""
+    return len(_sightings.promoted)
+
+
 def recurring(q, k, v):
     """Bidirectional attention over ``[B, H, n, D]`` at shapes that may come back (see the module's
     docstring): the flash kernel until it has done ``PROMOTE_FLOPS`` at the shape in this thread, then cuDNN."""
