@@ -187,7 +187,9 @@ class VisionBatcher:
                 else:
                     left = deadline - time.monotonic()
                     if left <= 0 or not self._siblings_coming(batch):
-                        return
+                        # what was queued meanwhile still rides along (the last sibling is queued before
+                        # it stops counting as arriving: it may be in the queue already)
+                        return self._fill(batch, None)
                     item = self._queue.get(timeout=min(left, SIBLING_POLL_S))  # a sibling may end as a cache hit
             except queue.Empty:
                 if deadline is None:
