@@ -135,9 +135,9 @@ class ModelRunner:
         from shared.engine.graphs import BUCKETS
         from shared.kernels.attention import default_splits
 
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         if self.graphs is not None and (bucket := self.graphs.bucket(batch)) is not None:
             return self.graphs.splits[bucket]  # compiled when the graphs were captured
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         snapped = next((b for b in BUCKETS if b >= batch), BUCKETS[-1])
         return default_splits(snapped, self.model.config.num_kv_heads, sms)
 
