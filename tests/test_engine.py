@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from shared.engine.sampling import SamplingParams
@@ -270,9 +271,11 @@ def test_an_image_arriving_while_the_vit_runs_is_encoded_in_the_same_gap(model_p
     assert asyncio.run(one_gap(budget_s=0)) == (1, 1)  # budget spent: the late image waits one step
 
 
-def test_an_encoder_forward_waits_for_the_rest_of_its_request(model_parts, tiny_model):
-    """An encoder's vision thread: a request's first image waits (up to the sibling wait) for the others
-    the encoder has received but not queued yet, so they ride one forward; with no wait it goes alone."""
+@pytest.mark.parametrize("driver", ["vision thread", "engine gap"])
+def test_an_encoder_forward_waits_for_the_rest_of_its_request(model_parts, tiny_model, driver):
+    """An encoder's vision thread, or the aggregated engine thread's gap between steps: a request's first
+    image waits (up to the sibling wait) for the others the encoder has received but not queued yet, so
+    they ride one forward; with no wait it goes alone."""
     import asyncio
 
     import numpy as np
@@ -288,9 +291,13 @@ def test_an_encoder_forward_waits_for_the_rest_of_its_request(model_parts, tiny_
         arriving = {"r": 1}  # the second image's pixels are still being pulled
         batcher = VisionBatcher(tower, asyncio.get_running_loop(), max_images=8, max_patches=10_000,
                                 sibling_wait_s=wait_s, pending=lambda group: arriving.get(group, 0))
-        batcher.start()
+        if driver == "vision thread":
+            batcher.start()
+        gaps = []
         try:
             jobs = [batcher.encode(torch.from_numpy(first), grid1, group="r")]
+            if driver == "engine gap":  # the engine thread calls step() between its steps
+                gaps.append(asyncio.ensure_future(asyncio.to_thread(batcher.step)))
             if wait_s:
                 await asyncio.sleep(0.05)  # the second pull takes a while: the first image waits for it
                 assert not jobs[0].done()
@@ -298,7 +305,10 @@ def test_an_encoder_forward_waits_for_the_rest_of_its_request(model_parts, tiny_
                 await asyncio.wait_for(jobs[0], 60)  # forwarded alone, at once
             jobs.append(batcher.encode(torch.from_numpy(second), grid2, group="r"))
             arriving["r"] = 0
-            await asyncio.wait_for(asyncio.gather(*jobs), 60)
+            if driver == "engine gap" and not wait_s:
+                await asyncio.wait_for(gaps[0], 60)
+                gaps.append(asyncio.ensure_future(asyncio.to_thread(batcher.step)))  # the next gap
+            await asyncio.wait_for(asyncio.gather(*jobs, *gaps), 60)
             return batcher.batches, batcher.waited
         finally:
             await asyncio.to_thread(batcher.stop)
