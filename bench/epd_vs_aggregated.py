@@ -330,8 +330,9 @@ def stack_env(args) -> dict[str, str]:
     if args.max_batched_tokens:
         env["EPD_MAX_BATCHED_TOKENS"] = str(args.max_batched_tokens)
     if not args.tiny:
-        env.update(EPD_MODEL=args.model, EPD_LOAD_FORMAT="dummy", EPD_KV_CACHE_MB=str(args.kv_cache_mb),
-                   EPD_MAX_MODEL_LEN=str(args.max_model_len))
+        env.update(EPD_MODEL=args.model, EPD_LOAD_FORMAT="dummy", EPD_KV_CACHE_MB=str(args.kv_cache_mb))
+        if getattr(args, "max_model_len", 0):  # bench/multi_turn_chat.py's stacks keep the model's own
+            env["EPD_MAX_MODEL_LEN"] = str(args.max_model_len)
     else:
         env.update(EPD_KV_CACHE_MB="64")
     return env

@@ -540,6 +540,16 @@ def test_multi_turn_dry_run_names_both_stacks():
     assert multi_turn("--dry-run", "--topology", "nonsense").returncode != 0
 
 
+def test_multi_turn_gpu_stacks_get_their_environment():
+    """The GPU path's stack environment, built from multi_turn_chat's own arguments (its stacks keep the
+    model's max_model_len; the sweep's pass one)."""
+    from bench.epd_vs_aggregated import stack_env
+    from bench.multi_turn_chat import parse_args
+
+    env = stack_env(parse_args([]))
+    assert env["EPD_LOAD_FORMAT"] == "dummy" and env["EPD_MODEL"] and "EPD_MAX_MODEL_LEN" not in env
+
+
 # Two tiny stacks on CPU, 2 users x 2 turns: ~40 s on two idle cores.
 @pytest.mark.timeout(300)
 def test_multi_turn_tiny_answers_alike_with_and_without_caching(tmp_path):
