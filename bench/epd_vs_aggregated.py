@@ -324,11 +324,20 @@ def child_env(tiny: bool) -> dict[str, str]:
     return env
 
 
+def stack_setting(text: str) -> tuple[str, str]:
+    """``--stack-env``'s EPD_NAME=VALUE."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.startswith("EPD_") or not name[4:].replace("_", "").isalnum():
+        raise argparse.ArgumentTypeError(f"expected EPD_NAME=VALUE, got {text!r}")
+    return name, value
+
+
 def stack_env(args) -> dict[str, str]:
     env = child_env(args.tiny)
     env.update(EPD_LOG_FORMAT="json", EPD_LOG_LEVEL="info", EPD_TRANSPORT=args.transport)
     if args.max_batched_tokens:
         env["EPD_MAX_BATCHED_TOKENS"] = str(args.max_batched_tokens)
+    env.update(getattr(args, "stack_env", ()))
     if not args.tiny:
         env.update(EPD_MODEL=args.model, EPD_LOAD_FORMAT="dummy", EPD_KV_CACHE_MB=str(args.kv_cache_mb))
         if getattr(args, "max_model_len", 0):  # bench/multi_turn_chat.py's stacks keep the model's own
@@ -808,7 +817,8 @@ def dry_run(args, chosen, classes, todo, floor: Floor | None) -> int:
     print("unloaded classes (one request at a time; one warm-up request per resolution first): "
           + "; ".join(c.key for c in classes))
     for t in chosen:
-        print(f"stack {t.label:12} python -m launcher.cli up --port 0 {' '.join(t.args)}")
+        settings = "".join(f"{name}={value} " for name, value in args.stack_env)
+        print(f"stack {t.label:12} {settings}python -m launcher.cli up --port 0 {' '.join(t.args)}")
     if not args.tiny:
         times = estimate(args, chosen, classes, todo)
         print(f"estimated: floor ~{times['floor']:.0f} s, ~{times['per topology']:.0f} s per topology, "
@@ -891,6 +901,9 @@ def parse_args(argv=None):
     parser.add_argument("--kv-cache-mb", type=int, default=20480, help="KV pool of every LM process (MiB)")
     parser.add_argument("--max-batched-tokens", type=int, default=0,
                         help="every LM worker's step budget (EPD_MAX_BATCHED_TOKENS; 0: the engine's default)")
+    parser.add_argument("--stack-env", action="append", default=[], metavar="EPD_NAME=VALUE", type=stack_setting,
+                        help="a setting for every process of every stack (repeatable; the stacks see no other EPD_ "
+                             "variable of this shell), e.g. EPD_DECODE_STEP_TOKENS=2048")
     parser.add_argument("--model", default="qwen2.5-vl-7b", choices=sorted(PRESETS),
                         help="the preset every stack serves with dummy weights (qwen3-vl-30b-a3b: the MoE model the "
                              "references run EPD on; give it a smaller --kv-cache-mb on one GPU)")

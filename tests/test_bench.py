@@ -550,6 +550,19 @@ def test_multi_turn_gpu_stacks_get_their_environment():
     assert env["EPD_LOAD_FORMAT"] == "dummy" and env["EPD_MODEL"] and "EPD_MAX_MODEL_LEN" not in env
 
 
+def test_stack_settings_reach_the_stacks_and_nothing_else_of_the_shell(monkeypatch):
+    """--stack-env is how a sweep sets an engine option (the stacks see no other EPD_ variable)."""
+    from bench.epd_vs_aggregated import parse_args, stack_env
+
+    monkeypatch.setenv("EPD_VIT_THREAD", "true")
+    args = parse_args(["--stack-env", "EPD_DECODE_STEP_TOKENS=2048", "--stack-env", "EPD_MPS_ACTIVE_THREADS=50"])
+    env = stack_env(args)
+    assert env["EPD_DECODE_STEP_TOKENS"] == "2048" and env["EPD_MPS_ACTIVE_THREADS"] == "50"
+    assert "EPD_VIT_THREAD" not in env
+    with pytest.raises(SystemExit):
+        parse_args(["--stack-env", "DECODE=1"])
+
+
 # Two tiny stacks on CPU, 2 users x 2 turns: ~40 s on two idle cores.
 @pytest.mark.timeout(300)
 def test_multi_turn_tiny_answers_alike_with_and_without_caching(tmp_path):

@@ -37,6 +37,23 @@ def test_prompts_in_chunks_of_32_tokens_give_hf_tokens(model_parts, requests_wit
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
+def test_steps_with_decode_rows_keep_to_the_decode_step_budget(model_parts, requests_with_reference):
+    """--decode-step-tokens 24 under a budget of 96: a step that carries decode rows computes at most 24
+    tokens (their inter-token gap), a step of prompts alone up to 96; prompts join while others decode,
+    and every output is HF's."""
+    engine = make_engine(model_parts, max_batched_tokens=96, decode_step_tokens=24, prefix_caching=False)
+    seqs = [sequence(i, r) for i, r in enumerate(requests_with_reference)]
+    plans: list = []
+    run_to_completion(engine, {0: seqs[:2], 3: seqs[2:5], 6: seqs[5:]}, plans=plans)
+    for seq, (_, _, _, expected) in zip(seqs, requests_with_reference):
+        assert seq.output_ids == expected, seq.request_id
+    tokens = [(sum(end - start for _, start, end, _ in plan), any(d for *_, d in plan)) for plan in plans]
+    assert all(n <= 24 for n, decoding in tokens if decoding)
+    assert any(any(d for *_, d in plan) and not all(d for *_, d in plan) for plan in plans), "no mixed step"
+    assert max(n for n, decoding in tokens if not decoding) > 24
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
 def test_many_sequences_joining_while_prompts_chunk(model_parts, requests_with_reference):
     """24 sequences (each prompt three times) joining over the first steps, budget 48: prompts chunk
     beside up to 24 decode rows; the repeats share cached prefixes. Every output is HF's."""
@@ -177,3 +194,14 @@ def test_split_chunk_attention_equals_one_masked_attention(prefix, n, heads, kv_
     k, v = (torch.randn(prefix + n, kv_heads, 16, generator=gen) for _ in range(2))
     got = split_chunk_attention(q, k[:prefix], v[:prefix], k[prefix:], v[prefix:])
     torch.testing.assert_close(got, causal_attention(q, k, v, prefix), rtol=1e-5, atol=1e-5)
+
+
+def test_step_budgets_below_16_tokens_are_refused():
+    from pydantic import ValidationError
+
+    from shared.engine.settings import EngineSettings
+
+    assert EngineSettings(decode_step_tokens=2048, max_batched_tokens=8192).decode_step_tokens == 2048
+    for field in ("decode_step_tokens", "max_batched_tokens"):
+        with pytest.raises(ValidationError, match=f"{field} must be 0"):
+            EngineSettings(**{field: 8})

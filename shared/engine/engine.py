@@ -66,7 +66,7 @@ LayerHook = Callable[[int, list[KVSpan]], None]  # (layer, spans), in the engine
 class Engine:
     def __init__(self, runner: ModelRunner, eos_token_ids: tuple[int, ...], max_model_len: int, role: str = "both",
                  max_num_seqs: int = 256, max_batched_tokens: int = 8192, priority_window: float = 2.0,
-                 chunked_prefill: bool = True, prefix_caching: bool = True):
+                 chunked_prefill: bool = True, prefix_caching: bool = True, decode_step_tokens: int = 0):
         if role not in ROLES:
             raise ValueError(f"engine role must be one of {ROLES}")
         cache = runner.cache
@@ -80,7 +80,7 @@ class Engine:
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_batched_tokens, self, priority_window,
-                                   chunked=chunked_prefill)
+                                   chunked=chunked_prefill, decode_step_tokens=decode_step_tokens)
         self.reserved: dict[str, Sequence] = {}
         self._by_id: dict[str, Sequence] = {}
         self.prompt_tokens = 0  # prompt tokens admitted, and how many of them the prefix cache served

@@ -4,7 +4,9 @@ blocks run out.
 A step computes at most ``max_batched_tokens`` tokens. With chunked prefill (the default) every
 running sequence past its prompt gets its one decode token first — generation never stalls behind a
 long prompt — and the rest of the budget goes to prompt chunks: a prompt longer than what is left is
-split, and continues in the next steps. Without it, prompts are prefilled whole in steps of their own
+split, and continues in the next steps. While sequences decode, a step's budget is
+``decode_step_tokens`` where set (smaller): their next token waits for one step, and a step's time
+grows with its tokens. Without it, prompts are prefilled whole in steps of their own
 (prefill before decode; the first prompt of a step may exceed the budget).
 
 Prompts are served shortest remaining first — a text prompt does not wait behind a prompt of eight
@@ -52,11 +54,12 @@ class Plan:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_batched_tokens: int, swapper,
-                 priority_window: float = 2.0, chunked: bool = True):
+                 priority_window: float = 2.0, chunked: bool = True, decode_step_tokens: int = 0):
         self.blocks = blocks
         self.priority_window = priority_window  # seconds; 0: first come, first served
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
+        self.decode_step_tokens = decode_step_tokens or max_batched_tokens  # the budget of a step with decode rows
         self.chunked = chunked
         self.swapper = swapper  # has swap_out(seq) and swap_in(seq)
         self.waiting: deque[Sequence] = deque()
@@ -97,7 +100,8 @@ class Scheduler:
 
     def _prompt_budget(self, decode_rows: int) -> int:
         # a block's worth at least, so prompts advance even when decode rows fill the budget
-        return max(self.max_batched_tokens - decode_rows, self.blocks.block_size)
+        budget = min(self.decode_step_tokens, self.max_batched_tokens) if decode_rows else self.max_batched_tokens
+        return max(budget - decode_rows, self.blocks.block_size)
 
     def _swap_in_what_fits(self) -> None:
         while self.swapped and len(self.running) < self.max_num_seqs:
