@@ -48,6 +48,19 @@ def test_paged_decode_attention_matches_dense(heads, kv_heads, splits):
         close(out[i], ref)
 
 
+@pytest.mark.parametrize("skip_fresh", [False, True])
+def test_the_prefill_kernel_warms_up_on_the_pool_without_writing_it(skip_fresh):
+    """The engine compiles the paged prefill kernel at start-up (``warm_prefill``): a launch on the
+    pool's own tensors that reads two blocks and leaves the pool as it was."""
+    from shared.kernels.attention import warm_prefill
+
+    k_cache = torch.randn(4, 16, 2, 16, device=DEVICE)
+    v_cache = torch.randn_like(k_cache)
+    before = k_cache.clone(), v_cache.clone()
+    warm_prefill(k_cache, v_cache, num_heads=4, skip_fresh=skip_fresh)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
 @pytest.mark.parametrize("heads,kv_heads,skip_fresh", [(4, 2, False), (8, 2, True), (4, 4, False), (12, 4, False)])
 def test_paged_prefill_attention_matches_causal_sdpa_over_the_prefix(heads, kv_heads, skip_fresh):
     """Chunks of packed queries after prefixes of every kind (none, inside a block, many blocks, a

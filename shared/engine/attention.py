@@ -191,8 +191,12 @@ class TritonAttention:
 
     def warm(self, heads: int, up_to: int) -> int:
         """Plan the fresh chunks' attention at every length up to ``up_to`` tokens, in the calling thread
-        (the engine's: the plans are per thread); returns how many."""
+        (the engine's: the plans are per thread), and compile the paged prefill kernel; returns how many
+        plans."""
         kv_heads, dim = self.cache.data.shape[-2:]
+        if self.cache.data.is_cuda and self.cache.num_blocks >= 2:
+            k_blocks, v_blocks = self.cache.data[0]
+            paged.warm_prefill(k_blocks, v_blocks, heads, self.sdpa_for_fresh_chunks)
         return sdpa.warm(self.cache.data.device, self.cache.data.dtype, heads, kv_heads, dim, up_to)
 
     def _prefix_slots(self, batch: ForwardBatch, i: int) -> torch.Tensor:
