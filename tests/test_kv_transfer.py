@@ -125,6 +125,35 @@ async def test_cancel_frees_a_reservation_at_once(decode_worker, nats_url):
         await nc.close()
 
 
+async def test_a_cancel_racing_its_reservation_leaves_nothing_reserved(decode_worker, nats_url):
+    """A cancel that lands while the decode worker is still reserving (its engine thread takes the
+    blocks, the cancel's abort runs right after) must not leave a reservation behind: none is held a
+    moment later, not one per race until ``--reservation-timeout``."""
+    from shared.bus.calls import ServiceCallError
+
+    subjects, _ = decode_worker
+    nc = await nats.connect(nats_url)
+    try:
+        async def reserve_and_cancel(i: int) -> None:
+            rid = f"race-{i}"
+            reply = asyncio.ensure_future(call(nc, subjects.decode, pack(KVReserve(
+                request_id=rid, num_tokens=30, max_tokens=4, stream=subjects.stream(rid))), 10, "decode"))
+            await asyncio.sleep(i * 0.0002)  # the reserves queue for the engine thread: some cancels land
+            await nc.publish(subjects.cancel, pack(Cancel(request_id=rid)))  # before, some during, some after
+            try:
+                await reply
+            except ServiceCallError as err:
+                assert err.status == 499, err  # refused: cancelled first
+        await asyncio.gather(*(reserve_and_cancel(i) for i in range(60)))  # before the fix: 31 of 60 left held
+        deadline = time.monotonic() + 2.0
+        while ((stats := await _decode_stats(nc, subjects))["reservations"] or stats["kv_blocks_used"]) \
+                and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert stats["reservations"] == 0 and stats["kv_blocks_used"] == 0, stats
+    finally:
+        await nc.close()
+
+
 def test_requests_wait_for_room_on_a_full_decode_worker(nats_url, tiny_model):
     """Overload queues instead of failing: a decode worker whose KV pool holds one of these prompts at a
     time serves three sent together, one after the other; prefill counts the waits."""

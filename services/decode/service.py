@@ -81,6 +81,9 @@ class DecodeService(Service):
 
         if not await self.worker.loop.call(reserve_blocks):
             raise ServiceError(503, "decode worker has no free KV blocks")
+        # cancelled while the engine reserved: the cancel's abort, queued behind the reserve, frees the
+        # blocks, and a reservation held now would outlive it until --reservation-timeout
+        self.worker.refuse_cancelled(rid)
         reservation = Reservation(seq, reserve.stream)
         self.reservations.hold(rid, reservation)
         if reserve.prefill_id:
