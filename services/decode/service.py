@@ -160,9 +160,17 @@ class DecodeService(Service):
         return pack(DecodeAccepted(decode_id=self.instance))
 
     def _expired(self, request_id: str, reservation: Reservation, reason: str) -> None:
-        """A reservation whose transfer or start will not come (a prefill that died half-way)."""
-        self.worker.loop.call(lambda engine: engine.abort(request_id))
-        self.worker.publisher.publish(reservation.stream, pack(error_event(request_id, 504, reason, self.instance)))
+        """A reservation whose transfer or start will not come (a prefill that died half-way). The stream
+        hears of it once the blocks are free, so that whoever resumes the request finds the room."""
+        freed = self.worker.loop.call(lambda engine: engine.abort(request_id))
+        event = pack(error_event(request_id, 504, reason, self.instance))
+
+        def tell(done) -> None:
+            if not done.cancelled() and done.exception() is not None:
+                log.warning("decode.abort_failed", request_id=request_id, error=repr(done.exception()))
+            self.worker.publisher.publish(reservation.stream, event)
+
+        freed.add_done_callback(tell)
         log.warning("decode.reservation_expired", request_id=request_id, layers=len(reservation.landed), reason=reason)
 
     # -- lifecycle --------------------------------------------------------------------------------
