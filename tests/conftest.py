@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# The suite runs a dozen or more CPU processes at once (every stack's services, the reference, several
+# test files side by side) on a couple of cores: each with one intra-op thread, not one per core that
+# would spin against the others. Set before torch loads; inherited by every process the tests start.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # GPU kernels run in Triton's interpreter on CPU

@@ -75,15 +75,19 @@ def process(stack, pid: int):
     return next(p for _, p in stack.stack.processes if p.pid == pid)
 
 
-async def replace(stack, kind: str, pid: int) -> None:
-    """Start a new worker of ``kind`` in place of ``pid`` and wait until it is listed."""
-    stack.stack.processes = [(k, p) for k, p in stack.stack.processes if p.pid != pid]
-    stack.stack.spawn(kind)
-    count = sum(1 for k, p in stack.stack.processes if k == kind and p.poll() is None)
+async def replace(stack, *gone: tuple[str, int]) -> None:
+    """Start a new worker of each ``(kind, pid)`` in place of ``pid`` — all at once, they start side by
+    side — and wait until every one is listed."""
+    pids = {pid for _, pid in gone}
+    stack.stack.processes = [(k, p) for k, p in stack.stack.processes if p.pid not in pids]
+    for kind, _ in gone:
+        stack.stack.spawn(kind)
     deadline = time.monotonic() + 120
-    while len(await workers(stack, kind)) < count:
-        assert time.monotonic() < deadline, f"replacement {kind} did not come up"
-        await asyncio.sleep(0.5)
+    for kind in dict.fromkeys(kind for kind, _ in gone):
+        count = sum(1 for k, p in stack.stack.processes if k == kind and p.poll() is None)
+        while len(await workers(stack, kind)) < count:
+            assert time.monotonic() < deadline, f"replacement {kind} did not come up"
+            await asyncio.sleep(0.5)
 
 
 async def idle(stack) -> None:
@@ -116,7 +120,7 @@ async def test_decode_killed_mid_stream_resumes_on_the_other(stack, reference):
     assert killed, "the stream ended before the decode worker could be killed"
     assert result["error"] is None and result["finish"] == "length"
     assert result["text"] == want  # no duplicated or missing tokens across the resume
-    await replace(stack, "decode", killed["pid"])
+    await replace(stack, ("decode", killed["pid"]))
     await idle(stack)
 
 
@@ -133,8 +137,7 @@ async def test_no_decode_left_ends_with_an_explicit_error(stack):
             result = await read_stream(client, f"{stack.base_url}/chat/completions", body("hello", max_tokens=50),
                                        kill_all)
     finally:
-        for d in decodes:
-            await replace(stack, "decode", d["pid"])
+        await replace(stack, *(("decode", d["pid"]) for d in decodes))
     assert result["finish"] is None, "a failed request must not look finished"
     assert result["status"] != 200 or result["error"] is not None
     await idle(stack)
@@ -187,7 +190,7 @@ async def test_sigterm_under_load_with_another_replica_fails_nothing(stack, refe
     assert all(r["text"] == want and r["finish"] == "length" for r in results)
     for kind, pid in victims.items():
         assert process(stack, pid).wait(30) == 0  # drained and exited cleanly
-        await replace(stack, kind, pid)
+    await replace(stack, *victims.items())
     await idle(stack)
 
 
@@ -223,8 +226,7 @@ async def test_fault_injection_under_load(stack, reference):
             wrong.append((len(imgs), result, expected))
     assert not wrong and correct + errors == 50, wrong
     assert correct >= 45, (correct, errors)
-    await replace(stack, "encoder", encoder_pid)
-    await replace(stack, "decode", decode_pid)
+    await replace(stack, ("encoder", encoder_pid), ("decode", decode_pid))
     await idle(stack)
 
 
