@@ -130,7 +130,11 @@ class UpStack:
                     for v in self.gauge("epd_service_stat", stat=stat) if v]
             if not busy:
                 return
-            assert time.monotonic() < deadline, f"work left behind: {busy}"
+            if time.monotonic() >= deadline:
+                held = re.findall(r'^epd_service_stat\{(.*?stat="(?:running|kv_blocks_used|reservations|handoffs)".*?)\} '
+                                  r'([-0-9.e+]+)$', self.metrics(), re.M)
+                notable = [e for e in self.events if e.get("level") in ("warning", "error")][-12:]
+                raise AssertionError(f"work left behind: {[h for h in held if float(h[1])]}; last warnings: {notable}")
             time.sleep(0.2)
 
     def chat(self, text: str, images=(), max_tokens: int = 8, stream: bool = False, timeout: float = 120) -> dict:

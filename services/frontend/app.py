@@ -229,7 +229,11 @@ async def _unless_disconnected(work, request: Request):
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
-            task.cancel()
+            # until it ends: one cancel can be lost — Python 3.11's wait_for (under nats-py's next_msg)
+            # returns a result that meets the cancel and drops the cancel, and the answer generated on
+            while not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=0.05)
             await asyncio.gather(task, return_exceptions=True)
             raise ApiError(499, "client disconnected")
         return task.result()
