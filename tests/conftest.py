@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-# The suite runs a dozen or more CPU processes at once (every stack's services, the reference, several
-# test files side by side) on a couple of cores: each with one intra-op thread, not one per core that
+# The suite runs a dozen or more CPU processes at once (every stack's services, the reference) on a
+# couple of cores: each with one intra-op thread, not one per core that
 # would spin against the others. Set before torch loads; inherited by every process the tests start.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

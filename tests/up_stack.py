@@ -102,15 +102,14 @@ class UpStack:
     def metrics(self) -> str:
         return httpx.get(f"{self.root}/metrics", timeout=10).text
 
+    def series(self, name: str) -> list[tuple[dict[str, str], float]]:
+        """(labels, value) of every series of one metric."""
+        pattern = re.compile(rf'^{name}\{{(.*?)\}} ([-0-9.e+]+)$', re.M)
+        return [(dict(re.findall(r'(\w+)="([^"]*)"', text)), float(value)) for text, value in pattern.findall(self.metrics())]
+
     def gauge(self, name: str, **labels) -> list[float]:
         """Values of one metric whose labels include ``labels``."""
-        pattern = re.compile(rf'^{name}\{{(.*?)\}} ([-0-9.e+]+)$', re.M)
-        found = []
-        for label_text, value in pattern.findall(self.metrics()):
-            have = dict(re.findall(r'(\w+)="([^"]*)"', label_text))
-            if all(have.get(k) == v for k, v in labels.items()):
-                found.append(float(value))
-        return found
+        return [value for have, value in self.series(name) if all(have.get(k) == v for k, v in labels.items())]
 
     def workers(self, kind: str) -> int:
         values = self.gauge("epd_workers", kind=kind)
@@ -126,15 +125,13 @@ class UpStack:
         """No sequence running and no KV block held on any language-model worker."""
         deadline = time.monotonic() + timeout
         while True:
-            busy = [v for stat in ("running", "kv_blocks_used", "reservations", "handoffs")
-                    for v in self.gauge("epd_service_stat", stat=stat) if v]
+            busy = [(labels, value) for labels, value in self.series("epd_service_stat")
+                    if value and labels.get("stat") in ("running", "kv_blocks_used", "reservations", "handoffs")]
             if not busy:
                 return
             if time.monotonic() >= deadline:
-                held = re.findall(r'^epd_service_stat\{(.*?stat="(?:running|kv_blocks_used|reservations|handoffs)".*?)\} '
-                                  r'([-0-9.e+]+)$', self.metrics(), re.M)
                 notable = [e for e in self.events if e.get("level") in ("warning", "error")][-12:]
-                raise AssertionError(f"work left behind: {[h for h in held if float(h[1])]}; last warnings: {notable}")
+                raise AssertionError(f"work left behind: {busy}; last warnings: {notable}")
             time.sleep(0.2)
 
     def chat(self, text: str, images=(), max_tokens: int = 8, stream: bool = False, timeout: float = 120) -> dict:

@@ -59,7 +59,8 @@ class Scheduler:
         self.priority_window = priority_window  # seconds; 0: first come, first served
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
-        self.decode_step_tokens = decode_step_tokens or max_batched_tokens  # the budget of a step with decode rows
+        # the budget of a step that carries decode rows
+        self.decode_step_tokens = min(decode_step_tokens or max_batched_tokens, max_batched_tokens)
         self.chunked = chunked
         self.swapper = swapper  # has swap_out(seq) and swap_in(seq)
         self.waiting: deque[Sequence] = deque()
@@ -100,7 +101,7 @@ class Scheduler:
 
     def _prompt_budget(self, decode_rows: int) -> int:
         # a block's worth at least, so prompts advance even when decode rows fill the budget
-        budget = min(self.decode_step_tokens, self.max_batched_tokens) if decode_rows else self.max_batched_tokens
+        budget = self.decode_step_tokens if decode_rows else self.max_batched_tokens
         return max(budget - decode_rows, self.blocks.block_size)
 
     def _swap_in_what_fits(self) -> None:
