@@ -198,7 +198,7 @@ def check(ctx):
     graphs, runner.graphs = runner.graphs, None
     results["eager"] = _forced_logits(engine, prompt, forced)
     runner.graphs = graphs
-    kernels.fused.available = kernels.moe.available = kernels.qk_norm.available = False  # the pure torch path
+    kernels.fused.available = kernels.moe.available = kernels.gemv.available = False  # the pure torch path
     try:
         results["torch_bf16"] = _forced_logits(torch_engine(lm, ctx["dtype"]), prompt, forced)
         lm32 = load_language_model(None, cfg, dev, torch.float32, load_format="dummy")
@@ -206,7 +206,7 @@ def check(ctx):
         results["fp32"] = _forced_logits(torch_engine(lm32, torch.float32), prompt, forced)
         del lm32
     finally:
-        kernels.fused.available = kernels.moe.available = kernels.qk_norm.available = True
+        kernels.fused.available = kernels.moe.available = kernels.gemv.available = True
     torch.cuda.empty_cache()
     report = {}
     for name in ("graphs", "eager", "torch_bf16"):
@@ -303,6 +303,7 @@ def decode1(ctx):
     replay = None
     if runner.graphs is not None:
         replay = timer.ms(lambda: runner.graphs.replay(rows), repeat=200, warmup=10)
+    variants = _decode_variants(ctx, seq) if runner.graphs is not None else {}
     walls = []
     for _ in range(100):
         t = time.perf_counter()
@@ -314,10 +315,36 @@ def decode1(ctx):
     floor = moved / ctx.get("bandwidth", math.inf) * 1e3
     RESULTS["decode1"] = {"graph_replay_ms": replay, "engine_step_ms": step, "bandwidth_floor_ms": floor,
                           "weights_GB": ctx["weights_bytes"] / 1e9, "bytes_read_GB": moved / 1e9,
-                          "experts_read": experts, "ratio_to_floor": replay / floor if replay and floor else None}
+                          "experts_read": experts, "ratio_to_floor": replay / floor if replay and floor else None,
+                          "replay_ms_without": variants}
     log(f"decode b1: graph replay {replay and round(replay, 3)} ms, engine step {step:.3f} ms, floor {floor:.2f} ms "
         f"({moved / 1e9:.2f} GB read, {experts} experts)")
     RESULTS["decode1"].update(_moe_layer_paths(ctx))
+    RESULTS["decode1"].update(_projection_paths(ctx))
+
+
+def _decode_variants(ctx, seq: Sequence) -> dict:
+    """The batch-1 graph replay without each of the few-rows layer (``shared.kernels.gemv``: norms fused
+    into GEMVs) and programmatic dependent launch (``shared.kernels.launch``), and without both: a
+    graph of bucket 1 captured for each, on the same staged inputs."""
+    from shared import kernels
+    from shared.kernels import launch
+
+    runner, timer = ctx["engine"].runner, ctx["timer"]
+    graphs, inputs = runner.graphs, runner.inputs
+    out = {}
+    for name, gemv_on, pdl_on in (("pdl", True, False), ("gemv", False, True), ("gemv_and_pdl", False, False)):
+        kernels.gemv.available, launch.ENABLED = gemv_on, pdl_on
+        try:
+            runner.capture_graphs(1, ctx["max_len"])
+            rows = runner.stage_decode([seq])
+            out[name] = timer.ms(lambda: runner.graphs.replay(rows), repeat=200, warmup=10)
+        finally:
+            kernels.gemv.available, launch.ENABLED = True, True
+            runner.graphs, runner.inputs = graphs, inputs
+            torch.cuda.empty_cache()
+        log(f"decode b1 without {name}: graph replay {out[name]:.3f} ms")
+    return out
 
 
 def _moe_layer_paths(ctx) -> dict:
@@ -355,6 +382,58 @@ def _moe_layer_paths(ctx) -> dict:
         f"sorted path {per_layer['sorted']:.1f} µs")
     return {"moe_layer_small_us": per_layer["small"], "moe_layer_sorted_us": per_layer["sorted"],
             "moe_layers_timed": len(blocks)}
+
+
+def _projection_paths(ctx) -> dict:
+    """A decoder layer's projections with the norms before them, for one row, in µs a layer: residual add +
+    RMSNorm kernels and cuBLAS against the GEMVs with the norms fused in (``shared.kernels.gemv``), with
+    and without PDL. Every layer's own weights in turn, in one CUDA graph (as ``_moe_layer_paths``)."""
+    from shared.kernels import gemv, launch
+
+    if ctx["device"].type != "cuda":
+        return {}
+    layers = ctx["lm"].layers
+    hidden = ctx["config"].text.hidden_size
+    gen = torch.Generator(ctx["device"]).manual_seed(0)
+    x, res = (torch.randn(1, hidden, dtype=ctx["dtype"], device=ctx["device"], generator=gen) for _ in range(2))
+
+    def unfused():
+        for layer in layers:
+            attn = layer.self_attn
+            h, r = layer.input_layernorm.add_forward(x, res.clone())
+            o = attn.o_proj(attn.qkv_proj(h)[:, :attn.q_size])
+            h, r = layer.post_attention_layernorm.add_forward(o, r)
+            layer.mlp.first(h)
+
+    def fused():
+        for layer in layers:
+            attn, norm = layer.self_attn, layer.input_layernorm
+            qkv, r, _ = gemv.norm_linear(x, res, norm.weight, norm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
+            o = gemv.linear(qkv[:, :attn.q_size], attn.o_proj.weight)
+            norm = layer.post_attention_layernorm
+            gemv.norm_linear(o, r, norm.weight, norm.eps, layer.mlp.first.weight, keep=layer.mlp.finish_reads_input)
+
+    per_layer = {}
+    with torch.inference_mode():
+        for name, fn, pdl in (("cublas", unfused, False), ("gemv_pdl", fused, True), ("gemv", fused, False)):
+            launch.ENABLED = pdl
+            try:
+                fn()
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    fn()
+                per_layer[name] = ctx["timer"].ms(graph.replay, repeat=50, warmup=5) * 1e3 / len(layers)
+                del graph
+            finally:
+                launch.ENABLED = True
+    first = layers[0].mlp.first.weight
+    moved = sum(m.numel() * m.element_size() for m in (layers[0].self_attn.qkv_proj.weight,
+                                                       layers[0].self_attn.o_proj.weight, first))
+    floor = moved / ctx.get("bandwidth", math.inf) * 1e6
+    log("decode b1 projections a layer (norms included): " + ", ".join(f"{k} {v:.1f} µs" for k, v in per_layer.items())
+        + f"; their weights' bandwidth floor {floor:.1f} µs")
+    return {f"projections_{k}_us": v for k, v in per_layer.items()} | {"projections_floor_us": floor}
 
 
 def _decode_batch(ctx, name: str) -> list[Sequence]:

@@ -45,18 +45,21 @@ class TouchedExperts:
     def __init__(self, lm: nn.Module):
         self.blocks = [m for m in lm.modules() if isinstance(m, SparseMoeBlock)]
         self.counts: list[int] = []
-        self.hooks = []
 
     def _count(self, block: SparseMoeBlock, logits) -> None:
         self.counts.append(logits.topk(block.top_k, dim=-1).indices.unique().numel())
 
     def __enter__(self) -> "TouchedExperts":
-        self.hooks = [b.gate.register_forward_hook(lambda _, __, out, b=b: self._count(b, out)) for b in self.blocks]
+        for block in self.blocks:  # every path (forward, or the few-rows layer) ends in finish(x, logits)
+            def finish(x, logits, block=block, inner=block.finish):
+                self._count(block, logits)
+                return inner(x, logits)
+            block.finish = finish
         return self
 
     def __exit__(self, *exc) -> None:
-        for hook in self.hooks:
-            hook.remove()
+        for block in self.blocks:
+            del block.finish  # the class's method again
 
     def per_step(self) -> int:
         """Experts read by one forward (every MoE layer once), from the last forward recorded."""

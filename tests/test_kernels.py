@@ -13,6 +13,7 @@ triton = pytest.importorskip("triton")
 
 from shared.kernels.attention import paged_decode_attention, paged_prefill_attention  # noqa: E402
 from shared.kernels.fused import add_rms_norm, rms_norm, rope_store, silu_mul  # noqa: E402
+from shared.kernels.gemv import linear, norm_linear, tiles  # noqa: E402
 from shared.model.rope import apply_rotary  # noqa: E402
 from shared.model.text import RMSNorm  # noqa: E402
 
@@ -114,6 +115,47 @@ def test_norms_and_activation():
     close(silu_mul(gate_up), F.silu(gate_up[:, :40]) * gate_up[:, 40:])
 
 
+@pytest.mark.parametrize("rows,with_residual,bias", [(1, True, False), (3, True, True), (2, False, True)])
+def test_norm_linear_equals_the_norm_then_the_projection(rows, with_residual, bias):
+    """Widths that are not multiples of the tiles (and a K that is not a power of two), several K steps;
+    the new residual and the normalized rows come back as the unfused path computes them."""
+    torch.manual_seed(rows)
+    hidden, outputs = 40, 37
+    x, res = torch.randn(rows, hidden, device=DEVICE), torch.randn(rows, hidden, device=DEVICE)
+    norm = RMSNorm(hidden, 1e-6).to(DEVICE)
+    norm.weight.data.normal_()
+    proj = torch.nn.Linear(hidden, outputs, bias=bias).to(DEVICE)
+    summed = x + res if with_residual else x
+    for block in ((8, 16), None):  # several programs and K steps; the model's tiles
+        out, residual, normed = norm_linear(x, res if with_residual else None, norm.weight, 1e-6, proj.weight,
+                                            proj.bias, keep=True, block=block)
+        close(residual, summed)
+        close(normed, norm(summed))
+        close(out, proj(norm(summed)))
+    close(linear(x, proj.weight, proj.bias, block=(8, 16)), proj(x))
+    assert norm_linear(x, None, norm.weight, 1e-6, proj.weight)[1] is x
+
+
+def test_norm_linear_rounds_where_the_unfused_path_rounds_in_bf16():
+    torch.manual_seed(0)
+    hidden = 64
+    x, res = (torch.randn(2, hidden, dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
+    weight = torch.randn(hidden, dtype=torch.bfloat16, device=DEVICE)
+    proj = (torch.randn(24, hidden, device=DEVICE) / hidden ** 0.5).to(torch.bfloat16)
+    residual = res.clone()
+    normed = add_rms_norm(x, residual, weight, 1e-6)  # the unfused kernel: the reference
+    out, new_residual, kept = norm_linear(x, res, weight, 1e-6, proj, keep=True, block=(8, 32))
+    assert torch.equal(new_residual, residual) and torch.equal(kept, normed)
+    expected = (normed.float() @ proj.float().T).to(torch.bfloat16)  # float32 sums, rounded once
+    assert (out.float() - expected.float()).abs().max() <= 2 ** -7 * expected.float().abs().max()
+
+
+def test_gemv_tiles_cover_the_sms_at_batch_one():
+    """Qwen3-VL-30B-A3B's q|k|v (5,120 outputs), o (2,048) and router (128) at 1 and 4 rows."""
+    assert tiles(5120, 1) == (16, 512) and tiles(2048, 1) == (8, 1024) and tiles(128, 1) == (4, 1024)
+    assert tiles(5120, 4) == (16, 128)
+
+
 @pytest.mark.parametrize("dim", [16, 20])  # 20: a half width that is not a power of two (the ViT's 80)
 def test_rope_store_rotates_and_writes_the_cache(dim):
     torch.manual_seed(1)
@@ -134,8 +176,29 @@ def test_rope_store_rotates_and_writes_the_cache(dim):
     close(v_cache[slots], ref_v)
 
 
-def test_triton_backend_generates_hf_tokens(tiny_model, reference):
-    """The GPU attention path (fused rotary + cache write, paged flash-decoding) inside the real engine."""
+def force_few_rows(monkeypatch) -> list[int]:
+    """Decode steps of up to ``gemv.MAX_ROWS`` rows through the few-rows layer on this CPU as well (the
+    kernels in the interpreter): on its own it is taken on GPU only. Returns the row counts it took."""
+    from shared.kernels import gemv
+    from shared.model import qwen3_text, text
+
+    taken: list[int] = []
+
+    def few_rows(x):
+        if x.shape[0] > gemv.MAX_ROWS:
+            return False
+        taken.append(x.shape[0])
+        return True
+
+    monkeypatch.setattr(text, "few_rows", few_rows)
+    monkeypatch.setattr(qwen3_text, "few_rows", few_rows)
+    return taken
+
+
+@pytest.mark.parametrize("few_rows", [False, True])
+def test_triton_backend_generates_hf_tokens(tiny_model, reference, few_rows, monkeypatch):
+    """The GPU attention path (fused rotary + cache write, paged flash-decoding) inside the real engine,
+    and with ``few_rows`` the decode steps through the GEMVs with their fused norms as well."""
     from shared.engine.attention import TritonAttention
     from shared.engine.engine import Engine
     from shared.engine.kv_cache import KVCache
@@ -146,6 +209,7 @@ def test_triton_backend_generates_hf_tokens(tiny_model, reference):
     from shared.model.loader import load_language_model, load_vision_tower
     from tests.support import make_image
 
+    taken = force_few_rows(monkeypatch) if few_rows else []
     config = ModelConfig.from_checkpoint(tiny_model)
     lm, tower = load_language_model(tiny_model, config), load_vision_tower(tiny_model, config)
     cache = KVCache(config.text, 64, 16, torch.float32, "cpu")
@@ -168,6 +232,7 @@ def test_triton_backend_generates_hf_tokens(tiny_model, reference):
     while engine.has_work():
         engine.step()
     assert [s.output_ids for s in seqs] == expected
+    assert not few_rows or 2 in taken  # both sequences decoded together
 
 
 def test_segment_attention_matches_per_segment_sdpa():

@@ -180,6 +180,31 @@ def test_concurrent_requests_in_one_batch(qwen3, requests_with_reference):
         assert seq.output_ids == request[3], seq.request_id
 
 
+def test_the_gpu_path_kernels_generate_hf_tokens(qwen3, requests_with_reference, monkeypatch):
+    """The Triton attention backend (QK-norm inside its rotary kernel) and the few-rows decoder layer
+    (norms fused into GEMVs) in Triton's interpreter, inside the real engine, on the two shortest prompts
+    (text only; one image, with deepstack): decode steps of 2 rows, then 1 — each output a prefix of HF's
+    greedy one. Short, because the interpreter is slow (the rotary kernel's program per prompt token)."""
+    pytest.importorskip("triton")
+    from shared.engine.attention import TritonAttention
+    from tests.test_kernels import force_few_rows
+
+    taken = force_few_rows(monkeypatch)
+    _, _, config, _, lm, _ = qwen3
+    cache = KVCache(config.text, 128, 16, torch.float32, "cpu")
+    engine = Engine(ModelRunner(lm, cache, config.vision.merge_size,
+                                backend=TritonAttention(cache, config.text.head_dim ** -0.5)),
+                    config.eos_token_ids, max_model_len=127 * 16)
+    seqs = [sequence(i, (ids, images, 5 - 2 * i, expected)) for i, (ids, images, _, expected)
+            in enumerate(requests_with_reference[:2])]
+    for seq in seqs:
+        engine.add_prompt(seq)
+    run_to_completion(engine)
+    for seq, request in zip(seqs, requests_with_reference):
+        assert seq.output_ids == request[3][:len(seq.output_ids)] and len(seq.output_ids) == seq.sampling.max_tokens
+    assert {1, 2} <= set(taken)
+
+
 def test_prefill_to_decode_hand_off(qwen3, requests_with_reference):
     """KV streamed layer by layer from a prefill engine into a decode engine's reservation."""
     prefill, decode = make_engine(qwen3, role="prefill"), make_engine(qwen3, role="decode")

@@ -212,23 +212,31 @@ def test_the_moe_block_reference_path_agrees_with_the_kernel(path):
     torch.testing.assert_close(one, got[:1], rtol=1e-4, atol=1e-4)
 
 
-def test_qk_norm_in_place_equals_the_norms():
-    """Qwen3's QK-norm kernel, on q and k as the strided views of the fused projection they are."""
-    from shared.kernels.qk_norm import qk_norm_
+def test_rotary_kernel_applies_qk_norm_first():
+    """Qwen3's QK-norm inside the rotary + cache-write kernel, on q and k as the strided views of the fused
+    projection they are: the same as the two norms, then rotary."""
+    from shared.kernels.fused import rope_store
+    from shared.model.rope import apply_rotary
     from shared.model.text import RMSNorm
 
     torch.manual_seed(1)
-    heads, kv_heads, dim = 4, 2, 32
-    qkv = torch.randn(5, (heads + 2 * kv_heads) * dim, device=DEVICE)
-    q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
-    q, k = q.view(-1, heads, dim), k.view(-1, kv_heads, dim)
+    tokens, heads, kv_heads, dim = 5, 4, 2, 32
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device=DEVICE)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k, v = q.view(-1, heads, dim), k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim)
     q_norm, k_norm = RMSNorm(dim, 1e-6).to(DEVICE), RMSNorm(dim, 1e-6).to(DEVICE)
     q_norm.weight.data.normal_()
     k_norm.weight.data.normal_()
-    expected_q, expected_k = q_norm(q.clone()), k_norm(k.clone())
-    qk_norm_(q, k, q_norm.weight, k_norm.weight, 1e-6)
+    angles = torch.randn(tokens, dim // 2, device=DEVICE)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    expected_q, expected_k = apply_rotary(q_norm(q.clone()), cos, sin), apply_rotary(k_norm(k.clone()), cos, sin)
+    k_cache, v_cache = torch.zeros(8, kv_heads, dim, device=DEVICE), torch.zeros(8, kv_heads, dim, device=DEVICE)
+    slots = torch.tensor([6, 0, 3, 7, 1], device=DEVICE)
+    rope_store(q, k, v, cos, sin, k_cache, v_cache, slots, (q_norm.weight, k_norm.weight, 1e-6))
     torch.testing.assert_close(q, expected_q)
     torch.testing.assert_close(k, expected_k)
+    torch.testing.assert_close(k_cache[slots], expected_k)
+    torch.testing.assert_close(v_cache[slots], v)
 
 
 def test_kernels_compile_for_hopper():
@@ -241,4 +249,4 @@ def test_kernels_compile_for_hopper():
     done = subprocess.run([sys.executable, "-m", "tests.hopper_compile"], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count(" ok") == 15
+    assert done.stdout.count(" ok") == 20

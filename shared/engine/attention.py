@@ -1,7 +1,8 @@
 """Attention over the paged KV cache, and the batch layout it reads.
 
-A backend takes one layer's q, k, v (before rotary), applies rotary, writes k and v into their cache
-slots and attends. ``TorchAttention`` is the reference path (any device, exact in fp32): it runs
+A backend takes one layer's q, k, v (before rotary), applies the model's QK-norm where it has one
+(Qwen3), rotary, writes k and v into their cache slots and attends. ``TorchAttention`` is the
+reference path (any device, exact in fp32): it runs
 ``scaled_dot_product_attention`` per sequence. ``TritonAttention`` is the GPU path: one fused
 rotary+cache-write kernel, the paged flash-decoding kernel for decode rows, and for prompt chunks:
 
@@ -59,7 +60,9 @@ class TorchAttention:
     def __init__(self, cache: KVCache):
         self.cache = cache
 
-    def forward(self, layer: int, q, k, v, cos, sin, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, layer: int, q, k, v, cos, sin, batch: ForwardBatch, qk_norm=None) -> torch.Tensor:
+        if qk_norm is not None:
+            q, k = qk_norm[0](q), qk_norm[1](k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_cache, v_cache = self.cache.layer(layer)
         slots = batch.slot_mapping.long()
@@ -142,9 +145,10 @@ class TritonAttention:
         self.split_min_tokens = self.SPLIT_MIN_TOKENS
         self.split_chunks = 0  # chunks attended the split way
 
-    def forward(self, layer: int, q, k, v, cos, sin, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, layer: int, q, k, v, cos, sin, batch: ForwardBatch, qk_norm=None) -> torch.Tensor:
         k_cache, v_cache = self.cache.layer(layer)
-        fused.rope_store(q, k, v, cos, sin, k_cache, v_cache, batch.slot_mapping)
+        norms = qk_norm and (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
+        fused.rope_store(q, k, v, cos, sin, k_cache, v_cache, batch.slot_mapping, norms)
         k_blocks, v_blocks = self.cache.data[layer]
         if batch.is_prefill:
             out = self._prefill(q, k, v, k_blocks, v_blocks, batch)

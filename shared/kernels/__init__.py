@@ -34,7 +34,7 @@ class _Lazy:
 fused = _Lazy("shared.kernels.fused")
 attention = _Lazy("shared.kernels.attention")
 moe = _Lazy("shared.kernels.moe")
-qk_norm = _Lazy("shared.kernels.qk_norm")
+gemv = _Lazy("shared.kernels.gemv")
 
 
 def log_compiles(log) -> None:

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shared.kernels import launch
+
 
 # a mixed step's block tables are as wide as its longest table: their row stride changes from step to step
 # (one compile per new specialization of it, 0.4-0.6 s each on the H200), graph replays keep theirs
@@ -29,8 +31,9 @@ def _split_kernel(
     q_ptr, k_cache, v_cache, block_tables, context_lens, acc_ptr, m_ptr, l_ptr, scale,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr, PDL: tl.constexpr,
 ):
+    launch.wait_for_inputs(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -78,7 +81,8 @@ def _split_kernel(
 @triton.jit
 def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, stride_ob, stride_oh,
                   NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                  HEAD_DIM: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
+    launch.wait_for_inputs(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
@@ -111,16 +115,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     acc = torch.empty(batch * num_heads * num_splits, head_dim, device=q.device, dtype=torch.float32)
     m = torch.empty(batch * num_heads * num_splits, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
+    pdl = launch.pdl(q)
     _split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, acc, m, l, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         NUM_HEADS=num_heads, NUM_SPLITS=num_splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCKS_PER_ITER=max(1, 64 // block_size),
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCKS_PER_ITER=max(1, 64 // block_size), PDL=pdl,
+        **launch.options(pdl),
     )
     out = torch.empty_like(q) if out is None else out
     _merge_kernel[(batch, num_heads)](
         acc, m, l, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
-        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim,
+        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim, PDL=pdl, **launch.options(pdl),
     )
     return out
 

@@ -3,7 +3,8 @@
 - ``add_rms_norm``: residual add + RMSNorm (the residual stream is updated in place);
 - ``rms_norm``: RMSNorm alone (first layer, ViT blocks);
 - ``silu_mul``: SiLU(gate) × up from the fused gate|up projection;
-- ``rope_store``: rotary embedding of q and k in place, and k, v written into their KV-cache slots.
+- ``rope_store``: rotary embedding of q and k in place (after Qwen3's QK-norm, where asked), and k, v
+  written into their KV-cache slots.
 
 Each follows the reference's rounding points (float32 inside, the model's dtype where the reference
 rounds), so results match the torch path to bf16 precision.
@@ -14,6 +15,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from shared.kernels import launch
 
 
 @triton.jit
@@ -75,14 +78,28 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache, v_cache, slots,
+def _norm_halves(lo, hi, x_ptr, w_ptr, d, dm, eps, HALF: tl.constexpr):
+    """RMSNorm over each row of a head's two halves (QK-norm), rounded as ``RMSNorm`` rounds."""
+    rstd = tl.rsqrt((tl.sum(lo * lo, 1) + tl.sum(hi * hi, 1)) / (2 * HALF) + eps)[:, None]
+    w_lo = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)[None, :]
+    w_hi = tl.load(w_ptr + HALF + d, mask=dm, other=0.0).to(tl.float32)[None, :]
+    dtype = x_ptr.dtype.element_ty
+    lo = (w_lo * (lo * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    hi = (w_hi * (hi * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache, v_cache, slots, q_norm, k_norm, eps,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
                        stride_cs, stride_ch,
                        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-                       HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr, STORE: tl.constexpr):
+                       HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr, STORE: tl.constexpr,
+                       QK_NORM: tl.constexpr, PDL: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)  # the ViT's fused qkv: 574k tokens × 3,840 passes 2^31
     d = tl.arange(0, HALF_PAD)
     dm = d < HALF
+    launch.wait_for_inputs(PDL)
     cos_lo = tl.load(cos_ptr + t * stride_ct + d, mask=dm, other=0.0).to(tl.float32)
     cos_hi = tl.load(cos_ptr + t * stride_ct + HALF + d, mask=dm, other=0.0).to(tl.float32)
     sin_lo = tl.load(sin_ptr + t * stride_ct + d, mask=dm, other=0.0).to(tl.float32)
@@ -93,6 +110,8 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache, v_cache, 
     q_lo_ptr = q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :]
     q_lo = tl.load(q_lo_ptr, mask=hm, other=0.0).to(tl.float32)
     q_hi = tl.load(q_lo_ptr + HALF, mask=hm, other=0.0).to(tl.float32)
+    if QK_NORM:
+        q_lo, q_hi = _norm_halves(q_lo, q_hi, q_ptr, q_norm, d, dm, eps, HALF)
     tl.store(q_lo_ptr, (q_lo * cos_lo[None, :] - q_hi * sin_lo[None, :]).to(q_ptr.dtype.element_ty), mask=hm)
     tl.store(q_lo_ptr + HALF, (q_hi * cos_hi[None, :] + q_lo * sin_hi[None, :]).to(q_ptr.dtype.element_ty), mask=hm)
 
@@ -101,6 +120,8 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache, v_cache, 
     k_lo_ptr = k_ptr + t * stride_kt + kh[:, None] * stride_kh + d[None, :]
     k_lo = tl.load(k_lo_ptr, mask=km, other=0.0).to(tl.float32)
     k_hi = tl.load(k_lo_ptr + HALF, mask=km, other=0.0).to(tl.float32)
+    if QK_NORM:
+        k_lo, k_hi = _norm_halves(k_lo, k_hi, k_ptr, k_norm, d, dm, eps, HALF)
     new_lo = (k_lo * cos_lo[None, :] - k_hi * sin_lo[None, :]).to(k_ptr.dtype.element_ty)
     new_hi = (k_hi * cos_hi[None, :] + k_lo * sin_hi[None, :]).to(k_ptr.dtype.element_ty)
     tl.store(k_lo_ptr, new_lo, mask=km)
@@ -116,19 +137,25 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache, v_cache, 
 
 
 def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               k_cache: torch.Tensor | None, v_cache: torch.Tensor | None, slots: torch.Tensor | None) -> None:
+               k_cache: torch.Tensor | None, v_cache: torch.Tensor | None, slots: torch.Tensor | None,
+               qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> None:
     """Rotate ``q`` ``[T, H, D]`` and ``k`` ``[T, KVH, D]`` in place; write k, v to cache ``slots`` if given.
 
     Caches are ``[slots, kv_heads, D]`` views of one layer's pool. ``cos``/``sin`` ``[T, D]`` may be
-    float32 (the ViT's rotary) or the model's dtype."""
+    float32 (the ViT's rotary) or the model's dtype. ``qk_norm``: (q's weight, k's weight, eps) of an
+    RMSNorm over each head of q and of k before the rotary (Qwen3's QK-norm), done in the same pass."""
     tokens, heads, dim = q.shape
     kv_heads = k.shape[1]
     store = k_cache is not None
+    q_norm, k_norm, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)
+    pdl = launch.pdl(q)
     _rope_store_kernel[(tokens,)](
         q, k, v, cos, sin, k_cache if store else k, v_cache if store else v, slots if store else cos,
+        q_norm, k_norm, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         k_cache.stride(0) if store else 0, k_cache.stride(1) if store else 0,
         NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HALF=dim // 2, HALF_PAD=triton.next_power_of_2(dim // 2),
         HEADS_PAD=triton.next_power_of_2(heads),
-        KV_PAD=triton.next_power_of_2(kv_heads), STORE=store,
+        KV_PAD=triton.next_power_of_2(kv_heads), STORE=store, QK_NORM=qk_norm is not None, PDL=pdl,
+        **launch.options(pdl),
     )

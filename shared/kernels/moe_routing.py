@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shared.kernels import launch
+
 SMALL_ASSIGNMENTS = 128  # one program routes and aligns up to this many (16 tokens at top-8)
 
 
@@ -155,8 +157,9 @@ def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ids_ptr, block_
 @triton.jit(do_not_specialize=["num_tokens"])
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, num_tokens, stride_l,
                   NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                  RENORMALIZE: tl.constexpr, ROWS: tl.constexpr, COUNT: tl.constexpr):
+                  RENORMALIZE: tl.constexpr, ROWS: tl.constexpr, COUNT: tl.constexpr, PDL: tl.constexpr = False):
     """Routing of ``ROWS`` tokens; COUNT: also add each assignment to its expert's count."""
+    launch.wait_for_inputs(PDL)
     t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     t_ok = t < num_tokens
     weights, ids = _top_k(logits_ptr, t, t_ok, stride_l, NUM_EXPERTS, E_PAD, TOP_K, K_PAD, RENORMALIZE)
@@ -212,9 +215,10 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     the first index on ties, optional renormalization)."""
     tokens, experts = logits.shape
     weights, ids = _routing_buffers(logits, top_k)
+    pdl = launch.pdl(logits)
     # one warp: a [1, E] row is 4 values a lane at 128 experts, every reduction a few shuffles
-    _route_kernel[(tokens,)](logits, weights, ids, ids, tokens, logits.stride(0), ROWS=1, COUNT=False, num_warps=1,
-                             **_routing_constants(experts, top_k, renormalize))
+    _route_kernel[(tokens,)](logits, weights, ids, ids, tokens, logits.stride(0), ROWS=1, COUNT=False, PDL=pdl,
+                             num_warps=1, **_routing_constants(experts, top_k, renormalize), **launch.options(pdl))
     return weights, ids
 
 

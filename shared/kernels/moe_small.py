@@ -48,6 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shared.kernels import launch
+
 MAX_ASSIGNMENTS = 64  # tokens · top_k up to which the GEMVs beat sorting by expert (see above)
 
 
@@ -64,9 +66,10 @@ DOWN = GemvTiles(block_n=8, block_k=256, num_warps=8)
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, N, K, stride_x, stride_we, stride_wn, stride_act,
-                    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """act[a, cols] = SiLU(x[a // TOP_K] · G[e]ᵀ) · (x[a // TOP_K] · U[e]ᵀ), e = ids[a], for one block of
     the N = I columns; G and U are the first and last N rows of w[e]. x and w rows are contiguous in K."""
+    launch.wait_for_inputs(PDL)
     a = tl.program_id(0)
     expert = tl.load(ids_ptr + a).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -94,9 +97,11 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, N, K, stride_x, stride_we, s
 
 @triton.jit
 def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, N, K, stride_act, stride_we, stride_wn, stride_out,
-                 TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr):
     """out[t, cols] = Σ_k weights[t, k] · (act[t·TOP_K + k] · D[ids[t, k]]ᵀ) for one block of the N = H
     columns, every slot k in one tile (slots past TOP_K masked). act and D rows are contiguous in K."""
+    launch.wait_for_inputs(PDL)
     t = tl.program_id(0)
     slot = tl.arange(0, K_PAD)
     slot_ok = slot < TOP_K
@@ -135,13 +140,14 @@ def gemv_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids
     inter = gate_up.shape[1] // 2
     x, ids, weights = x.contiguous(), ids.contiguous().view(-1), weights.contiguous().view(-1)
     act = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    pdl = launch.pdl(x)
     _gate_up_kernel[(tokens * top_k, triton.cdiv(inter, gate_up_tiles.block_n))](
         x, gate_up, act, ids, inter, hidden, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
         TOP_K=top_k, BLOCK_N=gate_up_tiles.block_n, BLOCK_K=gate_up_tiles.block_k,
-        num_warps=gate_up_tiles.num_warps)
+        PDL=pdl, num_warps=gate_up_tiles.num_warps, **launch.options(pdl))
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(tokens, triton.cdiv(hidden, down_tiles.block_n))](
         act, down, out, weights, ids, hidden, inter, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_N=down_tiles.block_n, BLOCK_K=down_tiles.block_k,
-        num_warps=down_tiles.num_warps)
+        PDL=pdl, num_warps=down_tiles.num_warps, **launch.options(pdl))
     return out

@@ -53,8 +53,18 @@ class SparseMoeBlock(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(logits.dtype), ids
 
+    finish_reads_input = True
+
+    @property
+    def first(self) -> nn.Linear:
+        """The projection the block starts with: the router (``few_rows_layer`` fuses the norm into it)."""
+        return self.gate
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.gate(x)
+        return self.finish(x, self.gate(x))
+
+    def finish(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The experts for the router's ``logits`` of ``x``."""
         if x.is_cuda and moe_kernels.available:  # routing and the experts in Triton kernels
             experts = self.experts
             return moe_kernels.moe(x, logits, experts.gate_up_proj, experts.down_proj, self.top_k,

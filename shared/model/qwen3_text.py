@@ -16,12 +16,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shared.kernels import qk_norm
 from shared.model.config import TextConfig
 from shared.model.deepstack import Deepstack
 from shared.model.moe import SparseMoeBlock
 from shared.model.rope import MRotaryEmbedding
-from shared.model.text import MLP, RMSNorm
+from shared.model.text import MLP, Attention as Qwen2Attention, RMSNorm, few_rows, few_rows_layer
 
 
 class InterleavedMRotaryEmbedding(MRotaryEmbedding):
@@ -37,30 +36,15 @@ class InterleavedMRotaryEmbedding(MRotaryEmbedding):
         self.axis_of_band = axis
 
 
-class Attention(nn.Module):
+class Attention(Qwen2Attention):
     def __init__(self, config: TextConfig, layer: int):
-        super().__init__()
-        self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.fused_offsets = [0, self.q_size, self.q_size + self.kv_size]  # where q, k, v start in qkv_proj
+        super().__init__(config, layer)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, backend) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if q.is_cuda and qk_norm.available:  # both norms in place, one launch
-            qk_norm.qk_norm_(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        else:
-            q, k = self.q_norm(q), self.k_norm(k)
-        out = backend.forward(self.layer, q, k, v, cos, sin, batch)  # rotary, cache write, attention
-        return self.o_proj(out.reshape(-1, self.q_size))
+    @property
+    def qk_norm(self) -> tuple[RMSNorm, RMSNorm]:
+        return self.q_norm, self.k_norm  # the backend applies them: on GPU in its rotary kernel
 
 
 class DecoderLayer(nn.Module):
@@ -75,6 +59,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, cos, sin, batch, backend):
         """``x`` is the previous layer's output not yet added to ``residual`` (None: ``x`` is the whole
         hidden state, as for the first layer and after a deepstack injection)."""
+        if few_rows(x):
+            return few_rows_layer(self, x, residual, cos, sin, batch, backend)
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:

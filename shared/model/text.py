@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.kernels import fused
+from shared.kernels import fused, gemv
 from shared.model.config import TextConfig
 from shared.model.rope import MRotaryEmbedding
 
@@ -47,17 +47,24 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=True)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.fused_offsets = [0, self.q_size, self.q_size + self.kv_size]  # where q, k, v start in qkv_proj
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
+    qk_norm = None  # Qwen3: (q's norm, k's norm) over each head before rotary
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, backend) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.o_proj(self.attend(self.qkv_proj(x), cos, sin, batch, backend))
+
+    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, backend) -> torch.Tensor:
+        """The fused projection's output ``[T, q|k|v]`` → attention's ``[T, heads · head_dim]``, before ``o_proj``."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = backend.forward(self.layer, q, k, v, cos, sin, batch)  # rotary, cache write, attention
-        return self.o_proj(out.reshape(-1, self.q_size))
+        # (QK-norm,) rotary, cache write, attention
+        out = backend.forward(self.layer, q, k, v, cos, sin, batch, qk_norm=self.qk_norm)
+        return out.reshape(-1, self.q_size)
 
 
 class MLP(nn.Module):
@@ -68,12 +75,42 @@ class MLP(nn.Module):
         self.fused_offsets = [0, self.intermediate]  # gate, then up
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
+    finish_reads_input = False
+
+    @property
+    def first(self) -> nn.Linear:
+        """The projection the MLP starts with (``few_rows_layer`` fuses the norm before it into it)."""
+        return self.gate_up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        return self.finish(x, self.gate_up_proj(x))
+
+    def finish(self, x: torch.Tensor | None, gate_up: torch.Tensor) -> torch.Tensor:
+        """The rest after ``first``."""
         if gate_up.is_cuda and fused.available:
-            return self.down_proj(fused.silu_mul(gate_up))
+            act = fused.silu_mul(gate_up)
+            return gemv.linear(act, self.down_proj.weight) if few_rows(act) else self.down_proj(act)
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+
+def few_rows(x: torch.Tensor) -> bool:
+    """Whether ``x``'s rows go through ``shared.kernels.gemv`` (decode at small batches, on GPU)."""
+    return x.is_cuda and gemv.available and x.shape[0] <= gemv.MAX_ROWS
+
+
+def few_rows_layer(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, cos, sin, batch, backend):
+    """A decoder layer's forward for a few rows: each RMSNorm fused into the projection after it and every
+    projection a GEMV (``shared.kernels.gemv``), so the layer is one chain of Triton kernels launched back
+    to back (``shared.kernels.launch``). Same inputs, outputs and rounding points as ``DecoderLayer.forward``."""
+    attn, mlp = layer.self_attn, layer.mlp
+    norm = layer.input_layernorm
+    qkv, residual, _ = gemv.norm_linear(x, residual, norm.weight, norm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
+    o = gemv.linear(attn.attend(qkv, cos, sin, batch, backend), attn.o_proj.weight)
+    norm = layer.post_attention_layernorm
+    first, residual, h = gemv.norm_linear(o, residual, norm.weight, norm.eps, mlp.first.weight, mlp.first.bias,
+                                          keep=mlp.finish_reads_input)
+    return mlp.finish(h, first), residual
 
 
 class DecoderLayer(nn.Module):
@@ -86,6 +123,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, cos, sin, batch, backend):
         """``x`` is the previous layer's output not yet added to ``residual`` (None for the first layer)."""
+        if few_rows(x):
+            return few_rows_layer(self, x, residual, cos, sin, batch, backend)
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
