@@ -175,7 +175,6 @@ def _forced_logits(engine: Engine, prompt: list[int], forced: list[int]) -> list
 def check(ctx):
     """Our GPU path (graphs, and eager) and the torch path in bf16, each against an fp32 reference,
     teacher-forced so every variant sees the same tokens."""
-    from shared import kernels
     from shared.engine.attention import TorchAttention
 
     build_lm(ctx)
@@ -198,7 +197,11 @@ def check(ctx):
     graphs, runner.graphs = runner.graphs, None
     results["eager"] = _forced_logits(engine, prompt, forced)
     runner.graphs = graphs
-    kernels.fused.available = kernels.moe.available = kernels.gemv.available = False  # the pure torch path
+    from shared.kernels import ENABLED
+
+    switches = ("fused", "moe", "gemv")
+    for path in switches:  # the pure torch path
+        ENABLED[path] = False
     try:
         results["torch_bf16"] = _forced_logits(torch_engine(lm, ctx["dtype"]), prompt, forced)
         lm32 = load_language_model(None, cfg, dev, torch.float32, load_format="dummy")
@@ -206,7 +209,8 @@ def check(ctx):
         results["fp32"] = _forced_logits(torch_engine(lm32, torch.float32), prompt, forced)
         del lm32
     finally:
-        kernels.fused.available = kernels.moe.available = kernels.gemv.available = True
+        for path in switches:
+            ENABLED[path] = True
     torch.cuda.empty_cache()
     report = {}
     for name in ("graphs", "eager", "torch_bf16"):
@@ -316,7 +320,7 @@ def decode1(ctx):
     RESULTS["decode1"] = {"graph_replay_ms": replay, "engine_step_ms": step, "bandwidth_floor_ms": floor,
                           "weights_GB": ctx["weights_bytes"] / 1e9, "bytes_read_GB": moved / 1e9,
                           "experts_read": experts, "ratio_to_floor": replay / floor if replay and floor else None,
-                          "replay_ms_without": variants}
+                          "replay_ms_variants": variants}
     log(f"decode b1: graph replay {replay and round(replay, 3)} ms, engine step {step:.3f} ms, floor {floor:.2f} ms "
         f"({moved / 1e9:.2f} GB read, {experts} experts)")
     RESULTS["decode1"].update(_moe_layer_paths(ctx))
@@ -324,26 +328,33 @@ def decode1(ctx):
 
 
 def _decode_variants(ctx, seq: Sequence) -> dict:
-    """The batch-1 graph replay without each of the few-rows layer (``shared.kernels.gemv``: norms fused
-    into GEMVs) and programmatic dependent launch (``shared.kernels.launch``), and without both: a
-    graph of bucket 1 captured for each, on the same staged inputs."""
-    from shared import kernels
-    from shared.kernels import launch
+    """The batch-1 graph replay with one part changed, on the same staged inputs (a graph of bucket 1
+    captured for each): without the few-rows layer (``shared.kernels.gemv``: norms fused into GEMVs),
+    without programmatic dependent launch (``shared.kernels.launch``), without both; and with the MoE
+    GEMVs' other tiles (``moe_small``: products reduced once, or every step)."""
+    from shared.kernels import ENABLED, launch, moe_small
 
     runner, timer = ctx["engine"].runner, ctx["timer"]
     graphs, inputs = runner.graphs, runner.inputs
+    tiles, before = (moe_small.GATE_UP, moe_small.DOWN), (ENABLED["gemv"], launch.ENABLED)
+    other = ((moe_small.GATE_UP_DEFERRED, moe_small.DOWN_DEFERRED) if not tiles[0].defer else
+             (moe_small.GemvTiles(16, 512, 8), moe_small.GemvTiles(8, 256, 8)))
     out = {}
-    for name, gemv_on, pdl_on in (("pdl", True, False), ("gemv", False, True), ("gemv_and_pdl", False, False)):
-        kernels.gemv.available, launch.ENABLED = gemv_on, pdl_on
+    for name, gemv_on, pdl_on, moe_tiles in (("without_pdl", True, False, tiles), ("without_gemv", False, True, tiles),
+                                             ("without_gemv_and_pdl", False, False, tiles),
+                                             ("other_moe_tiles", True, True, other)):
+        ENABLED["gemv"], launch.ENABLED = gemv_on, pdl_on
+        moe_small.GATE_UP, moe_small.DOWN = moe_tiles
         try:
             runner.capture_graphs(1, ctx["max_len"])
             rows = runner.stage_decode([seq])
             out[name] = timer.ms(lambda: runner.graphs.replay(rows), repeat=200, warmup=10)
         finally:
-            kernels.gemv.available, launch.ENABLED = True, True
+            ENABLED["gemv"], launch.ENABLED = before
+            moe_small.GATE_UP, moe_small.DOWN = tiles
             runner.graphs, runner.inputs = graphs, inputs
             torch.cuda.empty_cache()
-        log(f"decode b1 without {name}: graph replay {out[name]:.3f} ms")
+        log(f"decode b1 {name}: graph replay {out[name]:.3f} ms")
     return out
 
 
@@ -354,6 +365,8 @@ def _moe_layer_paths(ctx) -> dict:
     L2) are not still cached when the same layer runs again, as repeating layer 0 alone would have
     them partly."""
     from shared.kernels import moe as moe_kernels
+    from shared.kernels import moe_small
+    from shared.kernels.moe_routing import route
     from shared.model.moe import SparseMoeBlock
 
     blocks = [m for m in ctx["lm"].modules() if isinstance(m, SparseMoeBlock)]
@@ -364,12 +377,18 @@ def _moe_layer_paths(ctx) -> dict:
                         generator=torch.Generator(ctx["device"]).manual_seed(0))
         logits = [block.gate(x) for block in blocks]
         per_layer = {}
-        for path in moe_kernels.PATHS:
-            def layers(path=path):
+        variants = {"small": None, "sorted": None,
+                    "small_deferred": (moe_small.GATE_UP_DEFERRED, moe_small.DOWN_DEFERRED)}
+        for path, tiles in variants.items():
+            def layers(path=path, tiles=tiles):
                 for block, lg in zip(blocks, logits):
                     experts = block.experts
-                    moe_kernels.moe(x, lg, experts.gate_up_proj, experts.down_proj, block.top_k, block.norm_topk_prob,
-                                    path=path)
+                    if tiles is None:
+                        moe_kernels.moe(x, lg, experts.gate_up_proj, experts.down_proj, block.top_k,
+                                        block.norm_topk_prob, path=path)
+                    else:
+                        weights, ids = route(lg, block.top_k, block.norm_topk_prob)
+                        moe_small.gemv_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights, *tiles)
 
             layers()  # compiles the kernels outside the capture
             torch.cuda.synchronize()
@@ -378,10 +397,9 @@ def _moe_layer_paths(ctx) -> dict:
                 layers()
             per_layer[path] = ctx["timer"].ms(graph.replay, repeat=50, warmup=5) * 1e3 / len(blocks)
             del graph
-    log(f"decode b1 MoE layer (1 token, {len(blocks)} layers in a graph): small path {per_layer['small']:.1f} µs, "
-        f"sorted path {per_layer['sorted']:.1f} µs")
-    return {"moe_layer_small_us": per_layer["small"], "moe_layer_sorted_us": per_layer["sorted"],
-            "moe_layers_timed": len(blocks)}
+    log(f"decode b1 MoE layer (1 token, {len(blocks)} layers in a graph): "
+        + ", ".join(f"{k} {v:.1f} µs" for k, v in per_layer.items()))
+    return {f"moe_layer_{k}_us": v for k, v in per_layer.items()} | {"moe_layers_timed": len(blocks)}
 
 
 def _projection_paths(ctx) -> dict:
@@ -433,7 +451,41 @@ def _projection_paths(ctx) -> dict:
     floor = moved / ctx.get("bandwidth", math.inf) * 1e6
     log("decode b1 projections a layer (norms included): " + ", ".join(f"{k} {v:.1f} µs" for k, v in per_layer.items())
         + f"; their weights' bandwidth floor {floor:.1f} µs")
-    return {f"projections_{k}_us": v for k, v in per_layer.items()} | {"projections_floor_us": floor}
+    return ({f"projections_{k}_us": v for k, v in per_layer.items()} | {"projections_floor_us": floor}
+            | _projection_shapes(ctx))
+
+
+def _projection_shapes(ctx) -> dict:
+    """Each projection of one row alone, cuBLAS against ``gemv.linear`` (with PDL), every layer's weight in
+    turn in one CUDA graph: µs a layer and the bandwidth each reaches, by weight."""
+    from shared.kernels import gemv
+
+    layers = ctx["lm"].layers
+    named = {"qkv": lambda l: l.self_attn.qkv_proj.weight, "o": lambda l: l.self_attn.o_proj.weight,
+             "first": lambda l: l.mlp.first.weight}
+    if hasattr(layers[0].mlp, "down_proj"):
+        named["down"] = lambda l: l.mlp.down_proj.weight
+    gen = torch.Generator(ctx["device"]).manual_seed(0)
+    out = {}
+    with torch.inference_mode():
+        for name, weight_of in named.items():
+            weights = [weight_of(layer) for layer in layers]
+            x = torch.randn(1, weights[0].shape[1], dtype=ctx["dtype"], device=ctx["device"], generator=gen)
+            for kind, fn in (("cublas", lambda: [torch.nn.functional.linear(x, w) for w in weights]),
+                             ("gemv", lambda: [gemv.linear(x, w) for w in weights])):
+                fn()
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    fn()
+                us = ctx["timer"].ms(graph.replay, repeat=50, warmup=5) * 1e3 / len(layers)
+                del graph
+                nbytes = weights[0].numel() * weights[0].element_size()
+                out[f"{name}_{kind}"] = {"us": us, "TBps": nbytes / us / 1e6, "MB": nbytes / 1e6,
+                                         "tiles": gemv.tiles(*weights[0].shape) if kind == "gemv" else None}
+    log("decode b1 each projection a layer: " + ", ".join(
+        f"{k} {v['us']:.1f} µs ({v['MB']:.0f} MB, {v['TBps']:.2f} TB/s)" for k, v in out.items()))
+    return {"projection_shapes": out}
 
 
 def _decode_batch(ctx, name: str) -> list[Sequence]:

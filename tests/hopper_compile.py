@@ -51,9 +51,14 @@ def main() -> int:
     for kernel, pointers, tiles, constants in (
             (moe_small._gate_up_kernel, dict(x_ptr=bf16, w_ptr=bf16, act_ptr=bf16, ids_ptr=i32), moe_small.GATE_UP,
              dict(TOP_K=8)),
+            (moe_small._gate_up_kernel, dict(x_ptr=bf16, w_ptr=bf16, act_ptr=bf16, ids_ptr=i32),
+             moe_small.GATE_UP_DEFERRED, dict(TOP_K=8)),
             (moe_small._down_kernel, dict(act_ptr=bf16, w_ptr=bf16, out_ptr=bf16, weights_ptr=bf16, ids_ptr=i32),
-             moe_small.DOWN, dict(TOP_K=8, K_PAD=8))):
-        compile_for_hopper(kernel, pointers, dict(constants, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PDL=True),
+             moe_small.DOWN, dict(TOP_K=8, K_PAD=8)),
+            (moe_small._down_kernel, dict(act_ptr=bf16, w_ptr=bf16, out_ptr=bf16, weights_ptr=bf16, ids_ptr=i32),
+             moe_small.DOWN_DEFERRED, dict(TOP_K=8, K_PAD=8))):
+        compile_for_hopper(kernel, pointers, dict(constants, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                                                  DEFER=tiles.defer, PDL=True),
                            num_warps=tiles.num_warps, launch_pdl=True)
     compile_for_hopper(moe_routing._align_kernel, dict(
         ids_ptr=i32, counts_ptr=i32, cursor_ptr=i32, sorted_ids_ptr=i32, block_experts_ptr=i32, num_padded_ptr=i32),
@@ -62,10 +67,10 @@ def main() -> int:
     gemv_pointers = dict(x_ptr=bf16, res_ptr=bf16, norm_ptr=bf16, w_ptr=bf16, bias_ptr=bf16, out_ptr=bf16,
                          res_out_ptr=bf16, h_out_ptr=bf16)
     for n, k, norm, keep in ((5120, 2048, True, False), (2048, 4096, False, False), (128, 2048, True, True)):
-        block_n, block_k = gemv.tiles(n, 1)
+        block_n, block_k, warps = gemv.tiles(n, k)
         compile_for_hopper(gemv._gemv_kernel, gemv_pointers, dict(
             NORM=norm, RESIDUAL=norm, KEEP=keep, HAS_BIAS=False, ROWS_PAD=1, K_PAD=k, BLOCK_N=block_n,
-            BLOCK_K=block_k, PDL=True), num_warps=gemv.NUM_WARPS, launch_pdl=True)
+            BLOCK_K=block_k, PDL=True), num_warps=warps, launch_pdl=True)
     compile_for_hopper(fused._rope_store_kernel, dict(
         q_ptr=bf16, k_ptr=bf16, v_ptr=bf16, cos_ptr=bf16, sin_ptr=bf16, k_cache=bf16, v_cache=bf16, slots="*i64",
         q_norm=bf16, k_norm=bf16), dict(NUM_HEADS=32, NUM_KV_HEADS=4, HALF=64, HALF_PAD=64, HEADS_PAD=32, KV_PAD=4,

@@ -3,6 +3,7 @@ interpreter, so this checks the same kernel source the GPU compiles)."""
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -126,13 +127,13 @@ def test_norm_linear_equals_the_norm_then_the_projection(rows, with_residual, bi
     norm.weight.data.normal_()
     proj = torch.nn.Linear(hidden, outputs, bias=bias).to(DEVICE)
     summed = x + res if with_residual else x
-    for block in ((8, 16), None):  # several programs and K steps; the model's tiles
+    for block in ((8, 16, 4), None):  # several programs and K steps; the model's tiles
         out, residual, normed = norm_linear(x, res if with_residual else None, norm.weight, 1e-6, proj.weight,
                                             proj.bias, keep=True, block=block)
         close(residual, summed)
         close(normed, norm(summed))
         close(out, proj(norm(summed)))
-    close(linear(x, proj.weight, proj.bias, block=(8, 16)), proj(x))
+    close(linear(x, proj.weight, proj.bias, block=(8, 16, 4)), proj(x))
     assert norm_linear(x, None, norm.weight, 1e-6, proj.weight)[1] is x
 
 
@@ -144,16 +145,17 @@ def test_norm_linear_rounds_where_the_unfused_path_rounds_in_bf16():
     proj = (torch.randn(24, hidden, device=DEVICE) / hidden ** 0.5).to(torch.bfloat16)
     residual = res.clone()
     normed = add_rms_norm(x, residual, weight, 1e-6)  # the unfused kernel: the reference
-    out, new_residual, kept = norm_linear(x, res, weight, 1e-6, proj, keep=True, block=(8, 32))
+    out, new_residual, kept = norm_linear(x, res, weight, 1e-6, proj, keep=True, block=(8, 32, 4))
     assert torch.equal(new_residual, residual) and torch.equal(kept, normed)
     expected = (normed.float() @ proj.float().T).to(torch.bfloat16)  # float32 sums, rounded once
     assert (out.float() - expected.float()).abs().max() <= 2 ** -7 * expected.float().abs().max()
 
 
-def test_gemv_tiles_cover_the_sms_at_batch_one():
-    """Qwen3-VL-30B-A3B's q|k|v (5,120 outputs), o (2,048) and router (128) at 1 and 4 rows."""
-    assert tiles(5120, 1) == (16, 512) and tiles(2048, 1) == (8, 1024) and tiles(128, 1) == (4, 1024)
-    assert tiles(5120, 4) == (16, 128)
+def test_gemv_tiles_follow_the_weights_size():
+    """The measured choice: Qwen3-VL-30B-A3B's q|k|v (21 MB) narrow and long; the 7B's gate|up (272 MB)
+    wider and shorter; more rows, shorter steps."""
+    assert tiles(5120, 2048) == (4, 1024, 4) and tiles(37888, 3584) == (8, 512, 4)
+    assert tiles(5120, 2048, rows=4) == (4, 256, 4)
 
 
 @pytest.mark.parametrize("dim", [16, 20])  # 20: a half width that is not a power of two (the ViT's 80)
@@ -177,15 +179,16 @@ def test_rope_store_rotates_and_writes_the_cache(dim):
 
 
 def force_few_rows(monkeypatch) -> list[int]:
-    """Decode steps of up to ``gemv.MAX_ROWS`` rows through the few-rows layer on this CPU as well (the
-    kernels in the interpreter): on its own it is taken on GPU only. Returns the row counts it took."""
+    """Decode steps of up to ``gemv.ROWS_LIMIT`` rows through the few-rows layer on this CPU as well (the
+    kernels in the interpreter): on its own it is taken on GPU only, for ``MAX_ROWS``. Returns the row
+    counts it took."""
     from shared.kernels import gemv
     from shared.model import qwen3_text, text
 
     taken: list[int] = []
 
     def few_rows(x):
-        if x.shape[0] > gemv.MAX_ROWS:
+        if x.shape[0] > gemv.ROWS_LIMIT:
             return False
         taken.append(x.shape[0])
         return True
@@ -195,10 +198,12 @@ def force_few_rows(monkeypatch) -> list[int]:
     return taken
 
 
-@pytest.mark.parametrize("few_rows", [False, True])
+@pytest.mark.parametrize("few_rows", ["off", "all", "mixed"])
 def test_triton_backend_generates_hf_tokens(tiny_model, reference, few_rows, monkeypatch):
     """The GPU attention path (fused rotary + cache write, paged flash-decoding) inside the real engine,
-    and with ``few_rows`` the decode steps through the GEMVs with their fused norms as well."""
+    and with ``few_rows`` the decode steps through the GEMVs with their fused norms as well: every
+    projection ("all"), or all but gate|up, the one weight over a lowered ``SMALL_WEIGHT`` ("mixed")."""
+    gemv = importlib.import_module("shared.kernels.gemv")  # the module (``shared.kernels.gemv`` may be its handle)
     from shared.engine.attention import TritonAttention
     from shared.engine.engine import Engine
     from shared.engine.kv_cache import KVCache
@@ -209,7 +214,12 @@ def test_triton_backend_generates_hf_tokens(tiny_model, reference, few_rows, mon
     from shared.model.loader import load_language_model, load_vision_tower
     from tests.support import make_image
 
-    taken = force_few_rows(monkeypatch) if few_rows else []
+    taken = force_few_rows(monkeypatch) if few_rows != "off" else []
+    suited: list[bool] = []
+    if few_rows == "mixed":  # the tiny model's fp32 weights: q|k|v 32 KB, o 16, gate|up 64, down 32
+        monkeypatch.setattr(gemv, "SMALL_WEIGHT", 40_000)
+        suits = gemv.suits
+        monkeypatch.setattr(gemv, "suits", lambda weight: suited.append(suits(weight)) or suited[-1])
     config = ModelConfig.from_checkpoint(tiny_model)
     lm, tower = load_language_model(tiny_model, config), load_vision_tower(tiny_model, config)
     cache = KVCache(config.text, 64, 16, torch.float32, "cpu")
@@ -232,7 +242,8 @@ def test_triton_backend_generates_hf_tokens(tiny_model, reference, few_rows, mon
     while engine.has_work():
         engine.step()
     assert [s.output_ids for s in seqs] == expected
-    assert not few_rows or 2 in taken  # both sequences decoded together
+    assert few_rows == "off" or 2 in taken  # both sequences decoded together
+    assert few_rows != "mixed" or (True in suited and False in suited)
 
 
 def test_segment_attention_matches_per_segment_sdpa():

@@ -19,11 +19,21 @@ import time
 TRITON = importlib.util.find_spec("triton") is not None
 
 
+ENABLED = {"fused": TRITON, "attention": TRITON, "moe": TRITON, "gemv": TRITON}
+
+
+def enabled(path: str) -> bool:
+    """Whether the model code takes the kernels of ``path`` (on a CUDA device): all of them wherever Triton
+    is installed. Benchmarks switch one off (``ENABLED[path] = False``) to measure the torch path or what a
+    kernel gives; kept here, not on the lazy handles below, because once ``shared.kernels.X`` has been
+    imported the package's attribute ``X`` is that module, no longer its handle."""
+    return ENABLED[path]
+
+
 class _Lazy:
     def __init__(self, module: str):
         self._module = module
         self._loaded = None
-        self.available = TRITON
 
     def __getattr__(self, name: str):
         if self._loaded is None:

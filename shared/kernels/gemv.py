@@ -1,4 +1,4 @@
-"""Projections for a few rows (decode at small batches), with the RMSNorm before them fused in.
+"""Projections for one row (decode at batch 1), with the RMSNorm before them fused in.
 
 At batch 1 a decoder layer's projections are matrix-vector products bound by reading the weights, and
 the norms between them are launches of their own: residual add + RMSNorm, then cuBLAS's GEMV. Here one
@@ -19,10 +19,15 @@ Only the order of the float32 additions differs from cuBLAS's.
 
 Tiles: a program computes ``BLOCK_N`` outputs for every row, streaming ``BLOCK_K`` of the reduction a
 step in 16-byte vectors along the contiguous K, with the next step's weights loaded before the
-current step's products are summed (bytes in flight while it computes). ``BLOCK_N`` is chosen so there
-are at least two programs per SM on an H200 (q|k|v of Qwen3-VL-30B-A3B: 5,120 outputs / 16 = 320
-programs; o: 2,048 / 8 = 256), and the ``[rows, BLOCK_N, BLOCK_K]`` products stay at 32 float32 values
-a thread.
+current step's products are added (bytes in flight while it computes); the products accumulate
+elementwise (32 float32 values a thread) and are reduced across threads once, after the last step.
+Chosen by measurement (``bench/gemv_tiles.py``, one H200, every layer's weight in turn in one CUDA
+graph, PDL on; docs/benchmarks.md): 4 warps; 4 outputs x 1,024 a step for weights up to 64 MB, which
+beat cuBLAS on Qwen3-VL-30B-A3B's q|k|v (7.5 against 7.9 µs), o (5.9 / 8.8) and router (1.6 / 4.8)
+and the 7B's q|k|v and o; 8 x 512 for larger ones (the 7B's gate|up and down: 70.5 / 69.4 and
+36.4 / 36.7 µs, even with cuBLAS). At 4 rows every tiling took about twice cuBLAS's time (the
+accumulator grows with the rows, so the steps shrink), so the layers use these kernels for one row
+only (``MAX_ROWS``); they compute up to ``ROWS_LIMIT``.
 """
 
 from __future__ import annotations
@@ -33,19 +38,23 @@ import triton.language as tl
 
 from shared.kernels import launch
 
-MAX_ROWS = 4  # rows up to which these kernels replace norm + cuBLAS (decode graphs of 1, 2 and 4 rows)
-NUM_WARPS = 8
-PROGRAMS = 256  # about two per SM of an H200 (132)
+MAX_ROWS = 1  # rows the decoder layers use these kernels for (measured: see above)
+ROWS_LIMIT = 4  # rows the kernels compute
+SMALL_WEIGHT = 64 << 20  # bytes up to which the narrower, longer tiles win
 
 
-def tiles(n: int, rows: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K) for ``n`` outputs of ``rows`` rows."""
-    block_n = 16
-    while block_n > 4 and triton.cdiv(n, block_n) < PROGRAMS:
-        block_n //= 2
-    rows_pad = triton.next_power_of_2(rows)
-    block_k = max(64, 32 * 32 * NUM_WARPS // (rows_pad * block_n))  # 32 products a thread
-    return block_n, min(block_k, 1024)
+def suits(weight: torch.Tensor) -> bool:
+    """Whether a decoder layer computes its product with ``weight`` here (and fuses the norm before it in):
+    weights up to ``SMALL_WEIGHT``. Above, cuBLAS streams as fast (``tiles``), and every program's
+    norm statistic — the whole row of x + residual read from L2 by each of thousands of programs — made
+    the 7B's decode step 0.1 ms slower with its gate|up here (4.51 against 4.41 ms)."""
+    return weight.numel() * weight.element_size() <= SMALL_WEIGHT
+
+
+def tiles(n: int, k: int, rows: int = 1) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for ``n`` outputs over ``k`` inputs of ``rows`` rows (bf16 weights)."""
+    block_n, block_k = (4, 1024) if n * k * 2 <= SMALL_WEIGHT else (8, 512)
+    return block_n, max(64, block_k // triton.next_power_of_2(rows)), 4  # 32 accumulator values a thread
 
 
 @triton.jit(do_not_specialize=["rows"])
@@ -87,7 +96,9 @@ def _gemv_kernel(x_ptr, res_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr
                 tl.store(h_out_ptr + r[:, None] * stride_x + kk[None, :], (weight[None, :] * normed).to(dtype),
                          mask=whole)
 
-    acc = tl.zeros((ROWS_PAD, BLOCK_N), tl.float32)
+    # products summed elementwise in registers, reduced across the threads along K once at the end (a
+    # reduction every step costs shuffles and a barrier per step: 1.5x cuBLAS's time on the 7B's gate|up)
+    acc = tl.zeros((ROWS_PAD, BLOCK_N, BLOCK_K), tl.float32)
     x_ptrs = x_ptr + r[:, None] * stride_x + ks[None, :]
     res_ptrs = res_ptr + r[:, None] * stride_r + ks[None, :]
     for k0 in range(0, K, BLOCK_K):
@@ -100,11 +111,12 @@ def _gemv_kernel(x_ptr, res_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr
             weight = tl.load(norm_ptr + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
             h = (weight[None, :] * (h.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype)
         w_next = tl.load(w_ptrs + BLOCK_K, mask=col_ok[:, None] & (ks < K - k0 - BLOCK_K)[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32)[None, :, :] * h.to(tl.float32)[:, None, :], 2)
+        acc += w.to(tl.float32)[None, :, :] * h.to(tl.float32)[:, None, :]
         w = w_next
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         res_ptrs += BLOCK_K
+    acc = tl.sum(acc, 2)
     out_type = out_ptr.dtype.element_ty
     if HAS_BIAS:  # as F.linear rounds: the product, then the sum with the bias
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -113,16 +125,16 @@ def _gemv_kernel(x_ptr, res_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
-            norm: torch.Tensor | None, eps: float, keep: bool, block: tuple[int, int] | None):
+            norm: torch.Tensor | None, eps: float, keep: bool, block: tuple[int, int, int] | None):
     rows, k = x.shape
     n = weight.shape[0]
-    assert rows <= MAX_ROWS and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
+    assert rows <= ROWS_LIMIT and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if residual is not None else None
     h_out = torch.empty_like(x) if keep else None
     if block is None:  # in the interpreter each program costs ~20 ms whatever its size: few, wide ones
-        block = (min(triton.next_power_of_2(n), 256), 64) if launch.interpreted() else tiles(n, rows)
-    block_n, block_k = block
+        block = (min(triton.next_power_of_2(n), 256), 64, 4) if launch.interpreted() else tiles(n, k, rows)
+    block_n, block_k, num_warps = block
     pdl = launch.pdl(x)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x, norm if norm is not None else weight, weight,
@@ -131,20 +143,20 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, re
         residual.stride(0) if residual is not None else 0, weight.stride(0), out.stride(0),
         NORM=norm is not None, RESIDUAL=residual is not None, KEEP=keep, HAS_BIAS=bias is not None,
         ROWS_PAD=triton.next_power_of_2(rows), K_PAD=triton.next_power_of_2(k), BLOCK_N=block_n, BLOCK_K=block_k,
-        PDL=pdl, num_warps=NUM_WARPS, **launch.options(pdl))
+        PDL=pdl, num_warps=num_warps, **launch.options(pdl))
     return out, res_out, h_out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           block: tuple[int, int] | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for ``x`` ``[rows <= MAX_ROWS, K]``; ``block``: (BLOCK_N, BLOCK_K)
-    instead of ``tiles``' (tests)."""
+           block: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x`` ``[rows <= ROWS_LIMIT, K]``; ``block``: (BLOCK_N, BLOCK_K,
+    num_warps) instead of ``tiles``' (tests, ``bench/gemv_tiles.py``)."""
     return _launch(x, weight, bias, None, None, 0.0, False, block)[0]
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: torch.Tensor, eps: float,
                 weight: torch.Tensor, bias: torch.Tensor | None = None, keep: bool = False,
-                block: tuple[int, int] | None = None):
+                block: tuple[int, int, int] | None = None):
     """``F.linear(rms_norm(x + residual), weight, bias)`` → (that, the new residual ``x + residual`` — ``x``
     itself when ``residual`` is None —, the normalized rows if ``keep`` else None)."""
     out, res_out, h_out = _launch(x, weight, bias, residual, norm, eps, keep, block)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.kernels import moe as moe_kernels
+from shared.kernels import enabled, moe as moe_kernels
 from shared.model.config import MoEConfig
 
 
@@ -65,7 +65,7 @@ class SparseMoeBlock(nn.Module):
 
     def finish(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """The experts for the router's ``logits`` of ``x``."""
-        if x.is_cuda and moe_kernels.available:  # routing and the experts in Triton kernels
+        if x.is_cuda and enabled("moe"):  # routing and the experts in Triton kernels
             experts = self.experts
             return moe_kernels.moe(x, logits, experts.gate_up_proj, experts.down_proj, self.top_k,
                                    self.norm_topk_prob)[0]

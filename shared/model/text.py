@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.kernels import fused, gemv
+from shared.kernels import enabled, fused, gemv
 from shared.model.config import TextConfig
 from shared.model.rope import MRotaryEmbedding
 
@@ -23,7 +23,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and fused.available:
+        if x.is_cuda and enabled("fused"):
             return fused.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
@@ -32,7 +32,7 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the residual add fused into the norm on GPU."""
-        if x.is_cuda and fused.available:
+        if x.is_cuda and enabled("fused"):
             return fused.add_rms_norm(x, residual, self.weight, self.eps), residual
         residual = residual + x
         return self(residual), residual
@@ -87,30 +87,39 @@ class MLP(nn.Module):
 
     def finish(self, x: torch.Tensor | None, gate_up: torch.Tensor) -> torch.Tensor:
         """The rest after ``first``."""
-        if gate_up.is_cuda and fused.available:
+        if gate_up.is_cuda and enabled("fused"):
             act = fused.silu_mul(gate_up)
-            return gemv.linear(act, self.down_proj.weight) if few_rows(act) else self.down_proj(act)
+            if few_rows(act) and gemv.suits(self.down_proj.weight):
+                return gemv.linear(act, self.down_proj.weight)
+            return self.down_proj(act)
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 def few_rows(x: torch.Tensor) -> bool:
-    """Whether ``x``'s rows go through ``shared.kernels.gemv`` (decode at small batches, on GPU)."""
-    return x.is_cuda and gemv.available and x.shape[0] <= gemv.MAX_ROWS
+    """Whether ``x``'s rows go through ``shared.kernels.gemv`` (decode at batch 1, on GPU: ``gemv.MAX_ROWS``)."""
+    return x.is_cuda and enabled("gemv") and x.shape[0] <= gemv.MAX_ROWS
 
 
 def few_rows_layer(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, cos, sin, batch, backend):
-    """A decoder layer's forward for a few rows: each RMSNorm fused into the projection after it and every
-    projection a GEMV (``shared.kernels.gemv``), so the layer is one chain of Triton kernels launched back
-    to back (``shared.kernels.launch``). Same inputs, outputs and rounding points as ``DecoderLayer.forward``."""
+    """A decoder layer's forward for a few rows: each projection whose weight ``gemv.suits`` a GEMV with the
+    RMSNorm before it fused in (``shared.kernels.gemv``), launched back to back with the layer's other
+    Triton kernels (``shared.kernels.launch``); larger ones as in ``DecoderLayer.forward``. Same inputs,
+    outputs and rounding points as that."""
     attn, mlp = layer.self_attn, layer.mlp
-    norm = layer.input_layernorm
-    qkv, residual, _ = gemv.norm_linear(x, residual, norm.weight, norm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
-    o = gemv.linear(attn.attend(qkv, cos, sin, batch, backend), attn.o_proj.weight)
-    norm = layer.post_attention_layernorm
-    first, residual, h = gemv.norm_linear(o, residual, norm.weight, norm.eps, mlp.first.weight, mlp.first.bias,
-                                          keep=mlp.finish_reads_input)
+    qkv, residual, _ = norm_then(layer.input_layernorm, x, residual, attn.qkv_proj)
+    out = attn.attend(qkv, cos, sin, batch, backend)
+    o = gemv.linear(out, attn.o_proj.weight) if gemv.suits(attn.o_proj.weight) else attn.o_proj(out)
+    first, residual, h = norm_then(layer.post_attention_layernorm, o, residual, mlp.first, keep=mlp.finish_reads_input)
     return mlp.finish(h, first), residual
+
+
+def norm_then(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, linear: nn.Linear, keep: bool = False):
+    """``linear(norm(x + residual))`` → (that, the new residual, the normalized rows where ``keep``)."""
+    if gemv.suits(linear.weight):
+        return gemv.norm_linear(x, residual, norm.weight, norm.eps, linear.weight, linear.bias, keep=keep)
+    h, residual = (norm(x), x) if residual is None else norm.add_forward(x, residual)
+    return linear(h), residual, h
 
 
 class DecoderLayer(nn.Module):

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.kernels import attention as paged, fused, sdpa
+from shared.kernels import attention as paged, enabled, fused, sdpa
 from shared.model.config import VisionConfig
 from shared.model.geometry import Grid
 from shared.model.rope import VisionRotaryEmbedding, rotate_half
@@ -51,7 +51,7 @@ class VisionAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: "SegmentAttention") -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
-        if x.is_cuda and fused.available:
+        if x.is_cuda and enabled("fused"):
             fused.rope_store(q, k, v, cos, sin, None, None, None)  # in place, float32 inside
         else:
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -84,7 +84,7 @@ class SegmentAttention:
         starts = torch.tensor(cu_seqlens[:-1])
         lengths = torch.tensor(cu_seqlens[1:]) - starts
         self.max_len = int(lengths.max())
-        if device.type == "cuda" and fused.available and self.max_len <= self.SHORT:
+        if device.type == "cuda" and enabled("fused") and self.max_len <= self.SHORT:
             self.short = torch.tensor(cu_seqlens, dtype=torch.int32).to(device, non_blocking=True)
             return
         for length in lengths.unique().tolist():
@@ -146,7 +146,7 @@ class VisionMLP(nn.Module):
         if not self.gated:
             return self.fc2(self.act(self.fc1(x)))
         gate_up = self.gate_up_proj(x)
-        if gate_up.is_cuda and fused.available and self.act is F.silu:
+        if gate_up.is_cuda and enabled("fused") and self.act is F.silu:
             return self.down_proj(fused.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(self.act(gate) * up)
