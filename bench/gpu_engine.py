@@ -328,30 +328,24 @@ def decode1(ctx):
 
 
 def _decode_variants(ctx, seq: Sequence) -> dict:
-    """The batch-1 graph replay with one part changed, on the same staged inputs (a graph of bucket 1
-    captured for each): without the few-rows layer (``shared.kernels.gemv``: norms fused into GEMVs),
-    without programmatic dependent launch (``shared.kernels.launch``), without both; and with the MoE
-    GEMVs' other tiles (``moe_small``: products reduced once, or every step)."""
-    from shared.kernels import ENABLED, launch, moe_small
+    """The batch-1 graph replay with one part switched off, on the same staged inputs (a graph of bucket 1
+    captured for each): the few-rows layer (``shared.kernels.gemv``: norms fused into GEMVs),
+    programmatic dependent launch (``shared.kernels.launch``), both."""
+    from shared.kernels import ENABLED, launch
 
     runner, timer = ctx["engine"].runner, ctx["timer"]
     graphs, inputs = runner.graphs, runner.inputs
-    tiles, before = (moe_small.GATE_UP, moe_small.DOWN), (ENABLED["gemv"], launch.ENABLED)
-    other = ((moe_small.GATE_UP_DEFERRED, moe_small.DOWN_DEFERRED) if not tiles[0].defer else
-             (moe_small.GemvTiles(16, 512, 8), moe_small.GemvTiles(8, 256, 8)))
+    before = ENABLED["gemv"], launch.ENABLED
     out = {}
-    for name, gemv_on, pdl_on, moe_tiles in (("without_pdl", True, False, tiles), ("without_gemv", False, True, tiles),
-                                             ("without_gemv_and_pdl", False, False, tiles),
-                                             ("other_moe_tiles", True, True, other)):
+    for name, gemv_on, pdl_on in (("without_pdl", True, False), ("without_gemv", False, True),
+                                  ("without_gemv_and_pdl", False, False)):
         ENABLED["gemv"], launch.ENABLED = gemv_on, pdl_on
-        moe_small.GATE_UP, moe_small.DOWN = moe_tiles
         try:
             runner.capture_graphs(1, ctx["max_len"])
             rows = runner.stage_decode([seq])
             out[name] = timer.ms(lambda: runner.graphs.replay(rows), repeat=200, warmup=10)
         finally:
             ENABLED["gemv"], launch.ENABLED = before
-            moe_small.GATE_UP, moe_small.DOWN = tiles
             runner.graphs, runner.inputs = graphs, inputs
             torch.cuda.empty_cache()
         log(f"decode b1 {name}: graph replay {out[name]:.3f} ms")
@@ -365,8 +359,6 @@ def _moe_layer_paths(ctx) -> dict:
     L2) are not still cached when the same layer runs again, as repeating layer 0 alone would have
     them partly."""
     from shared.kernels import moe as moe_kernels
-    from shared.kernels import moe_small
-    from shared.kernels.moe_routing import route
     from shared.model.moe import SparseMoeBlock
 
     blocks = [m for m in ctx["lm"].modules() if isinstance(m, SparseMoeBlock)]
@@ -377,18 +369,12 @@ def _moe_layer_paths(ctx) -> dict:
                         generator=torch.Generator(ctx["device"]).manual_seed(0))
         logits = [block.gate(x) for block in blocks]
         per_layer = {}
-        variants = {"small": None, "sorted": None,
-                    "small_deferred": (moe_small.GATE_UP_DEFERRED, moe_small.DOWN_DEFERRED)}
-        for path, tiles in variants.items():
-            def layers(path=path, tiles=tiles):
+        for path in moe_kernels.PATHS:
+            def layers(path=path):
                 for block, lg in zip(blocks, logits):
                     experts = block.experts
-                    if tiles is None:
-                        moe_kernels.moe(x, lg, experts.gate_up_proj, experts.down_proj, block.top_k,
-                                        block.norm_topk_prob, path=path)
-                    else:
-                        weights, ids = route(lg, block.top_k, block.norm_topk_prob)
-                        moe_small.gemv_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights, *tiles)
+                    moe_kernels.moe(x, lg, experts.gate_up_proj, experts.down_proj, block.top_k, block.norm_topk_prob,
+                                    path=path)
 
             layers()  # compiles the kernels outside the capture
             torch.cuda.synchronize()

@@ -51,14 +51,9 @@ def main() -> int:
     for kernel, pointers, tiles, constants in (
             (moe_small._gate_up_kernel, dict(x_ptr=bf16, w_ptr=bf16, act_ptr=bf16, ids_ptr=i32), moe_small.GATE_UP,
              dict(TOP_K=8)),
-            (moe_small._gate_up_kernel, dict(x_ptr=bf16, w_ptr=bf16, act_ptr=bf16, ids_ptr=i32),
-             moe_small.GATE_UP_DEFERRED, dict(TOP_K=8)),
             (moe_small._down_kernel, dict(act_ptr=bf16, w_ptr=bf16, out_ptr=bf16, weights_ptr=bf16, ids_ptr=i32),
-             moe_small.DOWN, dict(TOP_K=8, K_PAD=8)),
-            (moe_small._down_kernel, dict(act_ptr=bf16, w_ptr=bf16, out_ptr=bf16, weights_ptr=bf16, ids_ptr=i32),
-             moe_small.DOWN_DEFERRED, dict(TOP_K=8, K_PAD=8))):
-        compile_for_hopper(kernel, pointers, dict(constants, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-                                                  DEFER=tiles.defer, PDL=True),
+             moe_small.DOWN, dict(TOP_K=8, K_PAD=8))):
+        compile_for_hopper(kernel, pointers, dict(constants, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PDL=True),
                            num_warps=tiles.num_warps, launch_pdl=True)
     compile_for_hopper(moe_routing._align_kernel, dict(
         ids_ptr=i32, counts_ptr=i32, cursor_ptr=i32, sorted_ids_ptr=i32, block_experts_ptr=i32, num_padded_ptr=i32),

@@ -21,7 +21,6 @@ from shared.kernels.moe_small import MAX_ASSIGNMENTS, GemvTiles, gemv_experts  #
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TINY = KernelConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1)
 TINY_GEMV = GemvTiles(block_n=16, block_k=16, num_warps=4)
-TINY_DEFERRED = GemvTiles(block_n=16, block_k=16, num_warps=4, defer=True)
 
 
 def plain_loop(x, gate_up, down, ids, weights, rounded=lambda t: t):
@@ -75,9 +74,8 @@ def test_small_path_experts_equal_plain_loop(tokens, experts, routed, top_k, hid
     tiles through ``fused_experts`` (tiles wider than the widths)."""
     x, gate_up, down, ids, weights = experts_case(tokens, experts, routed, top_k, hidden, inter)
     expected = plain_loop(x, gate_up, down, ids, weights)
-    for tiles in (TINY_GEMV, TINY_DEFERRED):  # products reduced every step; once, after the last
-        torch.testing.assert_close(gemv_experts(x, gate_up, down, ids, weights, tiles, tiles), expected,
-                                   rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gemv_experts(x, gate_up, down, ids, weights, TINY_GEMV, TINY_GEMV), expected,
+                               rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(fused_experts(x, gate_up, down, ids, weights), expected, rtol=1e-4, atol=1e-4)
 
 
@@ -251,4 +249,4 @@ def test_kernels_compile_for_hopper():
     done = subprocess.run([sys.executable, "-m", "tests.hopper_compile"], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count(" ok") == 22
+    assert done.stdout.count(" ok") == 20

@@ -31,13 +31,14 @@ is likely an L2 hit. Past that, sharing grows with the batch and the sorted path
 Tiles (``GATE_UP``, ``DOWN``), chosen for H200 (132 SMs, ~4.8 TB/s): the work is reading the weights
 once, so what counts is covering the SMs at batch 1 with enough bytes in flight (4.8 TB/s × ~1 µs of
 latency: ~5 MB). Triton pipelines through shared memory only loads that feed ``tl.dot`` (the sm_90
-build of these kernels has no async copies whatever ``num_stages`` says), so the bytes in flight are
-one step's loads of every resident program: each step is 32 KB a program, read in 16-byte vectors
-along the contiguous K, and the float32 sums are reduced every step so the accumulators hold no more
-than the output columns (64 / 40 registers a thread, no spills). Gate|up: 16 columns × 512-wide
-steps, at batch 1 8 assignments × 768/16 = 384 programs (~3 an SM, ~12 MB in flight), 4 steps over
-H = 2048; down: 8 experts × 8 columns × 256-wide steps, 2048/8 = 256 programs (~2 an SM, ~8 MB in
-flight), 3 steps over I = 768. 8 warps each: a step is 16,384 values, 8 a thread.
+build of these kernels has no async copies whatever ``num_stages`` says), so each loop loads the next
+step's weights before it adds the current step's products: those loads are in flight while it
+computes. The float32 products accumulate elementwise (32 values a thread for each accumulator) and
+are reduced across threads once, after the last step: reducing every step (last session's kernels)
+cost shuffles and a barrier per step, and the batch-1 decode step 3.14–3.16 against 3.08–3.11 ms
+(docs/benchmarks.md, "Decode at batch 1"). Gate|up: 16 columns × 256-wide steps (16 KB a program a
+step, gate and up), at batch 1 8 assignments × 768/16 = 384 programs, 8 steps over H = 2048; down: 8
+experts × 8 columns × 128-wide steps, 2048/8 = 256 programs, 6 steps over I = 768. 8 warps each.
 """
 
 from __future__ import annotations
@@ -58,19 +59,15 @@ class GemvTiles:
     block_n: int  # output columns a program computes
     block_k: int  # reduction width streamed a step
     num_warps: int
-    defer: bool = False  # products summed elementwise, reduced once at the end; the next step's weights prefetched
 
 
-GATE_UP_DEFERRED = GemvTiles(block_n=16, block_k=256, num_warps=8, defer=True)
-DOWN_DEFERRED = GemvTiles(block_n=8, block_k=128, num_warps=8, defer=True)
-GATE_UP = GATE_UP_DEFERRED
-DOWN = DOWN_DEFERRED
+GATE_UP = GemvTiles(block_n=16, block_k=256, num_warps=8)
+DOWN = GemvTiles(block_n=8, block_k=128, num_warps=8)
 
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, N, K, stride_x, stride_we, stride_wn, stride_act,
-                    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DEFER: tl.constexpr,
-                    PDL: tl.constexpr):
+                    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """act[a, cols] = SiLU(x[a // TOP_K] · G[e]ᵀ) · (x[a // TOP_K] · U[e]ᵀ), e = ids[a], for one block of
     the N = I columns; G and U are the first and last N rows of w[e]. x and w rows are contiguous in K."""
     launch.wait_for_inputs(PDL)
@@ -81,35 +78,23 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, N, K, stride_x, stride_we, s
     ks = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + (a // TOP_K).to(tl.int64) * stride_x + ks
     w_ptrs = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]  # [BN, BK]
-    if DEFER:
-        gates = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        ups = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        w_ok = col_ok[:, None] & (ks < K)[None, :]
-        g_w = tl.load(w_ptrs, mask=w_ok, other=0.0)
-        u_w = tl.load(w_ptrs + N * stride_wn, mask=w_ok, other=0.0)
-        for k0 in range(0, K, BLOCK_K):
-            x = tl.load(x_ptrs, mask=ks < K - k0, other=0.0).to(tl.float32)[None, :]
-            w_ok = col_ok[:, None] & (ks < K - k0 - BLOCK_K)[None, :]
-            g_next = tl.load(w_ptrs + BLOCK_K, mask=w_ok, other=0.0)
-            u_next = tl.load(w_ptrs + N * stride_wn + BLOCK_K, mask=w_ok, other=0.0)
-            gates += g_w.to(tl.float32) * x
-            ups += u_w.to(tl.float32) * x
-            g_w, u_w = g_next, u_next
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-        gate = tl.sum(gates, 1)
-        up = tl.sum(ups, 1)
-    else:
-        gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        up = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = ks < K - k0
-            x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            w_ok = col_ok[:, None] & k_ok[None, :]
-            gate += tl.sum(tl.load(w_ptrs, mask=w_ok, other=0.0).to(tl.float32) * x, 1)
-            up += tl.sum(tl.load(w_ptrs + N * stride_wn, mask=w_ok, other=0.0).to(tl.float32) * x, 1)
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
+    gates = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    ups = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    w_ok = col_ok[:, None] & (ks < K)[None, :]
+    g_w = tl.load(w_ptrs, mask=w_ok, other=0.0)
+    u_w = tl.load(w_ptrs + N * stride_wn, mask=w_ok, other=0.0)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptrs, mask=ks < K - k0, other=0.0).to(tl.float32)[None, :]
+        w_ok = col_ok[:, None] & (ks < K - k0 - BLOCK_K)[None, :]
+        g_next = tl.load(w_ptrs + BLOCK_K, mask=w_ok, other=0.0)
+        u_next = tl.load(w_ptrs + N * stride_wn + BLOCK_K, mask=w_ok, other=0.0)
+        gates += g_w.to(tl.float32) * x
+        ups += u_w.to(tl.float32) * x
+        g_w, u_w = g_next, u_next
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    gate = tl.sum(gates, 1)
+    up = tl.sum(ups, 1)
     out_type = act_ptr.dtype.element_ty
     # rounded where the reference rounds: gate and up in the model's dtype, SiLU in float32
     g = gate.to(out_type).to(tl.float32)
@@ -121,7 +106,7 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, N, K, stride_x, stride_we, s
 @triton.jit
 def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, N, K, stride_act, stride_we, stride_wn, stride_out,
                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DEFER: tl.constexpr, PDL: tl.constexpr):
+                 PDL: tl.constexpr):
     """out[t, cols] = Σ_k weights[t, k] · (act[t·TOP_K + k] · D[ids[t, k]]ᵀ) for one block of the N = H
     columns, every slot k in one tile (slots past TOP_K masked). act and D rows are contiguous in K."""
     launch.wait_for_inputs(PDL)
@@ -137,26 +122,16 @@ def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, N, K, stride_act
     w_ptrs = (w_ptr + experts[:, None, None] * stride_we + cols[None, :, None].to(tl.int64) * stride_wn
               + ks[None, None, :])  # [K_PAD, BN, BK]
     w_rows_ok = slot_ok[:, None, None] & col_ok[None, :, None]
-    if DEFER:
-        products = tl.zeros((K_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
-        w = tl.load(w_ptrs, mask=w_rows_ok & (ks < K)[None, None, :], other=0.0)
-        for k0 in range(0, K, BLOCK_K):
-            act = tl.load(act_ptrs, mask=slot_ok[:, None] & (ks < K - k0)[None, :], other=0.0).to(tl.float32)
-            w_next = tl.load(w_ptrs + BLOCK_K, mask=w_rows_ok & (ks < K - k0 - BLOCK_K)[None, None, :], other=0.0)
-            products += w.to(tl.float32) * act[:, None, :]
-            w = w_next
-            act_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-        acc = tl.sum(products, 2)
-    else:
-        acc = tl.zeros((K_PAD, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = ks < K - k0
-            act = tl.load(act_ptrs, mask=slot_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs, mask=w_rows_ok & k_ok[None, None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(w * act[:, None, :], 2)
-            act_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
+    products = tl.zeros((K_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    w = tl.load(w_ptrs, mask=w_rows_ok & (ks < K)[None, None, :], other=0.0)
+    for k0 in range(0, K, BLOCK_K):
+        act = tl.load(act_ptrs, mask=slot_ok[:, None] & (ks < K - k0)[None, :], other=0.0).to(tl.float32)
+        w_next = tl.load(w_ptrs + BLOCK_K, mask=w_rows_ok & (ks < K - k0 - BLOCK_K)[None, None, :], other=0.0)
+        products += w.to(tl.float32) * act[:, None, :]
+        w = w_next
+        act_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    acc = tl.sum(products, 2)
     out_type = out_ptr.dtype.element_ty
     weight = tl.load(weights_ptr + a, mask=slot_ok, other=0.0).to(tl.float32)
     # rounded as the grouped GEMMs' rows are before torch sums them: the expert's output, then the weighted term
@@ -165,25 +140,24 @@ def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, N, K, stride_act
 
 
 def gemv_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
-                 weights: torch.Tensor, gate_up_tiles: GemvTiles | None = None,
-                 down_tiles: GemvTiles | None = None) -> torch.Tensor:
+                 weights: torch.Tensor, gate_up_tiles: GemvTiles = GATE_UP,
+                 down_tiles: GemvTiles = DOWN) -> torch.Tensor:
     """``x`` ``[T, H]``; ``gate_up`` ``[E, 2I, H]`` (gate rows first); ``down`` ``[E, H, I]``; expert
     ``ids`` and routing ``weights`` ``[T, top_k]`` → ``Σ_k w_k · expert_k(x)`` ``[T, H]``. Two launches,
     shapes from ``T`` alone."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     inter = gate_up.shape[1] // 2
-    gate_up_tiles, down_tiles = gate_up_tiles or GATE_UP, down_tiles or DOWN
     x, ids, weights = x.contiguous(), ids.contiguous().view(-1), weights.contiguous().view(-1)
     act = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
     pdl = launch.pdl(x)
     _gate_up_kernel[(tokens * top_k, triton.cdiv(inter, gate_up_tiles.block_n))](
         x, gate_up, act, ids, inter, hidden, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
-        TOP_K=top_k, BLOCK_N=gate_up_tiles.block_n, BLOCK_K=gate_up_tiles.block_k, DEFER=gate_up_tiles.defer,
+        TOP_K=top_k, BLOCK_N=gate_up_tiles.block_n, BLOCK_K=gate_up_tiles.block_k,
         PDL=pdl, num_warps=gate_up_tiles.num_warps, **launch.options(pdl))
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(tokens, triton.cdiv(hidden, down_tiles.block_n))](
         act, down, out, weights, ids, hidden, inter, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_N=down_tiles.block_n, BLOCK_K=down_tiles.block_k,
-        DEFER=down_tiles.defer, PDL=pdl, num_warps=down_tiles.num_warps, **launch.options(pdl))
+        PDL=pdl, num_warps=down_tiles.num_warps, **launch.options(pdl))
     return out
