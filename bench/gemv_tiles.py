@@ -1,11 +1,12 @@
-"""Tiles of the few-rows GEMV (``shared.kernels.gemv``) against cuBLAS, by projection shape, on one GPU.
+"""Tiles of the few-rows GEMV (``shared.kernels.gemv``) against cuBLAS, by projection shape, on one GPU;
+and of the MoE small path's two GEMVs (``shared.kernels.moe_small``) at batch 1 of Qwen3-VL-30B-A3B.
 
 For each shape (the decoder projections of Qwen3-VL-30B-A3B and Qwen2.5-VL-7B), one weight per layer
 (so nothing is read from L2 the next time), every layer's product in turn in one CUDA graph, with PDL
 as serving launches them: µs per product and the bandwidth reached, for cuBLAS (``F.linear``) and each
 ``(BLOCK_N, BLOCK_K, num_warps)`` of the sweep at 1 and 4 rows.
 
-    python bench/gemv_tiles.py --out results/gemv_tiles.json
+    python bench/gemv_tiles.py --out results/gemv_tiles.json [--moe-only]
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared.kernels import gemv  # noqa: E402
+from shared.kernels import gemv, moe_small  # noqa: E402
+from shared.kernels.moe_routing import route  # noqa: E402
 
 SHAPES = {  # name: (outputs, inputs, layers)
     "qwen3-30b-a3b q|k|v": (5120, 2048, 48), "qwen3-30b-a3b o": (2048, 4096, 48),
@@ -51,14 +53,50 @@ def replay_us(fn, layers: int) -> float:
     return statistics.median(times) * 1e3 / layers
 
 
+MOE_TILES = {  # (block_n, block_k, num_warps); the first of each is the default
+    "gate_up": [(16, 256, 8), (16, 256, 4), (8, 512, 4), (8, 256, 4), (4, 1024, 4), (32, 128, 8)],
+    "down": [(8, 128, 8), (8, 128, 4), (4, 256, 4), (16, 64, 4), (4, 512, 8), (2, 512, 4)],
+}
+
+
+def moe_sweep(dev, dtype, layers: int = 8) -> dict:
+    """One token routed to 8 of 128 experts (hidden 2,048, intermediate 768) in each of ``layers`` layers of
+    their own (600 MB of experts read a replay: not L2-resident): both GEMVs of a layer, one of them with
+    each candidate's tiles, the other with its default."""
+    experts, hidden, inter, top_k = 128, 2048, 768, 8
+    gate_ups = [torch.randn(experts, 2 * inter, hidden, device=dev, dtype=dtype) / hidden ** 0.5 for _ in range(layers)]
+    downs = [torch.randn(experts, hidden, inter, device=dev, dtype=dtype) / inter ** 0.5 for _ in range(layers)]
+    x = torch.randn(1, hidden, device=dev, dtype=dtype)
+    routes = [route(torch.randn(1, experts, device=dev, dtype=dtype), top_k, True) for _ in range(layers)]
+    expected = moe_small.gemv_experts(x, gate_ups[0], downs[0], routes[0][1], routes[0][0])
+    out = {}
+    for kind, candidates in MOE_TILES.items():
+        for block_n, block_k, warps in candidates:
+            tiles = moe_small.GemvTiles(block_n, block_k, warps)
+            pair = (tiles, moe_small.DOWN) if kind == "gate_up" else (moe_small.GATE_UP, tiles)
+            got = moe_small.gemv_experts(x, gate_ups[0], downs[0], routes[0][1], routes[0][0], *pair)
+            assert (got.float() - expected.float()).abs().max() <= 0.05 * expected.float().abs().max()
+            def fn(pair=pair):
+                for gu, dn, (w, ids) in zip(gate_ups, downs, routes):
+                    moe_small.gemv_experts(x, gu, dn, ids, w, *pair)
+            us = replay_us(fn, layers)
+            nbytes = top_k * 3 * inter * hidden * 2  # both GEMVs' experts
+            out[f"{kind}_{block_n}x{block_k}w{warps}"] = {"us": us, "TBps": nbytes / us / 1e6}
+        print(f"MoE layer, {kind} tiles:", ", ".join(f"{k[len(kind) + 1:]} {v['us']:.1f} µs ({v['TBps']:.2f} TB/s)"
+                                                     for k, v in out.items() if k.startswith(kind)), flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--moe-only", action="store_true")
     args = parser.parse_args()
     dev, dtype = torch.device("cuda"), torch.bfloat16
     results = {}
     with torch.inference_mode():
-        for name, (n, k, layers) in SHAPES.items():
+        results["moe_small"] = moe_sweep(dev, dtype)
+        for name, (n, k, layers) in ({} if args.moe_only else SHAPES).items():
             weights = [torch.randn(n, k, device=dev, dtype=dtype) / k ** 0.5 for _ in range(layers)]
             nbytes = n * k * 2
             row = results[name] = {"MB": nbytes / 1e6}

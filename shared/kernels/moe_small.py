@@ -33,12 +33,15 @@ once, so what counts is covering the SMs at batch 1 with enough bytes in flight 
 latency: ~5 MB). Triton pipelines through shared memory only loads that feed ``tl.dot`` (the sm_90
 build of these kernels has no async copies whatever ``num_stages`` says), so each loop loads the next
 step's weights before it adds the current step's products: those loads are in flight while it
-computes. The float32 products accumulate elementwise (32 values a thread for each accumulator) and
+computes. The float32 products accumulate elementwise (32 or 64 values a thread) and
 are reduced across threads once, after the last step: reducing every step (last session's kernels)
 cost shuffles and a barrier per step, and the batch-1 decode step 3.14–3.16 against 3.08–3.11 ms
-(docs/benchmarks.md, "Decode at batch 1"). Gate|up: 16 columns × 256-wide steps (16 KB a program a
-step, gate and up), at batch 1 8 assignments × 768/16 = 384 programs, 8 steps over H = 2048; down: 8
-experts × 8 columns × 128-wide steps, 2048/8 = 256 programs, 6 steps over I = 768. 8 warps each.
+(docs/benchmarks.md, "Decode at batch 1"). The tiles come from a sweep at batch 1 (``bench/gemv_tiles.py
+--moe-only``, one layer's two GEMVs, 8 layers of experts of their own in one graph): 4 warps; gate|up 8
+columns × 512-wide steps (8 assignments × 768/8 = 768 programs, 4 steps over H = 2048), down 8 experts ×
+8 columns × 128-wide steps (256 programs, 6 steps over I = 768). The layer's GEMVs took 30.6 µs with the
+first tiles of this scheme (8 warps, gate|up 16 × 256), 25.1 with this gate|up; the decode step 2.77 against 3.08–3.11 ms. Batches of 2–8
+tokens run the same tiles, not swept.
 """
 
 from __future__ import annotations
@@ -61,8 +64,8 @@ class GemvTiles:
     num_warps: int
 
 
-GATE_UP = GemvTiles(block_n=16, block_k=256, num_warps=8)
-DOWN = GemvTiles(block_n=8, block_k=128, num_warps=8)
+GATE_UP = GemvTiles(block_n=8, block_k=512, num_warps=4)
+DOWN = GemvTiles(block_n=8, block_k=128, num_warps=4)
 
 
 @triton.jit
