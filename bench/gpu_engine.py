@@ -352,6 +352,17 @@ def _decode_variants(ctx, seq: Sequence) -> dict:
     return out
 
 
+def _graph_replay_ms(ctx, fn) -> float:
+    """``fn`` run once (its kernels compile outside the capture), captured in a CUDA graph, and that graph's
+    median replay in ms."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return ctx["timer"].ms(graph.replay, repeat=50, warmup=5)
+
+
 def _moe_layer_paths(ctx) -> dict:
     """``moe()`` for one random hidden row, small path against sorted path, in µs a layer (MoE on a GPU
     only; else nothing). Every MoE layer's weights in turn, in one CUDA graph: launches cost what they
@@ -376,13 +387,7 @@ def _moe_layer_paths(ctx) -> dict:
                     moe_kernels.moe(x, lg, experts.gate_up_proj, experts.down_proj, block.top_k, block.norm_topk_prob,
                                     path=path)
 
-            layers()  # compiles the kernels outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                layers()
-            per_layer[path] = ctx["timer"].ms(graph.replay, repeat=50, warmup=5) * 1e3 / len(blocks)
-            del graph
+            per_layer[path] = _graph_replay_ms(ctx, layers) * 1e3 / len(blocks)
     log(f"decode b1 MoE layer (1 token, {len(blocks)} layers in a graph): "
         + ", ".join(f"{k} {v:.1f} µs" for k, v in per_layer.items()))
     return {f"moe_layer_{k}_us": v for k, v in per_layer.items()} | {"moe_layers_timed": len(blocks)}
@@ -422,13 +427,7 @@ def _projection_paths(ctx) -> dict:
         for name, fn, pdl in (("cublas", unfused, False), ("gemv_pdl", fused, True), ("gemv", fused, False)):
             launch.ENABLED = pdl
             try:
-                fn()
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    fn()
-                per_layer[name] = ctx["timer"].ms(graph.replay, repeat=50, warmup=5) * 1e3 / len(layers)
-                del graph
+                per_layer[name] = _graph_replay_ms(ctx, fn) * 1e3 / len(layers)
             finally:
                 launch.ENABLED = True
     first = layers[0].mlp.first.weight
@@ -459,13 +458,7 @@ def _projection_shapes(ctx) -> dict:
             x = torch.randn(1, weights[0].shape[1], dtype=ctx["dtype"], device=ctx["device"], generator=gen)
             for kind, fn in (("cublas", lambda: [torch.nn.functional.linear(x, w) for w in weights]),
                              ("gemv", lambda: [gemv.linear(x, w) for w in weights])):
-                fn()
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    fn()
-                us = ctx["timer"].ms(graph.replay, repeat=50, warmup=5) * 1e3 / len(layers)
-                del graph
+                us = _graph_replay_ms(ctx, fn) * 1e3 / len(layers)
                 nbytes = weights[0].numel() * weights[0].element_size()
                 out[f"{name}_{kind}"] = {"us": us, "TBps": nbytes / us / 1e6, "MB": nbytes / 1e6,
                                          "tiles": gemv.tiles(*weights[0].shape) if kind == "gemv" else None}
