@@ -83,7 +83,7 @@ from tools.bench.metrics import Slo, summarize  # noqa: E402
 from tools.bench.settings import BenchSettings, Workload, parse_resolution  # noqa: E402
 from tools.bench.stack import StackProcess  # noqa: E402
 from tools.bench.tables import HEADER, ms, ordered_labels, row_text, stages  # noqa: E402
-from tools.plan.costs import Costs  # noqa: E402
+from tools.plan.cost_table import Costs  # noqa: E402
 from tools.plan.floor import shape_label  # noqa: E402
 from tools.plan.layouts import Layout, bench_layouts  # noqa: E402
 from tools.plan.model import Planner, Prediction, traffic  # noqa: E402
