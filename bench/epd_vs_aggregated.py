@@ -83,7 +83,7 @@ from tools.bench.metrics import Slo, summarize  # noqa: E402
 from tools.bench.settings import BenchSettings, Workload, parse_resolution  # noqa: E402
 from tools.bench.stack import StackProcess  # noqa: E402
 from tools.bench.tables import HEADER, ms, ordered_labels, row_text, stages  # noqa: E402
-from tools.plan.costs import Costs  # noqa: E402
+from tools.plan.cost_table import Costs  # noqa: E402
 from tools.plan.floor import shape_label  # noqa: E402
 from tools.plan.layouts import Layout, bench_layouts  # noqa: E402
 from tools.plan.model import Planner, Prediction, traffic  # noqa: E402
@@ -408,17 +408,22 @@ class TopologyRun:
                              slo_ttft=SLO.ttft_ms, slo_tpot=SLO.tpot_ms, slo_itl=SLO.itl_ms, **workload)
 
 
+def start_stacks(args, chosen: list[Topology]) -> dict[str, tuple[StackProcess, float]]:
+    """Tiny: every stack at once, up front, while the floor is measured (CPU smoke runs are dominated by
+    process start-up; on GPUs each stack starts in turn, after the floor, which is measured alone)."""
+    env = stack_env(args)
+    return {t.label: (StackProcess(list(t.args), env, ROOT), time.monotonic()) for t in chosen}
+
+
 def sweep(args, chosen: list[Topology], classes: list[RequestClass], todo: list[Point], tokenizer: str,
-          checkpoint) -> tuple[list, list, list]:
+          checkpoint, started: dict[str, tuple[StackProcess, float]] | None = None) -> tuple[list, list, list]:
     """Each topology's stack started once, measured, stopped, and ``checkpoint(unloaded, runs, stacks)``
     called after each (so a run cut short keeps what it measured). With ``--deadline``, a topology is not
-    started when the previous one's time would take the run past it. Tiny: every stack is started at
-    once up front and stopped in the background (CPU smoke runs are dominated by process start-up)."""
+    started when the previous one's time would take the run past it. ``started``: stacks already
+    starting (tiny: ``start_stacks``); those are stopped in the background."""
     unloaded, runs, stacks_info = [], [], []
     env = stack_env(args)
-    started: dict[str, tuple[StackProcess, float]] = {}
-    if args.tiny:
-        started = {t.label: (StackProcess(list(t.args), env, ROOT), time.monotonic()) for t in chosen}
+    started = dict(started or {})
     stoppers, last = [], 0.0
     for topology in chosen:
         info = {"topology": topology.label, "args": list(topology.args), "layout": asdict(topology.layout)}
@@ -955,7 +960,13 @@ def main(argv=None) -> int:
     args.started = time.monotonic()
     tokenizer = tokenizer_dir(args.tiny, args.model)
     args.max_model_len = CONTEXT if args.tiny else context_length(tokenizer, cases)
-    floor = floor or Floor(measure_floor(args, cases, out / "floor.json"), args.transport)
+    started = start_stacks(args, chosen) if args.tiny else {}
+    try:
+        floor = floor or Floor(measure_floor(args, cases, out / "floor.json"), args.transport)
+    except BaseException:
+        for stack, _ in started.values():
+            stack.stop()
+        raise
     todo = points(args, cases, floor)
     meta = {"hardware": hardware(), "versions": versions(), "command": sys.argv, "transport": args.transport}
 
@@ -963,7 +974,7 @@ def main(argv=None) -> int:
         meta["wall_s"] = time.monotonic() - args.started
         return finish(args, out, meta, floor, runs, unloaded, stacks, chosen, partial)
 
-    unloaded, runs, stacks = sweep(args, chosen, classes, todo, tokenizer, checkpoint)
+    unloaded, runs, stacks = sweep(args, chosen, classes, todo, tokenizer, checkpoint, started)
     return checkpoint(unloaded, runs, stacks, partial=False)
 
 

@@ -87,7 +87,7 @@ class Stack:
                 self.check_alive()
                 if interrupted():
                     raise RuntimeError("interrupted while starting")
-                await directory.refresh()
+                await directory.refresh(enough=lambda seen: all(seen.get(k, 0) >= n for k, n in counts.items()))
                 seen = directory.counts()
                 if all(seen.get(kind, 0) >= n for kind, n in counts.items()):
                     front = directory.of("frontend")

@@ -21,7 +21,10 @@ def configure_logging(level: str = "info", fmt: str = "console", service: str = 
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # One write per line: print() writes the text and its newline apart when stderr is unbuffered
+        # (PYTHONUNBUFFERED=1, as in deploy/Dockerfile), and the lines of processes sharing one stderr
+        # (`epd up` and its children) then run into each other.
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.bind_contextvars(service=service)

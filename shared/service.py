@@ -12,6 +12,7 @@ and releases its resources.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import secrets
 import signal
@@ -181,4 +182,10 @@ def service_main(service_cls, settings_cls, argv: list[str] | None = None) -> No
     args = sys.argv[1:] if argv is None else argv
     settings = parse_settings(settings_cls, args, f"epd {service_cls.kind}")
     configure_logging(settings.log_level, settings.log_format, f"epd-{service_cls.kind}")
-    asyncio.run(service_cls(settings).run())
+    try:
+        asyncio.run(service_cls(settings).run())
+    finally:
+        # Everything is released by now (or the service failed). What is left is the interpreter's
+        # shutdown, whose garbage collections walk every object torch and transformers made: 1-1.5 s
+        # of CPU per process. Frozen objects are not walked; the process exits in ~0.3 s.
+        gc.freeze()

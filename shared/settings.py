@@ -70,9 +70,10 @@ class CommonSettings(BaseSettings):
     def model_path(self) -> Path:
         """The checkpoint directory: the built-in tiny model, a dummy preset, or the given path."""
         from shared.model.presets import PRESETS, materialize_preset
-        from shared.model.tiny import default_tiny_checkpoint
 
         if not self.model:
+            from shared.model.tiny import default_tiny_checkpoint  # torch and transformers: only when needed
+
             return default_tiny_checkpoint()
         if self.load_format == "dummy" and self.model in PRESETS:
             return materialize_preset(self.model)

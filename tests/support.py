@@ -125,9 +125,8 @@ class RunningStack:
         asyncio.run(self.stack.wait_ready(counts, timeout=timeout, prefix=self.prefix))
 
     async def _ready(self, counts: dict[str, int]) -> None:
-        await self.stack.wait_ready(counts, timeout=180, prefix=self.prefix)
-        frontends = await self.stats("epd-frontend")
-        self.port = int(frontends[0]["metadata"]["http"].rsplit(":", 1)[1])
+        http = await self.stack.wait_ready(counts, timeout=180, prefix=self.prefix)  # the frontend's host:port
+        self.port = int(http.rsplit(":", 1)[1])
 
     @property
     def base_url(self) -> str:

@@ -101,6 +101,16 @@ async def test_inproc_hands_over_the_tensor_itself(expected):
     await stopped(consumer, holder)
 
 
+def test_the_wire_dtypes_are_torchs_with_their_sizes():
+    from shared.dataplane.handle import ELEMENT_SIZES, dtype_name
+    from shared.dataplane.wire import DTYPES
+
+    assert {name: dtype.itemsize for name, dtype in DTYPES.items()} == ELEMENT_SIZES
+    assert all(dtype_name(dtype) == name for name, dtype in DTYPES.items())
+    with pytest.raises(ValueError, match="cannot carry"):
+        dtype_name(torch.complex64)
+
+
 @pytest.mark.parametrize("transport", ALL)
 async def test_pull_into_a_reused_buffer(transport):
     holder, consumer = await started(DataPlane(transport), DataPlane("zmq"))

@@ -163,8 +163,8 @@ def test_requests_wait_for_room_on_a_full_decode_worker(nats_url, tiny_model):
 
     running = RunningStack(nats_url, tiny_model)
     try:
-        running.start(encoders=0, decodes=0)
         running.spawn("decode", "--kv-cache-mb", "1", "--max-model-len", "2000")  # 127 blocks of 16 tokens
+        running.start(encoders=0, decodes=0)  # the others start beside it
         running.wait_for({"decode": 1})
         client = running.client()
         model = client.models.list().data[0].id

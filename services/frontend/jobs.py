@@ -31,7 +31,7 @@ from shared.logging import get_logger
 
 log = get_logger(__name__)
 
-_FETCH_WAIT = 2.0  # seconds one pull waits for a job; also how long stopping may take to notice
+_FETCH_WAIT = 0.5  # seconds one pull waits for a job; also how long stopping may take to notice
 
 
 class JobEnvelope(BaseModel):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 
 from nats.aio.client import Client
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
@@ -59,8 +60,11 @@ async def call(nc: Client, subject: str, payload: bytes, timeout: float, what: s
     return msg.data
 
 
-async def gather_replies(nc: Client, subject: str, wait: float = 0.25, payload: bytes = b"") -> list[bytes]:
-    """Every answer to one request within ``wait`` seconds (the NATS service API's discovery pattern)."""
+async def gather_replies(nc: Client, subject: str, wait: float = 0.25, payload: bytes = b"",
+                         enough: Callable[[list[bytes]], bool] | None = None) -> list[bytes]:
+    """Every answer to one request within ``wait`` seconds (the NATS service API's discovery pattern);
+    with ``enough``, those until ``enough(replies)`` holds, if it does sooner (a caller waiting for
+    instances it knows of need not wait out the window)."""
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     replies: list[bytes] = []
@@ -75,15 +79,20 @@ async def gather_replies(nc: Client, subject: str, wait: float = 0.25, payload: 
                 break
             if msg.data:  # an empty status message means nobody is subscribed
                 replies.append(msg.data)
+                if enough is not None and enough(replies):
+                    break
     finally:
         await sub.unsubscribe()
     return replies
 
 
-async def service_stats(nc: Client, service: str | None = None, wait: float = 0.25) -> list[dict]:
-    """STATS of every instance of ``service`` (e.g. ``epd-encoder``), or of every service."""
+async def service_stats(nc: Client, service: str | None = None, wait: float = 0.25,
+                        enough: Callable[[list[dict]], bool] | None = None) -> list[dict]:
+    """STATS of every instance of ``service`` (e.g. ``epd-encoder``), or of every service; ``enough``: as
+    ``gather_replies``', on the answers so far."""
     subject = "$SRV.STATS" + (f".{service}" if service else "")
-    return [json.loads(r) for r in await gather_replies(nc, subject, wait)]
+    check = None if enough is None else (lambda replies: enough([json.loads(r) for r in replies]))
+    return [json.loads(r) for r in await gather_replies(nc, subject, wait, enough=check)]
 
 
 def endpoint_data(stats: dict) -> dict:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -83,19 +84,22 @@ class Directory:
         return [i for i in self.instances if i.kind in kinds and not i.data.get("draining")]
 
     def counts(self) -> dict[str, int]:
-        found: dict[str, int] = {}
-        for item in self.instances:
-            found[item.kind] = found.get(item.kind, 0) + 1
-        return found
+        return _counts(self.raw)
 
-    async def refresh(self) -> list[Instance]:
-        mine = [s for s in await service_stats(self.nc, wait=self.wait)
-                if (s.get("metadata") or {}).get("prefix") == self.prefix and str(s.get("name", "")).startswith("epd-")]
+    async def refresh(self, enough: Callable[[dict[str, int]], bool] | None = None) -> list[Instance]:
+        """List this stack's instances (every answer within ``wait``); ``enough``: stop listening once the
+        counts by kind so far satisfy it (``epd up`` waiting for the instances it started)."""
+        check = None if enough is None else (lambda stats: enough(_counts(self._mine(stats))))
+        mine = self._mine(await service_stats(self.nc, wait=self.wait, enough=check))
         self.raw = mine
         self.instances = sorted((Instance(s["name"][4:], s.get("id", ""), s.get("metadata") or {}, endpoint_data(s))
                                  for s in mine), key=lambda i: i.instance)
         self.refreshed.set()
         return self.instances
+
+    def _mine(self, stats: list[dict]) -> list[dict]:
+        return [s for s in stats
+                if (s.get("metadata") or {}).get("prefix") == self.prefix and str(s.get("name", "")).startswith("epd-")]
 
     def watch(self, instance: str) -> asyncio.Event:
         """An event set once ``instance`` is gone; ``unwatch`` it when no longer waiting on it."""
@@ -147,3 +151,12 @@ class Directory:
             except Exception as err:  # discovery is an optimization: callers fall back to queue groups
                 log.warning("directory.refresh_failed", error=str(err))
             await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+
+
+def _counts(stats: list[dict]) -> dict[str, int]:
+    """Instances by kind in STATS answers of ``epd-<kind>`` services."""
+    found: dict[str, int] = {}
+    for s in stats:
+        kind = s["name"][4:]
+        found[kind] = found.get(kind, 0) + 1
+    return found

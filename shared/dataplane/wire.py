@@ -14,11 +14,12 @@ import warnings
 import msgspec
 import torch
 
-from shared.dataplane.handle import DTYPES, TensorHandle
+from shared.dataplane.handle import ELEMENT_SIZES, TensorHandle
 from shared.dataplane.store import DataPlaneError, TensorStore
 
 CONTROL_BYTES = 256  # every control frame (UCX) is exactly this long; ZMQ caps requests at this size
 MAX_MESSAGE_CHARS = 160  # error messages are cut to fit a control frame
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in ELEMENT_SIZES}  # the handles' dtypes
 
 
 class PullRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="pull"):

@@ -30,16 +30,18 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
 from shared.engine.settings import EngineSettings
 from shared.settings import parse_settings
 from tools.bench.settings import VideoWorkload, Workload, parse_resolution
-from tools.plan.costs import (PER_IMAGE_TOKENS, TEMPLATE_TOKENS, Costs, EngineProbe, VisionProbe, measure_clip_media,
-                              measure_corun, measure_media)
+from tools.plan.cost_table import PER_IMAGE_TOKENS, TEMPLATE_TOKENS, Costs
 from tools.plan.timeslice import measure_timeslice, ready_or_none, vit_child
+
+if TYPE_CHECKING:
+    from tools.plan.costs import EngineProbe, VisionProbe
 
 
 class FloorSettings(EngineSettings):
@@ -94,6 +96,7 @@ def clip_shapes(workloads: list[ShapeWorkload]) -> list[ClipShape]:
 
 def measure_floor(settings: FloorSettings, workloads: list[ShapeWorkload]) -> dict:
     from shared.model.config import ModelConfig
+    from tools.plan.costs import EngineProbe  # torch, the model: only to measure (shape_label's readers need neither)
     from shared.model.processor import preprocess_mode
 
     started = time.monotonic()
@@ -115,6 +118,8 @@ def measure_floor(settings: FloorSettings, workloads: list[ShapeWorkload]) -> di
 
 def _vision(settings, path, config, mode, shapes) -> tuple[VisionProbe, dict]:
     """The tower, and per resolution (tokens per image, preprocess ms, {images: ViT ms}, grid)."""
+    from tools.plan.costs import VisionProbe
+
     vision = VisionProbe(settings, config, path, mode)
     seen: dict[str, tuple] = {}
     for (resolution, _), counts in shapes.items():
@@ -133,6 +138,8 @@ def _middle_image_shape(shapes: dict[tuple[str, int], list[int]]) -> tuple[str, 
 
 
 def _measure(settings, path, config, mode, shapes, middle, seen, vision, engine, child) -> dict:
+    from tools.plan.costs import measure_media
+
     prefill: dict[int, float] = {}  # prompt tokens → ms (a text prompt is the same at every resolution)
     rows = []
     for (resolution, input_len), counts in shapes.items():
@@ -168,6 +175,7 @@ def _clip_row(vision: VisionProbe, engine: EngineProbe, clip: ClipShape) -> dict
     """One clip request's floor: the frontend decoding the clip, the ViT over its sampled frames
     (preprocessing as the encoders do it), the prefill of its prompt."""
     from tools.bench.video import make_clip
+    from tools.plan.costs import measure_clip_media
 
     resolution, seconds, fps, input_len = clip
     geometry = vision.video.geometry
@@ -194,6 +202,8 @@ def shape_label(row: dict) -> str:
 def _corun(settings, middle, seen, vision, engine, child) -> dict[str, float]:
     """Co-run factors on the median image request's ViT forward and prefill (optional: a failure leaves
     the planner its documented assumptions, never the floor unmeasured)."""
+    from tools.plan.costs import measure_corun
+
     resolution, input_len, n = middle
     tokens, _, _, grid = seen[resolution]
     prompt = engine.prompt(input_len, n, tokens, grid)

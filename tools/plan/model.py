@@ -49,7 +49,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tools.plan.costs import Costs
+from tools.plan.cost_table import Costs
 from tools.plan.layouts import Layout
 from tools.plan.queueing import mg1_wait
 from tools.bench.settings import Workload

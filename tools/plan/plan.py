@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from tools.plan.costs import Costs, measure_costs
+from tools.plan.cost_table import Costs
 from tools.plan.layouts import Layout, layouts
 from tools.plan.model import Planner, Prediction, Traffic, traffic  # noqa: F401 - the planner's public names
 from tools.bench.settings import Workload
@@ -74,6 +74,8 @@ def visible_gpus() -> int:
 
 def main(settings: PlanSettings) -> int:
     gpus = settings.gpus or visible_gpus()
+    from tools.plan.costs import measure_costs  # torch, the model: only to measure
+
     costs = measure_costs(settings)
     planner = Planner(costs, settings.data_plane_gbs, embedding_bytes(settings))
     candidates = layouts(gpus)
