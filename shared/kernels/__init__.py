@@ -19,7 +19,7 @@ import time
 TRITON = importlib.util.find_spec("triton") is not None
 
 
-ENABLED = {"fused": TRITON, "attention": TRITON, "moe": TRITON, "gemv": TRITON}
+ENABLED = {"fused": TRITON, "moe": TRITON, "gemv": TRITON}
 
 
 def enabled(path: str) -> bool:
