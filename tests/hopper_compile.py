@@ -14,7 +14,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from shared.kernels import attention, fused, gemv, moe, moe_routing, moe_small  # noqa: E402
+from shared.kernels import attention, decode_attention, fused, gemv, moe, moe_routing, moe_small  # noqa: E402
 
 
 def compile_for_hopper(kernel, pointers: dict[str, str], constants: dict, **options) -> None:
@@ -70,12 +70,14 @@ def main() -> int:
         q_ptr=bf16, k_ptr=bf16, v_ptr=bf16, cos_ptr=bf16, sin_ptr=bf16, k_cache=bf16, v_cache=bf16, slots="*i64",
         q_norm=bf16, k_norm=bf16), dict(NUM_HEADS=32, NUM_KV_HEADS=4, HALF=64, HALF_PAD=64, HEADS_PAD=32, KV_PAD=4,
                                         STORE=True, QK_NORM=True, PDL=True), launch_pdl=True)
-    compile_for_hopper(attention._split_kernel, dict(
-        q_ptr=bf16, k_cache=bf16, v_cache=bf16, block_tables=i32, context_lens=i32, acc_ptr="*fp32", m_ptr="*fp32",
-        l_ptr="*fp32"), dict(NUM_HEADS=32, NUM_SPLITS=32, GROUP=8, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=16,
-                             BLOCKS_PER_ITER=4, PDL=True), launch_pdl=True)
-    compile_for_hopper(attention._merge_kernel, dict(acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", out_ptr=bf16),
-                       dict(NUM_HEADS=32, NUM_SPLITS=32, SPLITS_PAD=32, HEAD_DIM=128, PDL=True), launch_pdl=True)
+    decode = dict(q_ptr=bf16, k_ptr=bf16, v_ptr=bf16, cos_ptr=bf16, sin_ptr=bf16, q_norm=bf16, k_norm=bf16,
+                  slots="*i64", k_cache=bf16, v_cache=bf16, block_tables=i32, context_lens=i32, out_ptr=bf16,
+                  acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", counters=i32)
+    for heads, group, qk_norm in ((32, 8, True), (28, 7, False)):  # Qwen3-VL-30B-A3B, Qwen2.5-VL-7B
+        compile_for_hopper(decode_attention._decode_kernel, decode, dict(
+            NUM_HEADS=heads, NUM_KV_HEADS=4, NUM_SPLITS=32, SPLITS_PAD=32, MIN_BLOCKS=decode_attention.MIN_BLOCKS,
+            GROUP=group, GROUP_PAD=16, GROUP_P2=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCKS_PER_ITER=4,
+            MERGE=decode_attention.MERGE_SPLITS, QK_NORM=qk_norm, PDL=True), launch_pdl=True)
     return 0
 
 

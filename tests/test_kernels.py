@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
-from shared.kernels.attention import paged_decode_attention, paged_prefill_attention  # noqa: E402
+from shared.kernels.attention import paged_prefill_attention  # noqa: E402
 from shared.kernels.fused import add_rms_norm, rms_norm, rope_store, silu_mul  # noqa: E402
 from shared.kernels.gemv import linear, norm_linear, tiles  # noqa: E402
 from shared.model.rope import apply_rotary  # noqa: E402
@@ -25,11 +25,19 @@ def close(a, b, tol=1e-4):
     assert torch.linalg.norm((a - b).float()) / torch.linalg.norm(b.float()) < tol
 
 
-@pytest.mark.parametrize("heads,kv_heads,splits", [(4, 2, 1), (8, 2, 3), (4, 4, 2)])
-def test_paged_decode_attention_matches_dense(heads, kv_heads, splits):
+@pytest.mark.parametrize("heads,kv_heads,splits,min_blocks,qk_norm", [
+    (4, 2, 1, 8, False), (8, 2, 3, 1, True), (4, 4, 2, 1, False), (8, 2, 4, 2, True)])
+def test_decode_attention_rotates_writes_the_new_kv_and_attends_over_the_pool(heads, kv_heads, splits, min_blocks,
+                                                                              qk_norm):
+    """The decode kernel against the unfused reference: (QK-norm,) rotary of q and the new k, the new KV
+    written to its slot, and attention over the whole context — one split, or several merged by the last
+    to finish (``min_blocks`` 1: a split per block). Twice: the split counters are back at zero after a
+    launch."""
+    from shared.kernels.decode_attention import DecodeAttention
+
     torch.manual_seed(heads * 10 + splits)
     dim, block_size, blocks = 16, 16, 40
-    lens = [1, 17, 70, 33]
+    lens = [1, 17, 70, 33, 16]  # tokens attended, the new one included (1: a graph's padding row)
     k_cache = torch.randn(blocks, block_size, kv_heads, dim, device=DEVICE)
     v_cache = torch.randn_like(k_cache)
     perm = torch.randperm(blocks).tolist()
@@ -38,16 +46,37 @@ def test_paged_decode_attention_matches_dense(heads, kv_heads, splits):
         need = math.ceil(n / block_size)
         tables.append(perm[cursor:cursor + need] + [0] * (8 - need))
         cursor += need
-    block_tables = torch.tensor(tables, dtype=torch.int32, device=DEVICE)
-    q = torch.randn(len(lens), heads, dim, device=DEVICE)
-    out = paged_decode_attention(q, k_cache, v_cache, block_tables, torch.tensor(lens, dtype=torch.int32,
-                                 device=DEVICE), dim ** -0.5, splits)
+    slots = torch.tensor([tables[i][(n - 1) // block_size] * block_size + (n - 1) % block_size
+                          for i, n in enumerate(lens)], device=DEVICE)
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * dim, device=DEVICE)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)  # strided, as the model's
+    q, k, v = q.view(-1, heads, dim), k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim)
+    angles = torch.randn(len(lens), dim // 2, device=DEVICE)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    norms, q_ref, k_ref = None, q, k
+    if qk_norm:
+        q_norm, k_norm = RMSNorm(dim, 1e-6).to(DEVICE), RMSNorm(dim, 1e-6).to(DEVICE)
+        q_norm.weight.data.normal_()
+        k_norm.weight.data.normal_()
+        norms, q_ref, k_ref = (q_norm.weight, k_norm.weight, 1e-6), q_norm(q), k_norm(k)
+    q_ref, k_ref = apply_rotary(q_ref, cos, sin), apply_rotary(k_ref, cos, sin)
+    before = q.clone(), k.clone()
+    attend = DecodeAttention(min_blocks)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    tables_t = torch.tensor(tables, dtype=torch.int32, device=DEVICE)
+    outs = [attend(q, k, v, cos, sin, slots, k_cache, v_cache, tables_t, lens_t, dim ** -0.5, splits, norms)
+            for _ in range(2)]
+    assert int(attend.counters.abs().sum()) == 0
+    close(k_cache.flatten(0, 1)[slots], k_ref)
+    close(v_cache.flatten(0, 1)[slots], v)
+    assert torch.equal(q, before[0]) and torch.equal(k, before[1])  # the inputs are left as they were
     for i, n in enumerate(lens):
-        slots = torch.cat([torch.arange(block_size) + b * block_size for b in tables[i]])[:n].to(DEVICE)
-        k = k_cache.flatten(0, 1)[slots].transpose(0, 1)
-        v = v_cache.flatten(0, 1)[slots].transpose(0, 1)
-        ref = F.scaled_dot_product_attention(q[i, :, None], k, v, enable_gqa=True)[:, 0]
-        close(out[i], ref)
+        context = torch.cat([torch.arange(block_size) + b * block_size for b in tables[i]])[:n].to(DEVICE)
+        keys = k_cache.flatten(0, 1)[context].transpose(0, 1)
+        values = v_cache.flatten(0, 1)[context].transpose(0, 1)
+        ref = F.scaled_dot_product_attention(q_ref[i, :, None], keys, values, enable_gqa=True)[:, 0]
+        for out in outs:
+            close(out[i], ref)
 
 
 @pytest.mark.parametrize("skip_fresh", [False, True])

@@ -3,8 +3,10 @@
 A backend takes one layer's q, k, v (before rotary), applies the model's QK-norm where it has one
 (Qwen3), rotary, writes k and v into their cache slots and attends. ``TorchAttention`` is the
 reference path (any device, exact in fp32): it runs
-``scaled_dot_product_attention`` per sequence. ``TritonAttention`` is the GPU path: one fused
-rotary+cache-write kernel, the paged flash-decoding kernel for decode rows, and for prompt chunks:
+``scaled_dot_product_attention`` per sequence. ``TritonAttention`` is the GPU path: decode rows (a
+decode step's, or those riding along prompt chunks) in one kernel that normalizes, rotates, writes
+their KV and attends over the paged pool (``shared.kernels.decode_attention``); prompt chunks through
+the fused rotary+cache-write kernel, then:
 
 - a chunk that starts its prompt: cuDNN's fused attention at a bucketed length (``shared.kernels.sdpa``:
   all its KV is in hand, and a padded causal call is exact), so a new prompt length plans nothing;
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from shared.kernels import TRITON, attention as paged, fused, sdpa
+from shared.kernels import TRITON, attention as paged, decode_attention, fused, sdpa
 from shared.engine.kv_cache import KVCache
 from shared.model.rope import apply_rotary
 
@@ -110,9 +112,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: 
     return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)[0].transpose(0, 1)
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int],
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention within each packed sequence (no cached prefix); ``q`` ``[T, H, D]``, ``k,v`` ``[T, KVH, D]``."""
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
         out[start:end] = causal_attention(q[start:end], k[start:end], v[start:end])
     return out
@@ -144,29 +147,32 @@ class TritonAttention:
         self.prefix_chunks = prefix_chunks  # "split" | "paged" (module docstring)
         self.split_min_tokens = self.SPLIT_MIN_TOKENS
         self.split_chunks = 0  # chunks attended the split way
+        self.decode = decode_attention.DecodeAttention()
 
     def forward(self, layer: int, q, k, v, cos, sin, batch: ForwardBatch, qk_norm=None) -> torch.Tensor:
-        k_cache, v_cache = self.cache.layer(layer)
         norms = qk_norm and (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
-        fused.rope_store(q, k, v, cos, sin, k_cache, v_cache, batch.slot_mapping, norms)
         k_blocks, v_blocks = self.cache.data[layer]
+        rows = batch.num_decode if batch.is_prefill else q.shape[0]  # decode rows come first
+        out = torch.empty_like(q)
+        if rows:
+            self.decode(q[:rows], k[:rows], v[:rows], cos[:rows], sin[:rows], batch.slot_mapping[:rows], k_blocks,
+                        v_blocks, batch.block_tables[:rows], batch.context_lens[:rows], self.scale,
+                        batch.num_splits, norms, out=out[:rows])
         if batch.is_prefill:
-            out = self._prefill(q, k, v, k_blocks, v_blocks, batch)
-        else:
-            out = paged.paged_decode_attention(q, k_blocks, v_blocks, batch.block_tables, batch.context_lens,
-                                               self.scale, batch.num_splits)
+            k_cache, v_cache = self.cache.layer(layer)
+            fused.rope_store(q[rows:], k[rows:], v[rows:], cos[rows:], sin[rows:], k_cache, v_cache,
+                             batch.slot_mapping[rows:], norms)
+            self._prefill(q, k, v, k_blocks, v_blocks, batch, out)
         if batch.on_layer_done is not None:
             batch.on_layer_done(layer)
         return out
 
-    def _prefill(self, q, k, v, k_blocks, v_blocks, batch: ForwardBatch) -> torch.Tensor:
-        if batch.block_tables is None:  # every chunk starts its prompt
-            return prefill_attention(q, k, v, batch.cu_seqlens)
-        out = torch.empty_like(q)
+    def _prefill(self, q, k, v, k_blocks, v_blocks, batch: ForwardBatch, out: torch.Tensor) -> None:
+        """Prompt chunks' attention into ``out`` (their rows after the decode rows'), q and k rotated."""
+        if batch.block_tables is None:  # every chunk starts its prompt (and no decode row rides along)
+            prefill_attention(q, k, v, batch.cu_seqlens, out)
+            return
         rows, cu = batch.num_decode, batch.cu_seqlens
-        if rows:
-            paged.paged_decode_attention(q[:rows], k_blocks, v_blocks, batch.block_tables[:rows],
-                                         batch.context_lens[:rows], self.scale, batch.num_splits, out=out[:rows])
         chunks = range(rows, len(cu) - 1)
         after_prefix = [i for i in chunks if batch.prefix_lens[i]]
         split = bool(after_prefix) and self._splits(max(cu[i + 1] - cu[i] for i in after_prefix), q)
@@ -183,7 +189,6 @@ class TritonAttention:
                 self.split_chunks += 1
             elif batch.prefix_lens[i] == 0 and self.sdpa_for_fresh_chunks:
                 out[s] = causal_attention(q[s], k[s], v[s])
-        return out
 
     def _splits(self, longest: int, q: torch.Tensor) -> bool:
         """Whether this step's chunks after a prefix go the split way (all of them: the paged kernel's

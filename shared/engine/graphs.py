@@ -12,7 +12,7 @@ import torch
 
 from shared.engine.attention import ForwardBatch
 from shared.engine.inputs import DecodeInputs
-from shared.kernels.attention import default_splits
+from shared.kernels.decode_attention import default_splits
 from shared.logging import get_logger
 from shared.model.text import LanguageModel
 

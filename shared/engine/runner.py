@@ -133,7 +133,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             return 1
         from shared.engine.graphs import BUCKETS
-        from shared.kernels.attention import default_splits
+        from shared.kernels.decode_attention import default_splits
 
         if self.graphs is not None and (bucket := self.graphs.bucket(batch)) is not None:
             return self.graphs.splits[bucket]  # compiled when the graphs were captured

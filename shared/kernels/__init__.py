@@ -43,6 +43,7 @@ class _Lazy:
 
 fused = _Lazy("shared.kernels.fused")
 attention = _Lazy("shared.kernels.attention")
+decode_attention = _Lazy("shared.kernels.decode_attention")
 moe = _Lazy("shared.kernels.moe")
 gemv = _Lazy("shared.kernels.gemv")
 

@@ -1,0 +1,240 @@
+"""Decode attention in one kernel: QK-norm, rotary, the new token's KV write and flash-decoding over the
+paged pool, with the splits of the context merged by the last program to finish.
+
+A decode row attends over its whole context with one query token. Done as separate launches — the
+rotary and cache-write kernel, a split kernel over the context, a merge of the splits — a batch-1
+decode step paid three latency-bound kernels a layer (~13 µs of a ~58 µs Qwen3-VL-30B-A3B layer on an
+H200, against ~0.1 µs of KV bandwidth at a 128-token context). Here one program per (row, KV head,
+split of the context):
+
+1. normalizes (Qwen3's QK-norm) and rotates its query group's rows and the row's new key in registers,
+   rounded to the model's dtype where ``fused.rope_store`` rounds them;
+2. split 0 writes the new key and value to the row's cache slot. No program of the launch reads that
+   slot: the new token's score and value come from registers, in the program whose split holds the
+   last position, after its walk over the cached positions;
+3. walks its split's blocks through the block table with an online softmax, as flash-decoding does;
+4. with one split in use (short contexts: a split takes at least ``MIN_BLOCKS`` blocks) it writes the
+   output; with more, it writes its partial result (running max, sum and weighted values), and the
+   program that finishes last — an atomic counter per (row, KV head), incremented after a barrier and
+   with release/acquire order, so every other split's partials are visible to it — merges them by
+   their maxima and resets the counter for the next launch.
+
+Shapes depend on the batch alone (the split count is a compile-time constant, the context lengths
+are read on the device), so the step stays capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from shared.kernels import launch
+
+MIN_BLOCKS = 8  # KV blocks a split takes at least: two walks of BLOCKS_PER_ITER; shorter contexts use fewer splits
+BLOCKS_PER_ITER = 4  # blocks of 16 walked a step: 64 keys
+MERGE_SPLITS = 8  # partial results the merging program reads a step
+
+
+def default_splits(batch: int, num_kv_heads: int, multiprocessors: int = 132) -> int:
+    """Enough programs to keep every multiprocessor streaming KV on long contexts, at most 32 splits."""
+    return max(1, min(32, triton.cdiv(4 * multiprocessors, batch * num_kv_heads)))
+
+
+@triton.jit
+def _normed_rotated(x_ptr, offsets, d, partner, cos, sin_signed, norm_ptr, eps, mask,
+                    QK_NORM: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Rows ``x[offsets]`` (``[rows, HEAD_DIM]``) after the optional RMSNorm over each row and the rotary
+    (``x·cos + rotate_half(x)·sin``, the partner element read as a second load), in x's dtype."""
+    dtype = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(x_ptr + offsets - d[None, :] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    if QK_NORM:  # rounded as ``RMSNorm`` rounds: the normalized row, then times the weight
+        rstd = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
+        w = tl.load(norm_ptr + d).to(tl.float32)[None, :]
+        wp = tl.load(norm_ptr + partner).to(tl.float32)[None, :]
+        x = (w * (x * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        xp = (wp * (xp * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    return (x * cos[None, :] + xp * sin_signed[None, :]).to(dtype)
+
+
+@triton.jit
+def _merge_splits(acc_ptr, m_ptr, l_ptr, first_row, splits,
+                  NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, MERGE: tl.constexpr):
+    """The attention output ``[GROUP_P2, HEAD_DIM]`` (float32) of a query group from the partials of its
+    first ``splits`` splits: ``Σ_s acc_s · e^(m_s − M) / Σ_s l_s · e^(m_s − M)``. Partials are read past L1
+    (``.cg``): other multiprocessors wrote them during this launch."""
+    g = tl.arange(0, GROUP_P2)
+    g_ok = g < GROUP
+    s = tl.arange(0, SPLITS_PAD)
+    rows = (first_row + g[None, :]) * NUM_SPLITS + s[:, None]  # [splits, heads]
+    ok = (s[:, None] < splits) & g_ok[None, :]
+    m = tl.load(m_ptr + rows, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    l = tl.load(l_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg")
+    top = tl.max(m, 0)
+    total = tl.sum(tl.where(ok, l * tl.exp(m - top[None, :]), 0.0), 0)
+    out = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
+    d = tl.arange(0, HEAD_DIM)
+    c = tl.arange(0, MERGE)
+    for first in range(0, splits, MERGE):
+        step_rows = (first_row + g[None, :]) * NUM_SPLITS + (first + c)[:, None]  # [MERGE, heads]
+        step_ok = ((first + c)[:, None] < splits) & g_ok[None, :]
+        step_m = tl.load(m_ptr + step_rows, mask=step_ok, other=0.0, cache_modifier=".cg")
+        weight = tl.where(step_ok, tl.exp(step_m - top[None, :]), 0.0)
+        acc = tl.load(acc_ptr + step_rows[:, :, None] * HEAD_DIM + d[None, None, :], mask=step_ok[:, :, None],
+                      other=0.0, cache_modifier=".cg")
+        out += tl.sum(acc * weight[:, :, None], 0)
+    return out / total[:, None]
+
+
+# a mixed step's block tables are as wide as its longest table: their row stride changes from step to step
+# (one compile per new specialization of it, 0.4-0.6 s each on the H200), graph replays keep theirs
+@triton.jit(do_not_specialize=["stride_bt"])
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_norm, k_norm, eps, slots,
+    k_cache, v_cache, block_tables, context_lens, out_ptr, acc_ptr, m_ptr, l_ptr, counters, scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
+    stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    MIN_BLOCKS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr, MERGE: tl.constexpr,
+    QK_NORM: tl.constexpr, PDL: tl.constexpr,
+):
+    launch.wait_for_inputs(PDL)
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens + b)  # the new token included: it sits at position ctx - 1
+    n_blocks = tl.cdiv(ctx, BLOCK_SIZE)
+    per_split = tl.maximum(tl.cdiv(n_blocks, NUM_SPLITS), MIN_BLOCKS)
+    splits = tl.cdiv(n_blocks, per_split)  # in use for this row
+    if split >= splits:
+        return
+    first = split * per_split
+    last = tl.minimum(first + per_split, n_blocks)
+
+    # 1. the query group and the new key, normalized and rotated
+    d = tl.arange(0, HEAD_DIM)
+    partner = (d + HEAD_DIM // 2) % HEAD_DIM
+    cos = tl.load(cos_ptr + b * stride_ct + d).to(tl.float32)
+    sin = tl.load(sin_ptr + b * stride_ct + d).to(tl.float32)
+    sin_signed = tl.where(d < HEAD_DIM // 2, -sin, sin)
+    g = tl.arange(0, GROUP_PAD)
+    g_ok = g < GROUP
+    heads = kv_head * GROUP + g
+    q = _normed_rotated(q_ptr, b * stride_qt + heads[:, None] * stride_qh + d[None, :], d, partner, cos, sin_signed,
+                        q_norm, eps, g_ok[:, None], QK_NORM, HEAD_DIM)
+    k_new = _normed_rotated(k_ptr, b * stride_kt + kv_head * stride_kh + d[None, :], d, partner, cos, sin_signed,
+                            k_norm, eps, d[None, :] < HEAD_DIM, QK_NORM, HEAD_DIM)  # [1, HEAD_DIM]
+    v_new = tl.load(v_ptr + b * stride_vt + kv_head * stride_vh + d[None, :])
+
+    # 2. the new token's KV into its slot
+    if split == 0:
+        slot = tl.load(slots + b).to(tl.int64)
+        cache = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kv_head * stride_ch + d[None, :]
+        tl.store(k_cache + cache, k_new)
+        tl.store(v_cache + cache, v_new)
+
+    # 3. the cached positions of this split, then (last split) the new token from registers
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    TOKENS: tl.constexpr = BLOCK_SIZE * BLOCKS_PER_ITER
+    t = tl.arange(0, TOKENS)
+    for start in range(first, last, BLOCKS_PER_ITER):
+        block_index = start + t // BLOCK_SIZE
+        in_range = block_index < last
+        block = tl.load(block_tables + b * stride_bt + block_index, mask=in_range, other=0).to(tl.int64)
+        position = block_index * BLOCK_SIZE + t % BLOCK_SIZE
+        valid = in_range & (position < ctx - 1)
+        offsets = block[:, None] * stride_cb + (t % BLOCK_SIZE)[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
+        k = tl.load(k_cache + offsets, mask=valid[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k)) * scale
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)  # a walk that met only the new token's position
+        p = tl.exp(scores - base[:, None])
+        alpha = tl.exp(m - base)
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache + offsets, mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    if last == n_blocks:
+        score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale
+        m_new = tl.maximum(m, score)
+        p = tl.exp(score - m_new)
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + p
+        acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)
+        m = m_new
+
+    # 4. the output, or this split's partials and, for the last split to finish, their merge
+    out_type = out_ptr.dtype.element_ty
+    if splits == 1:
+        tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :], (acc / l[:, None]).to(out_type),
+                 mask=g_ok[:, None])
+    else:
+        row = (b * NUM_HEADS + heads) * NUM_SPLITS + split
+        tl.store(m_ptr + row, m, mask=g_ok)
+        tl.store(l_ptr + row, l, mask=g_ok)
+        tl.store(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g_ok[:, None])
+        tl.debug_barrier()  # every thread's partials written before the counter releases them
+        counter = counters + b * NUM_KV_HEADS + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
+            merged = _merge_splits(acc_ptr, m_ptr, l_ptr, b * NUM_HEADS + kv_head * GROUP, splits, NUM_SPLITS,
+                                   SPLITS_PAD, GROUP, GROUP_P2, HEAD_DIM, MERGE)
+            gm = tl.arange(0, GROUP_P2)
+            tl.store(out_ptr + b * stride_ot + (kv_head * GROUP + gm)[:, None] * stride_oh + d[None, :],
+                     merged.to(out_type), mask=(gm < GROUP)[:, None])
+            tl.atomic_xchg(counter, 0)  # every split has counted: ready for the next launch
+
+
+class DecodeAttention:
+    """Launches ``_decode_kernel``; owns the split counters (zero between launches), sized for the largest
+    batch seen. Grow it outside graph capture: capture warms up the largest bucket first."""
+
+    def __init__(self, min_blocks: int = MIN_BLOCKS):
+        self.min_blocks = min_blocks
+        self.counters: torch.Tensor | None = None
+        self._outgrown: list[torch.Tensor] = []  # never freed: a captured graph may still point at one
+
+    def _counters(self, rows: int, device: torch.device) -> torch.Tensor:
+        if self.counters is None or self.counters.numel() < rows:
+            if self.counters is not None:
+                self._outgrown.append(self.counters)
+            self.counters = torch.zeros(max(rows, 64), dtype=torch.int32, device=device)
+        return self.counters
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float, num_splits: int,
+                 qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode rows' attention. ``q`` ``[B, heads, D]``, ``k``, ``v`` ``[B, kv_heads, D]`` before rotary (left
+        unchanged); ``cos``/``sin`` ``[B, D]``; ``slots`` ``[B]``: each row's new token's cache slot; caches
+        ``[blocks, block_size, kv_heads, D]``; ``block_tables`` ``[B, width]`` int32; ``context_lens`` ``[B]``
+        int32, the new token included; ``qk_norm``: (q's weight, k's weight, eps). Returns ``[B, heads, D]``."""
+        batch, num_heads, head_dim = q.shape
+        block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        group = num_heads // num_kv_heads
+        out = torch.empty_like(q) if out is None else out
+        partials = batch * num_heads * num_splits if num_splits > 1 else 1
+        acc = torch.empty(partials, head_dim, device=q.device, dtype=torch.float32)
+        m = torch.empty(partials, device=q.device, dtype=torch.float32)
+        l = torch.empty_like(m)
+        q_norm, k_norm, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)
+        pdl = launch.pdl(q)
+        _decode_kernel[(batch, num_kv_heads, num_splits)](
+            q, k, v, cos, sin, q_norm, k_norm, eps, slots, k_cache, v_cache, block_tables, context_lens, out,
+            acc, m, l, self._counters(batch * num_kv_heads, q.device), scale,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, NUM_SPLITS=num_splits,
+            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), MIN_BLOCKS=self.min_blocks, GROUP=group,
+            GROUP_PAD=max(16, triton.next_power_of_2(group)), GROUP_P2=triton.next_power_of_2(group),
+            HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCKS_PER_ITER=max(1, BLOCKS_PER_ITER * 16 // block_size),
+            MERGE=MERGE_SPLITS, QK_NORM=qk_norm is not None, PDL=pdl, **launch.options(pdl),
+        )
+        return out
