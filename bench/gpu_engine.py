@@ -5,8 +5,8 @@ Measures, for a preset's shapes (default Qwen2.5-VL-7B; ``--preset qwen3-vl-30b-
 model) with random bf16 weights (timing does not depend on weight values):
   ceilings    device copy bandwidth and bf16 matmul rate (this run's own roofline)
   check       our GPU path (Triton kernels) against the torch reference path, same inputs
-  decode1     decode step at batch 1 (128-token context): CUDA-graph replay and a whole engine step,
-              against the bytes it reads / bandwidth (MoE: attention, routers, head and the experts
+  decode1     decode step at batch 1 (128-token context; more with --decode1-contexts): CUDA-graph replay and a
+              whole engine step, against the bytes it reads / bandwidth (MoE: attention, routers, head and the experts
               its token routes to, counted; bench/roofline.py); MoE on a GPU: one token's experts a
               layer on the small path (GEMVs) and on the sorted path (grouped GEMMs), each forced
   decode64    decode step at batch 64 with 2,048-token contexts, against weights (MoE: the experts the
@@ -293,9 +293,32 @@ def profile(ctx):
 
 def decode1(ctx):
     build_lm(ctx)
+    contexts = ctx["decode1_contexts"] if ctx["big"] else [32]
+    _decode1_at(ctx, contexts[0])
+    for context in contexts[1:]:  # the replay alone at longer contexts (the decode attention's splits)
+        RESULTS["decode1"][f"graph_replay_ms_at_{context}"] = _decode1_replay(ctx, context)
+    if ctx["decode1_parts"]:
+        RESULTS["decode1"].update(_moe_layer_paths(ctx))
+        RESULTS["decode1"].update(_projection_paths(ctx))
+
+
+def _decode1_replay(ctx, context: int) -> float | None:
+    engine, runner = ctx["engine"], ctx["engine"].runner
+    seq = new_seq("b1", [100 + i % 800 for i in range(context)], 10_000)
+    engine.add_prompt(seq)
+    while seq.num_output < 2:
+        engine.step()
+    engine.blocks.may_append(seq)
+    rows = runner.stage_decode([seq])
+    replay = ctx["timer"].ms(lambda: runner.graphs.replay(rows), repeat=200, warmup=10) if runner.graphs else None
+    engine.abort("b1")
+    log(f"decode b1 at a {context}-token context: graph replay {replay and round(replay, 3)} ms")
+    return replay
+
+
+def _decode1_at(ctx, prompt: int) -> None:
     engine, timer = ctx["engine"], ctx["timer"]
     runner = engine.runner
-    prompt = 128 if ctx["big"] else 32
     seq = new_seq("b1", list(range(100, 100 + prompt)), 10_000)
     engine.add_prompt(seq)
     engine.step()  # prefill
@@ -307,7 +330,7 @@ def decode1(ctx):
     replay = None
     if runner.graphs is not None:
         replay = timer.ms(lambda: runner.graphs.replay(rows), repeat=200, warmup=10)
-    variants = _decode_variants(ctx, seq) if runner.graphs is not None else {}
+    variants = _decode_variants(ctx, seq) if runner.graphs is not None and ctx["decode1_parts"] else {}
     walls = []
     for _ in range(100):
         t = time.perf_counter()
@@ -323,8 +346,6 @@ def decode1(ctx):
                           "replay_ms_variants": variants}
     log(f"decode b1: graph replay {replay and round(replay, 3)} ms, engine step {step:.3f} ms, floor {floor:.2f} ms "
         f"({moved / 1e9:.2f} GB read, {experts} experts)")
-    RESULTS["decode1"].update(_moe_layer_paths(ctx))
-    RESULTS["decode1"].update(_projection_paths(ctx))
 
 
 def _decode_variants(ctx, seq: Sequence) -> dict:
@@ -1121,10 +1142,16 @@ def main() -> None:
     parser.add_argument("--tiny-family", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen2_vl", *QWEN3_FAMILIES],
                         help="with --tiny: the tiny model's family")
     parser.add_argument("--kv-gb", type=float, default=24.0)
+    parser.add_argument("--decode1-contexts", default="128",
+                        help="decode1: context lengths, comma-separated; the first is measured in full, the others "
+                             "as the graph replay alone")
+    parser.add_argument("--no-decode1-parts", dest="decode1_parts", action="store_false",
+                        help="decode1: skip the replays without each part and the MoE / projection paths")
     args = parser.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ctx = {"device": dev, "timer": Timer(dev), "big": not args.tiny, "preset": args.preset,
-           "dtype": torch.bfloat16 if dev.type == "cuda" else torch.float32}
+           "dtype": torch.bfloat16 if dev.type == "cuda" else torch.float32,
+           "decode1_contexts": [int(c) for c in args.decode1_contexts.split(",")], "decode1_parts": args.decode1_parts}
     if args.tiny:
         from shared.model.tiny import write_tiny_checkpoint
         import tempfile

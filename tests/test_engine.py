@@ -315,3 +315,52 @@ def test_an_encoder_forward_waits_for_the_rest_of_its_request(model_parts, tiny_
 
     assert asyncio.run(request(wait_s=30)) == (1, 1)
     assert asyncio.run(request(wait_s=0)) == (2, 0)
+
+
+@pytest.mark.parametrize("handoff_s", [30.0, 0.0])
+def test_the_aggregated_engine_steps_after_the_prompt_whose_images_its_gap_encoded(model_parts, requests_with_reference,
+                                                                                   tiny_model, handoff_s):
+    """The aggregated engine thread: once its gap between steps has encoded a request's last image, the
+    request's prompt comes back through the frontend; the next engine step waits for it (up to the
+    handoff wait) and takes it, where without the wait it starts at once and the prompt waits a whole
+    step. Here the 'frontend' is the coroutine that adds the prompt once the image's embeddings are in."""
+    import asyncio
+
+    import numpy as np
+
+    from services.encoder.batcher import VisionBatcher
+    from shared.engine.loop import EngineLoop
+    from shared.model.processor import ImagePreprocessor
+
+    _, _, tower = model_parts
+    patches, grid = ImagePreprocessor(tiny_model)(np.asarray(make_image(43, 56, 84)))
+    engine = make_engine(model_parts)
+    busy = sequence(0, requests_with_reference[0])
+    busy.sampling = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)  # decodes throughout
+    engine.add_prompt(busy)
+
+    async def steps_before_the_prompt() -> tuple[int, int, int]:
+        loop = EngineLoop(engine, lambda outputs: None, lambda ids, message: None, asyncio.get_running_loop())
+        batcher = VisionBatcher(tower, asyncio.get_running_loop(), max_images=8, max_patches=10_000)
+        loop.attach(batcher, handoff_s)
+        loop.start()
+        at: dict[str, int] = {}
+
+        def in_the_gap(pixels: torch.Tensor) -> torch.Tensor:  # runs in the engine thread, inside the gap
+            at["gap"] = loop.steps
+            return pixels
+
+        try:
+            await loop.call(lambda e: None)  # the engine is stepping
+            await asyncio.wait_for(batcher.encode(torch.from_numpy(patches), grid, prepare=in_the_gap, group="r9"), 60)
+            prompt = sequence(9, requests_with_reference[1])
+            await loop.call(lambda e: (e.add_prompt(prompt), at.setdefault("prompt", loop.steps)))
+        finally:
+            await asyncio.to_thread(loop.stop)
+        return at["prompt"] - at["gap"], loop.handoffs, loop.handoffs_missed  # counted once the wait has ended
+
+    later, handoffs, missed = asyncio.run(steps_before_the_prompt())
+    if handoff_s:
+        assert (later, handoffs, missed) == (0, 1, 0)  # the step after the gap waited for the prompt
+    else:
+        assert later >= 1 and handoffs == 0  # a whole step ran between the gap and the prompt

@@ -28,7 +28,8 @@ class AggregatedService(LanguageService):
         # the vision tower first: the KV pool is sized from the memory that is left
         beside = self.settings.vit_thread
         await self.encoder.start(self.nc, self.resources, own_thread=beside, own_stream=beside)
-        await self.worker.start(self.nc, self.resources, side=None if beside else self.encoder.batcher)
+        await self.worker.start(self.nc, self.resources, side=None if beside else self.encoder.batcher,
+                                handoff_s=self.settings.vit_handoff_wait_ms / 1e3)
 
     def endpoints(self) -> list[Endpoint]:
         return [*self.encoder.endpoints(), *super().endpoints()]

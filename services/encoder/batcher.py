@@ -126,14 +126,21 @@ class VisionBatcher:
         self.wake()
         return future
 
-    def step(self, budget_s: float = STEP_BUDGET_S) -> None:
+    def step(self, budget_s: float = STEP_BUDGET_S) -> list[str]:
         """Batches until nothing is queued, also what arrives meanwhile (the engine thread, between its
-        steps), or until ``budget_s`` of ViT time is spent: the rest waits one engine step."""
+        steps), or until ``budget_s`` of ViT time is spent: the rest waits one engine step. Returns the
+        requests (groups) whose images are all done once the queue is empty — none of theirs queued or
+        still arriving: their prompts come next."""
         deadline = time.monotonic() + budget_s
+        groups: set[str] = set()
         while (batch := self._collect(block=False)):
             self._forward_and_settle(batch)
+            groups.update(item.group for item in batch if item.group)
             if time.monotonic() >= deadline:
-                return
+                break
+        if self.has_work():  # whose images are still queued is not known: the queue is not searchable
+            return []
+        return [group for group in groups if self.pending(group) == 0]
 
     def _run(self) -> None:
         if self.stream is not None:

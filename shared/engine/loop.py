@@ -4,8 +4,11 @@ The asyncio side never touches the engine: it submits commands (``call``), which
 in the engine thread, and receives each step's outputs through ``on_outputs`` on the event loop.
 Device work and host syncs happen only in this thread, so the event loop stays free for NATS and the
 data plane. Other device work of the process (the aggregated worker's ViT) can be ``attach``ed: it runs
-in this thread too, one batch between two engine steps, so the two never contend for the device or
-the interpreter.
+in this thread too, between two engine steps, so the two never contend for the device or the
+interpreter. When that work finishes a request's images, the request's prompt comes back through the
+frontend a few milliseconds later; the loop waits for it (up to ``handoff_s``) before its next step,
+which would otherwise leave the prompt waiting for that step's whole length — up to a full prefill
+chunk — after its images were done.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 from shared.engine.engine import Engine, StepOutput
@@ -37,12 +41,19 @@ class EngineLoop:
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._side = None  # has_work() / step(): other device work run between engine steps
+        self.handoff_s = 0.0
         self.steps = 0
+        self.handoffs = 0  # waits for prompts whose images the side work had just finished
+        self.handoffs_missed = 0  # of them, those that ended at handoff_s with a prompt still missing
+        self.handoff_seconds = 0.0
 
-    def attach(self, side) -> None:
-        """Run ``side.step()`` between engine steps whenever ``side.has_work()``; ``side.wake`` is set to
-        wake this thread when new side work arrives while the engine idles. Call before ``start``."""
+    def attach(self, side, handoff_s: float = 0.0) -> None:
+        """Run ``side.step()`` between engine steps whenever ``side.has_work()``; it returns the requests
+        whose images it finished, and the next engine step waits up to ``handoff_s`` for their prompts.
+        ``side.wake`` is set to wake this thread when new side work arrives while the engine idles. Call
+        before ``start``."""
         self._side = side
+        self.handoff_s = handoff_s
         side.wake = self.wake
 
     def wake(self) -> None:
@@ -72,7 +83,9 @@ class EngineLoop:
             if self._stop:
                 continue
             if self._has_side_work():
-                self._side.step()  # fails its own items, never the engine
+                finished = self._side.step()  # fails its own items, never the engine
+                if finished and self.handoff_s > 0 and self.engine.has_work():
+                    self._await_prompts(finished)
             if not self.engine.has_work():
                 continue
             try:
@@ -90,17 +103,38 @@ class EngineLoop:
             item = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
         except queue.Empty:
             return
-        while item is not None:
-            if item is _WAKE:
-                item = self._next_command()
-                continue
-            fn, future = item
-            try:
-                result, error = fn(self.engine), None
-            except Exception as err:
-                result, error = None, err
-            self.loop.call_soon_threadsafe(settle, future, result, error)
+        while item is not None:  # None: stop
+            self._execute(item)
             item = self._next_command()
+
+    def _await_prompts(self, request_ids: list[str]) -> None:
+        """Run commands until the engine holds each of these requests' prompts, or ``handoff_s`` passed (a
+        request cancelled meanwhile, or whose prompt went to another worker, costs that wait)."""
+        started = time.monotonic()
+        missing = set(request_ids)
+        while missing and not self._stop:
+            left = started + self.handoff_s - time.monotonic()
+            try:
+                item = self._commands.get(timeout=left) if left > 0 else None
+            except queue.Empty:
+                item = None
+            if item is None:
+                break
+            self._execute(item)
+            missing = {r for r in missing if not self.engine.holds(r)}
+        self.handoffs += 1
+        self.handoffs_missed += bool(missing)
+        self.handoff_seconds += time.monotonic() - started
+
+    def _execute(self, item) -> None:
+        if item is _WAKE:  # it only ended a wait
+            return
+        fn, future = item
+        try:
+            result, error = fn(self.engine), None
+        except Exception as err:
+            result, error = None, err
+        self.loop.call_soon_threadsafe(settle, future, result, error)
 
     def _next_command(self):
         try:

@@ -5,7 +5,9 @@
 - ``epd_service_stat{service,instance,stat}`` (gauges of every worker's NATS stats): the encoders'
   own split of the encode stage — ``vit_queue`` (an image waiting for a ViT forward), ``vit_forward``
   (the forward its batch took), ``job_pull`` (pulling its pixels), ``job_encode`` (preprocessing + ViT
-  as its job saw it) — as ``<stage>_seconds_total`` / ``<stage>_count`` summed over instances.
+  as its job saw it), and in the aggregated process ``vit_handoff`` (its engine thread waiting for the
+  prompt of a request whose images it had just encoded; per wait, not per image) — as
+  ``<stage>_seconds_total`` / ``<stage>_count`` summed over instances.
 
 The gauges are the frontend's copy of a listing it refreshes about once a second, so a reading right
 after a measurement may miss its last images (and the frontend records a request's stages as it closes
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-ENCODER_STAGES = ("vit_queue", "vit_forward", "job_pull", "job_encode")
+ENCODER_STAGES = ("vit_queue", "vit_forward", "job_pull", "job_encode", "vit_handoff")
 _STAGE = re.compile(r'^epd_stage_seconds_(sum|count)\{stage="(\w+)"\} (\S+)$', re.M)
 _STAT = re.compile(r'^epd_service_stat\{([^}]*)\} (\S+)$', re.M)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
