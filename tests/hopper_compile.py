@@ -76,8 +76,9 @@ def main() -> int:
     for heads, group, qk_norm in ((32, 8, True), (28, 7, False)):  # Qwen3-VL-30B-A3B, Qwen2.5-VL-7B
         compile_for_hopper(decode_attention._decode_kernel, decode, dict(
             NUM_HEADS=heads, NUM_KV_HEADS=4, NUM_SPLITS=32, SPLITS_PAD=32, MIN_BLOCKS=decode_attention.MIN_BLOCKS,
-            GROUP=group, GROUP_PAD=16, GROUP_P2=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCKS_PER_ITER=4,
-            MERGE=decode_attention.MERGE_SPLITS, QK_NORM=qk_norm, PDL=True), launch_pdl=True)
+            GROUP=group, GROUP_PAD=16, GROUP_P2=8, HEAD_DIM=128, BLOCK_SIZE=16,
+            BLOCKS_PER_ITER=decode_attention.WALK_TOKENS // 16, MERGE=decode_attention.MERGE_SPLITS, QK_NORM=qk_norm,
+            PDL=True), num_warps=decode_attention.NUM_WARPS, launch_pdl=True)
     return 0
 
 

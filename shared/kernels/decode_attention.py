@@ -7,17 +7,21 @@ decode step paid three latency-bound kernels a layer (~13 µs of a ~58 µs Qwen3
 H200, against ~0.1 µs of KV bandwidth at a 128-token context). Here one program per (row, KV head,
 split of the context):
 
+0. before it waits for the previous kernel (programmatic dependent launch), loads what no kernel still
+   running can write: the row's context length, block table and rotary tables, and its first walk's
+   keys and values (``WALK_TOKENS``, written by earlier steps) — the loads a decode attention kernel
+   otherwise starts with, now hidden behind the q|k|v projection;
 1. normalizes (Qwen3's QK-norm) and rotates its query group's rows and the row's new key in registers,
    rounded to the model's dtype where ``fused.rope_store`` rounds them;
 2. split 0 writes the new key and value to the row's cache slot. No program of the launch reads that
    slot: the new token's score and value come from registers, in the program whose split holds the
-   last position, after its walk over the cached positions;
+   last position, after its walks over the cached positions;
 3. walks its split's blocks through the block table with an online softmax, as flash-decoding does;
-4. with one split in use (short contexts: a split takes at least ``MIN_BLOCKS`` blocks) it writes the
-   output; with more, it writes its partial result (running max, sum and weighted values), and the
-   program that finishes last — an atomic counter per (row, KV head), incremented after a barrier and
-   with release/acquire order, so every other split's partials are visible to it — merges them by
-   their maxima and resets the counter for the next launch.
+4. with one split in use (a split takes at least ``MIN_BLOCKS`` blocks: contexts up to 128 tokens) it
+   writes the output; with more, it writes its partial result (running max, sum and weighted values),
+   and the program that finishes last — an atomic counter per (row, KV head), incremented after a
+   barrier and with release/acquire order, so every other split's partials are visible to it — merges
+   them by their maxima and resets the counter for the next launch.
 
 Shapes depend on the batch alone (the split count is a compile-time constant, the context lengths
 are read on the device), so the step stays capturable in a CUDA graph.
@@ -31,9 +35,10 @@ import triton.language as tl
 
 from shared.kernels import launch
 
-MIN_BLOCKS = 8  # KV blocks a split takes at least: two walks of BLOCKS_PER_ITER; shorter contexts use fewer splits
-BLOCKS_PER_ITER = 4  # blocks of 16 walked a step: 64 keys
-MERGE_SPLITS = 8  # partial results the merging program reads a step
+WALK_TOKENS = 128  # keys a program loads and scores at once (8 warps: a [128, head_dim] tile of keys and of values)
+MIN_BLOCKS = 8  # KV blocks of 16 a split takes at least: one walk; shorter contexts use fewer splits
+MERGE_SPLITS = 8  # partial results the merging program reads at once
+NUM_WARPS = 8
 
 
 def default_splits(batch: int, num_kv_heads: int, multiprocessors: int = 132) -> int:
@@ -77,7 +82,7 @@ def _merge_splits(acc_ptr, m_ptr, l_ptr, first_row, splits,
     out = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
     d = tl.arange(0, HEAD_DIM)
     c = tl.arange(0, MERGE)
-    for first in range(0, splits, MERGE):
+    for first in tl.static_range(0, SPLITS_PAD, MERGE):  # unrolled: every step's loads issued up front
         step_rows = (first_row + g[None, :]) * NUM_SPLITS + (first + c)[:, None]  # [MERGE, heads]
         step_ok = ((first + c)[:, None] < splits) & g_ok[None, :]
         step_m = tl.load(m_ptr + step_rows, mask=step_ok, other=0.0, cache_modifier=".cg")
@@ -86,6 +91,33 @@ def _merge_splits(acc_ptr, m_ptr, l_ptr, first_row, splits,
                       other=0.0, cache_modifier=".cg")
         out += tl.sum(acc * weight[:, :, None], 0)
     return out / total[:, None]
+
+
+@triton.jit
+def _load_walk(k_cache, v_cache, block_tables, b, kv_head, start, last, ctx, d, stride_cb, stride_cs, stride_ch,
+               stride_bt, BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr):
+    """The keys and values of one walk (``TOKENS`` positions from block ``start``, before block ``last``),
+    and which positions count: those before the new token's (``ctx - 1``), whose slot is not read."""
+    t = tl.arange(0, TOKENS)
+    block_index = start + t // BLOCK_SIZE
+    in_range = block_index < last
+    block = tl.load(block_tables + b * stride_bt + block_index, mask=in_range, other=0).to(tl.int64)
+    valid = in_range & (block_index * BLOCK_SIZE + t % BLOCK_SIZE < ctx - 1)
+    offsets = block[:, None] * stride_cb + (t % BLOCK_SIZE)[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
+    k = tl.load(k_cache + offsets, mask=valid[:, None], other=0.0)
+    v = tl.load(v_cache + offsets, mask=valid[:, None], other=0.0)
+    return k, v, valid
+
+
+@triton.jit
+def _attend(q, k, v, valid, m, l, acc, scale):
+    """One walk into the online softmax (running max ``m``, sum ``l``, weighted values ``acc``)."""
+    scores = tl.where(valid[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    base = tl.where(m_new == float("-inf"), 0.0, m_new)  # a walk that met only the new token's position
+    p = tl.exp(scores - base[:, None])
+    alpha = tl.exp(m - base)
+    return m_new, l * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
 
 
 # a mixed step's block tables are as wide as its longest table: their row stride changes from step to step
@@ -101,7 +133,6 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr, MERGE: tl.constexpr,
     QK_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
-    launch.wait_for_inputs(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -114,11 +145,19 @@ def _decode_kernel(
     first = split * per_split
     last = tl.minimum(first + per_split, n_blocks)
 
-    # 1. the query group and the new key, normalized and rotated
+    # 0. before the wait, what only kernels before the previous one wrote (done once this one starts: the
+    # previous kernel passed its own wait first): the step's inputs, the rotary tables made at its start,
+    # and the first walk's keys and values, written by earlier steps
+    TOKENS: tl.constexpr = BLOCK_SIZE * BLOCKS_PER_ITER
     d = tl.arange(0, HEAD_DIM)
-    partner = (d + HEAD_DIM // 2) % HEAD_DIM
+    k, v, valid = _load_walk(k_cache, v_cache, block_tables, b, kv_head, first, last, ctx, d, stride_cb, stride_cs,
+                             stride_ch, stride_bt, BLOCK_SIZE, TOKENS)
     cos = tl.load(cos_ptr + b * stride_ct + d).to(tl.float32)
     sin = tl.load(sin_ptr + b * stride_ct + d).to(tl.float32)
+    launch.wait_for_inputs(PDL)
+
+    # 1. the query group and the new key (the previous kernel's output), normalized and rotated
+    partner = (d + HEAD_DIM // 2) % HEAD_DIM
     sin_signed = tl.where(d < HEAD_DIM // 2, -sin, sin)
     g = tl.arange(0, GROUP_PAD)
     g_ok = g < GROUP
@@ -136,30 +175,15 @@ def _decode_kernel(
         tl.store(k_cache + cache, k_new)
         tl.store(v_cache + cache, v_new)
 
-    # 3. the cached positions of this split, then (last split) the new token from registers
+    # 3. the split's walks, each loading the next before it computes, then (last split) the new token
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    TOKENS: tl.constexpr = BLOCK_SIZE * BLOCKS_PER_ITER
-    t = tl.arange(0, TOKENS)
-    for start in range(first, last, BLOCKS_PER_ITER):
-        block_index = start + t // BLOCK_SIZE
-        in_range = block_index < last
-        block = tl.load(block_tables + b * stride_bt + block_index, mask=in_range, other=0).to(tl.int64)
-        position = block_index * BLOCK_SIZE + t % BLOCK_SIZE
-        valid = in_range & (position < ctx - 1)
-        offsets = block[:, None] * stride_cb + (t % BLOCK_SIZE)[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
-        k = tl.load(k_cache + offsets, mask=valid[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * scale
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        base = tl.where(m_new == float("-inf"), 0.0, m_new)  # a walk that met only the new token's position
-        p = tl.exp(scores - base[:, None])
-        alpha = tl.exp(m - base)
-        l = l * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache + offsets, mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+    m, l, acc = _attend(q, k, v, valid, m, l, acc, scale)
+    for start in range(first + BLOCKS_PER_ITER, last, BLOCKS_PER_ITER):
+        k, v, valid = _load_walk(k_cache, v_cache, block_tables, b, kv_head, start, last, ctx, d, stride_cb,
+                                 stride_cs, stride_ch, stride_bt, BLOCK_SIZE, TOKENS)
+        m, l, acc = _attend(q, k, v, valid, m, l, acc, scale)
     if last == n_blocks:
         score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale
         m_new = tl.maximum(m, score)
@@ -234,7 +258,7 @@ class DecodeAttention:
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, NUM_SPLITS=num_splits,
             SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), MIN_BLOCKS=self.min_blocks, GROUP=group,
             GROUP_PAD=max(16, triton.next_power_of_2(group)), GROUP_P2=triton.next_power_of_2(group),
-            HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCKS_PER_ITER=max(1, BLOCKS_PER_ITER * 16 // block_size),
-            MERGE=MERGE_SPLITS, QK_NORM=qk_norm is not None, PDL=pdl, **launch.options(pdl),
+            HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCKS_PER_ITER=max(1, WALK_TOKENS // block_size),
+            MERGE=MERGE_SPLITS, QK_NORM=qk_norm is not None, PDL=pdl, num_warps=NUM_WARPS, **launch.options(pdl),
         )
         return out
