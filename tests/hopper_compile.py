@@ -72,13 +72,15 @@ def main() -> int:
                                         STORE=True, QK_NORM=True, PDL=True), launch_pdl=True)
     decode = dict(q_ptr=bf16, k_ptr=bf16, v_ptr=bf16, cos_ptr=bf16, sin_ptr=bf16, q_norm=bf16, k_norm=bf16,
                   slots="*i64", k_cache=bf16, v_cache=bf16, block_tables=i32, context_lens=i32, out_ptr=bf16,
-                  acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", counters=i32)
+                  acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32")
+    layout = dict(NUM_SPLITS=32, MIN_BLOCKS=decode_attention.MIN_BLOCKS, BLOCK_SIZE=16, HEAD_DIM=128, PDL=True)
     for heads, group, qk_norm in ((32, 8, True), (28, 7, False)):  # Qwen3-VL-30B-A3B, Qwen2.5-VL-7B
         compile_for_hopper(decode_attention._decode_kernel, decode, dict(
-            NUM_HEADS=heads, NUM_KV_HEADS=4, NUM_SPLITS=32, SPLITS_PAD=32, MIN_BLOCKS=decode_attention.MIN_BLOCKS,
-            GROUP=group, GROUP_PAD=16, GROUP_P2=8, HEAD_DIM=128, BLOCK_SIZE=16,
-            BLOCKS_PER_ITER=decode_attention.WALK_TOKENS // 16, MERGE=decode_attention.MERGE_SPLITS, QK_NORM=qk_norm,
-            PDL=True), num_warps=decode_attention.NUM_WARPS, launch_pdl=True)
+            layout, NUM_HEADS=heads, GROUP=group, GROUP_PAD=16, BLOCKS_PER_ITER=decode_attention.WALK_TOKENS // 16,
+            QK_NORM=qk_norm), num_warps=decode_attention.NUM_WARPS, launch_pdl=True)
+        compile_for_hopper(decode_attention._merge_kernel, dict(
+            acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", out_ptr=bf16, context_lens=i32),
+            dict(layout, NUM_HEADS=heads, SPLITS_PAD=32), launch_pdl=True)
     return 0
 
 

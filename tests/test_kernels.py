@@ -29,11 +29,10 @@ def close(a, b, tol=1e-4):
     (4, 2, 1, 8, False), (8, 2, 3, 1, True), (4, 4, 2, 1, False), (8, 2, 4, 2, True)])
 def test_decode_attention_rotates_writes_the_new_kv_and_attends_over_the_pool(heads, kv_heads, splits, min_blocks,
                                                                               qk_norm):
-    """The decode kernel against the unfused reference: (QK-norm,) rotary of q and the new k, the new KV
-    written to its slot, and attention over the whole context — one split, or several merged by the last
-    to finish (``min_blocks`` 1: a split per block). Twice: the split counters are back at zero after a
-    launch."""
-    from shared.kernels.decode_attention import DecodeAttention
+    """The decode kernels against the unfused reference: (QK-norm,) rotary of q and the new k, the new KV
+    written to its slot, and attention over the whole context — one split, or several merged (``min_blocks``
+    1: a split per block)."""
+    from shared.kernels.decode_attention import decode_attention
 
     torch.manual_seed(heads * 10 + splits)
     dim, block_size, blocks = 16, 16, 40
@@ -61,12 +60,10 @@ def test_decode_attention_rotates_writes_the_new_kv_and_attends_over_the_pool(he
         norms, q_ref, k_ref = (q_norm.weight, k_norm.weight, 1e-6), q_norm(q), k_norm(k)
     q_ref, k_ref = apply_rotary(q_ref, cos, sin), apply_rotary(k_ref, cos, sin)
     before = q.clone(), k.clone()
-    attend = DecodeAttention(min_blocks)
     lens_t = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     tables_t = torch.tensor(tables, dtype=torch.int32, device=DEVICE)
-    outs = [attend(q, k, v, cos, sin, slots, k_cache, v_cache, tables_t, lens_t, dim ** -0.5, splits, norms)
-            for _ in range(2)]
-    assert int(attend.counters.abs().sum()) == 0
+    out = decode_attention(q, k, v, cos, sin, slots, k_cache, v_cache, tables_t, lens_t, dim ** -0.5, splits, norms,
+                           min_blocks=min_blocks)
     close(k_cache.flatten(0, 1)[slots], k_ref)
     close(v_cache.flatten(0, 1)[slots], v)
     assert torch.equal(q, before[0]) and torch.equal(k, before[1])  # the inputs are left as they were
@@ -75,8 +72,7 @@ def test_decode_attention_rotates_writes_the_new_kv_and_attends_over_the_pool(he
         keys = k_cache.flatten(0, 1)[context].transpose(0, 1)
         values = v_cache.flatten(0, 1)[context].transpose(0, 1)
         ref = F.scaled_dot_product_attention(q_ref[i, :, None], keys, values, enable_gqa=True)[:, 0]
-        for out in outs:
-            close(out[i], ref)
+        close(out[i], ref)
 
 
 @pytest.mark.parametrize("skip_fresh", [False, True])

@@ -147,7 +147,6 @@ class TritonAttention:
         self.prefix_chunks = prefix_chunks  # "split" | "paged" (module docstring)
         self.split_min_tokens = self.SPLIT_MIN_TOKENS
         self.split_chunks = 0  # chunks attended the split way
-        self.decode = decode_attention.DecodeAttention()
 
     def forward(self, layer: int, q, k, v, cos, sin, batch: ForwardBatch, qk_norm=None) -> torch.Tensor:
         norms = qk_norm and (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
@@ -155,7 +154,7 @@ class TritonAttention:
         rows = batch.num_decode if batch.is_prefill else q.shape[0]  # decode rows come first
         out = torch.empty_like(q)
         if rows:
-            self.decode(q[:rows], k[:rows], v[:rows], cos[:rows], sin[:rows], batch.slot_mapping[:rows], k_blocks,
+            decode_attention.decode_attention(q[:rows], k[:rows], v[:rows], cos[:rows], sin[:rows], batch.slot_mapping[:rows], k_blocks,
                         v_blocks, batch.block_tables[:rows], batch.context_lens[:rows], self.scale,
                         batch.num_splits, norms, out=out[:rows])
         if batch.is_prefill:

@@ -1,27 +1,29 @@
-"""Decode attention in one kernel: QK-norm, rotary, the new token's KV write and flash-decoding over the
-paged pool, with the splits of the context merged by the last program to finish.
+"""Decode attention: QK-norm, rotary, the new token's KV write and flash-decoding over the paged pool in
+one kernel, and the merge of the context's splits in a second.
 
-A decode row attends over its whole context with one query token. Done as separate launches — the
-rotary and cache-write kernel, a split kernel over the context, a merge of the splits — a batch-1
-decode step paid three latency-bound kernels a layer (~13 µs of a ~58 µs Qwen3-VL-30B-A3B layer on an
-H200, against ~0.1 µs of KV bandwidth at a 128-token context). Here one program per (row, KV head,
+A decode row attends over its whole context with one query token. Before, a batch-1 decode step paid
+three latency-bound kernels a layer for it — rotary and cache write, a split kernel over the context, a
+merge of the splits — each waiting for the one before, and the split kernel started its own chain of
+loads (context length → block table → keys) only after that wait. Here one program per (row, KV head,
 split of the context):
 
 0. before it waits for the previous kernel (programmatic dependent launch), loads what no kernel still
-   running can write: the row's context length, block table and rotary tables, and its first walk's
-   keys and values (``WALK_TOKENS``, written by earlier steps) — the loads a decode attention kernel
-   otherwise starts with, now hidden behind the q|k|v projection;
+   running can write: the row's context length, its first walk's block table entries, keys and values
+   (``WALK_TOKENS``, written by earlier steps) and the rotary tables (made at the step's start, kernels
+   before the previous one: each kernel passes its own wait before the next may start);
 1. normalizes (Qwen3's QK-norm) and rotates its query group's rows and the row's new key in registers,
    rounded to the model's dtype where ``fused.rope_store`` rounds them;
 2. split 0 writes the new key and value to the row's cache slot. No program of the launch reads that
    slot: the new token's score and value come from registers, in the program whose split holds the
    last position, after its walks over the cached positions;
 3. walks its split's blocks through the block table with an online softmax, as flash-decoding does;
-4. with one split in use (a split takes at least ``MIN_BLOCKS`` blocks: contexts up to 128 tokens) it
-   writes the output; with more, it writes its partial result (running max, sum and weighted values),
-   and the program that finishes last — an atomic counter per (row, KV head), incremented after a
-   barrier and with release/acquire order, so every other split's partials are visible to it — merges
-   them by their maxima and resets the counter for the next launch.
+4. writes the output itself when its row uses one split (a split takes at least one walk: contexts up
+   to ``WALK_TOKENS``), else its partial result (running max, sum and weighted values), which
+   ``_merge_kernel`` (one program per row and query head) combines by their maxima.
+
+A first version merged in the same kernel (the last split to finish, found through an atomic counter):
+on an H200 the merge of a program reading every split's partials alone made the batch-1 step slower
+than the three kernels it replaced (docs/benchmarks.md).
 
 Shapes depend on the batch alone (the split count is a compile-time constant, the context lengths
 are read on the device), so the step stays capturable in a CUDA graph.
@@ -35,15 +37,23 @@ import triton.language as tl
 
 from shared.kernels import launch
 
-WALK_TOKENS = 128  # keys a program loads and scores at once (8 warps: a [128, head_dim] tile of keys and of values)
-MIN_BLOCKS = 8  # KV blocks of 16 a split takes at least: one walk; shorter contexts use fewer splits
-MERGE_SPLITS = 8  # partial results the merging program reads at once
-NUM_WARPS = 8
+WALK_TOKENS = 64  # keys a program loads and scores at once
+MIN_BLOCKS = 4  # KV blocks of 16 a split takes at least: one walk; shorter contexts use fewer splits
+NUM_WARPS = 8  # the first walk's keys and values stay in registers across the wait: at 4 warps they spilled
 
 
 def default_splits(batch: int, num_kv_heads: int, multiprocessors: int = 132) -> int:
     """Enough programs to keep every multiprocessor streaming KV on long contexts, at most 32 splits."""
     return max(1, min(32, triton.cdiv(4 * multiprocessors, batch * num_kv_heads)))
+
+
+@triton.jit
+def _split_layout(context_lens, b, NUM_SPLITS: tl.constexpr, MIN_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Row ``b``'s context length, its blocks, blocks a split and splits in use (both kernels agree)."""
+    ctx = tl.load(context_lens + b)  # the new token included: it sits at position ctx - 1
+    n_blocks = tl.cdiv(ctx, BLOCK_SIZE)
+    per_split = tl.maximum(tl.cdiv(n_blocks, NUM_SPLITS), MIN_BLOCKS)
+    return ctx, n_blocks, per_split, tl.cdiv(n_blocks, per_split)
 
 
 @triton.jit
@@ -61,36 +71,6 @@ def _normed_rotated(x_ptr, offsets, d, partner, cos, sin_signed, norm_ptr, eps, 
         x = (w * (x * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         xp = (wp * (xp * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     return (x * cos[None, :] + xp * sin_signed[None, :]).to(dtype)
-
-
-@triton.jit
-def _merge_splits(acc_ptr, m_ptr, l_ptr, first_row, splits,
-                  NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, MERGE: tl.constexpr):
-    """The attention output ``[GROUP_P2, HEAD_DIM]`` (float32) of a query group from the partials of its
-    first ``splits`` splits: ``Σ_s acc_s · e^(m_s − M) / Σ_s l_s · e^(m_s − M)``. Partials are read past L1
-    (``.cg``): other multiprocessors wrote them during this launch."""
-    g = tl.arange(0, GROUP_P2)
-    g_ok = g < GROUP
-    s = tl.arange(0, SPLITS_PAD)
-    rows = (first_row + g[None, :]) * NUM_SPLITS + s[:, None]  # [splits, heads]
-    ok = (s[:, None] < splits) & g_ok[None, :]
-    m = tl.load(m_ptr + rows, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    l = tl.load(l_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg")
-    top = tl.max(m, 0)
-    total = tl.sum(tl.where(ok, l * tl.exp(m - top[None, :]), 0.0), 0)
-    out = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
-    d = tl.arange(0, HEAD_DIM)
-    c = tl.arange(0, MERGE)
-    for first in tl.static_range(0, SPLITS_PAD, MERGE):  # unrolled: every step's loads issued up front
-        step_rows = (first_row + g[None, :]) * NUM_SPLITS + (first + c)[:, None]  # [MERGE, heads]
-        step_ok = ((first + c)[:, None] < splits) & g_ok[None, :]
-        step_m = tl.load(m_ptr + step_rows, mask=step_ok, other=0.0, cache_modifier=".cg")
-        weight = tl.where(step_ok, tl.exp(step_m - top[None, :]), 0.0)
-        acc = tl.load(acc_ptr + step_rows[:, :, None] * HEAD_DIM + d[None, None, :], mask=step_ok[:, :, None],
-                      other=0.0, cache_modifier=".cg")
-        out += tl.sum(acc * weight[:, :, None], 0)
-    return out / total[:, None]
 
 
 @triton.jit
@@ -125,29 +105,23 @@ def _attend(q, k, v, valid, m, l, acc, scale):
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_norm, k_norm, eps, slots,
-    k_cache, v_cache, block_tables, context_lens, out_ptr, acc_ptr, m_ptr, l_ptr, counters, scale,
+    k_cache, v_cache, block_tables, context_lens, out_ptr, acc_ptr, m_ptr, l_ptr, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
     stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    MIN_BLOCKS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr, MERGE: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_BLOCKS: tl.constexpr, GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr,
     QK_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    ctx = tl.load(context_lens + b)  # the new token included: it sits at position ctx - 1
-    n_blocks = tl.cdiv(ctx, BLOCK_SIZE)
-    per_split = tl.maximum(tl.cdiv(n_blocks, NUM_SPLITS), MIN_BLOCKS)
-    splits = tl.cdiv(n_blocks, per_split)  # in use for this row
-    if split >= splits:
+    ctx, n_blocks, per_split, splits = _split_layout(context_lens, b, NUM_SPLITS, MIN_BLOCKS, BLOCK_SIZE)
+    if split >= splits:  # the row's other programs wait, so the launch still ends after the previous kernel
         return
     first = split * per_split
     last = tl.minimum(first + per_split, n_blocks)
 
-    # 0. before the wait, what only kernels before the previous one wrote (done once this one starts: the
-    # previous kernel passed its own wait first): the step's inputs, the rotary tables made at its start,
-    # and the first walk's keys and values, written by earlier steps
+    # 0. before the wait: the first walk and the rotary tables
     TOKENS: tl.constexpr = BLOCK_SIZE * BLOCKS_PER_ITER
     d = tl.arange(0, HEAD_DIM)
     k, v, valid = _load_walk(k_cache, v_cache, block_tables, b, kv_head, first, last, ctx, d, stride_cb, stride_cs,
@@ -175,7 +149,7 @@ def _decode_kernel(
         tl.store(k_cache + cache, k_new)
         tl.store(v_cache + cache, v_new)
 
-    # 3. the split's walks, each loading the next before it computes, then (last split) the new token
+    # 3. the split's walks, then (last split) the new token
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -193,72 +167,76 @@ def _decode_kernel(
         acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)
         m = m_new
 
-    # 4. the output, or this split's partials and, for the last split to finish, their merge
-    out_type = out_ptr.dtype.element_ty
+    # 4. the output, or this split's partials for the merge
     if splits == 1:
-        tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :], (acc / l[:, None]).to(out_type),
-                 mask=g_ok[:, None])
+        tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
     else:
         row = (b * NUM_HEADS + heads) * NUM_SPLITS + split
         tl.store(m_ptr + row, m, mask=g_ok)
         tl.store(l_ptr + row, l, mask=g_ok)
         tl.store(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g_ok[:, None])
-        tl.debug_barrier()  # every thread's partials written before the counter releases them
-        counter = counters + b * NUM_KV_HEADS + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
-            merged = _merge_splits(acc_ptr, m_ptr, l_ptr, b * NUM_HEADS + kv_head * GROUP, splits, NUM_SPLITS,
-                                   SPLITS_PAD, GROUP, GROUP_P2, HEAD_DIM, MERGE)
-            gm = tl.arange(0, GROUP_P2)
-            tl.store(out_ptr + b * stride_ot + (kv_head * GROUP + gm)[:, None] * stride_oh + d[None, :],
-                     merged.to(out_type), mask=(gm < GROUP)[:, None])
-            tl.atomic_xchg(counter, 0)  # every split has counted: ready for the next launch
 
 
-class DecodeAttention:
-    """Launches ``_decode_kernel``; owns the split counters (zero between launches), sized for the largest
-    batch seen. Grow it outside graph capture: capture warms up the largest bucket first."""
+@triton.jit
+def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, context_lens, stride_ob, stride_oh,
+                  NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                  MIN_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
+    """One row's query head: ``Σ_s acc_s · e^(m_s − M) / Σ_s l_s · e^(m_s − M)`` over its splits in use; a
+    row of one split has its output already."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    _, _, _, splits = _split_layout(context_lens, b, NUM_SPLITS, MIN_BLOCKS, BLOCK_SIZE)
+    launch.wait_for_inputs(PDL)  # also where there is nothing to merge: this launch must end after the last
+    if splits == 1:
+        return
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    ok = s < splits
+    row = (b * NUM_HEADS + h) * NUM_SPLITS + s
+    m = tl.load(m_ptr + row, mask=ok, other=float("-inf"))
+    l = tl.load(l_ptr + row, mask=ok, other=0.0)
+    weight = tl.where(ok, tl.exp(m - tl.max(m, 0)), 0.0)
+    acc = tl.load(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.sum(l * weight, 0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
-    def __init__(self, min_blocks: int = MIN_BLOCKS):
-        self.min_blocks = min_blocks
-        self.counters: torch.Tensor | None = None
-        self._outgrown: list[torch.Tensor] = []  # never freed: a captured graph may still point at one
 
-    def _counters(self, rows: int, device: torch.device) -> torch.Tensor:
-        if self.counters is None or self.counters.numel() < rows:
-            if self.counters is not None:
-                self._outgrown.append(self.counters)
-            self.counters = torch.zeros(max(rows, 64), dtype=torch.int32, device=device)
-        return self.counters
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float, num_splits: int,
-                 qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-        """Decode rows' attention. ``q`` ``[B, heads, D]``, ``k``, ``v`` ``[B, kv_heads, D]`` before rotary (left
-        unchanged); ``cos``/``sin`` ``[B, D]``; ``slots`` ``[B]``: each row's new token's cache slot; caches
-        ``[blocks, block_size, kv_heads, D]``; ``block_tables`` ``[B, width]`` int32; ``context_lens`` ``[B]``
-        int32, the new token included; ``qk_norm``: (q's weight, k's weight, eps). Returns ``[B, heads, D]``."""
-        batch, num_heads, head_dim = q.shape
-        block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-        group = num_heads // num_kv_heads
-        out = torch.empty_like(q) if out is None else out
-        partials = batch * num_heads * num_splits if num_splits > 1 else 1
-        acc = torch.empty(partials, head_dim, device=q.device, dtype=torch.float32)
-        m = torch.empty(partials, device=q.device, dtype=torch.float32)
-        l = torch.empty_like(m)
-        q_norm, k_norm, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)
-        pdl = launch.pdl(q)
-        _decode_kernel[(batch, num_kv_heads, num_splits)](
-            q, k, v, cos, sin, q_norm, k_norm, eps, slots, k_cache, v_cache, block_tables, context_lens, out,
-            acc, m, l, self._counters(batch * num_kv_heads, q.device), scale,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0),
-            out.stride(1),
-            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, NUM_SPLITS=num_splits,
-            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), MIN_BLOCKS=self.min_blocks, GROUP=group,
-            GROUP_PAD=max(16, triton.next_power_of_2(group)), GROUP_P2=triton.next_power_of_2(group),
-            HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCKS_PER_ITER=max(1, WALK_TOKENS // block_size),
-            MERGE=MERGE_SPLITS, QK_NORM=qk_norm is not None, PDL=pdl, num_warps=NUM_WARPS, **launch.options(pdl),
-        )
-        return out
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float, num_splits: int,
+                     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                     out: torch.Tensor | None = None, min_blocks: int = MIN_BLOCKS,
+                     num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """Decode rows' attention. ``q`` ``[B, heads, D]``, ``k``, ``v`` ``[B, kv_heads, D]`` before rotary (left
+    unchanged); ``cos``/``sin`` ``[B, D]``; ``slots`` ``[B]``: each row's new token's cache slot; caches
+    ``[blocks, block_size, kv_heads, D]``; ``block_tables`` ``[B, width]`` int32; ``context_lens`` ``[B]``
+    int32, the new token included; ``qk_norm``: (q's weight, k's weight, eps); ``min_blocks``: blocks a
+    split takes at least (tests: 1, for many splits on short contexts); ``num_warps``: the first kernel's
+    (benchmarks). Returns ``[B, heads, D]``."""
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q) if out is None else out
+    partials = batch * num_heads * num_splits
+    acc = torch.empty(partials, head_dim, device=q.device, dtype=torch.float32)
+    m = torch.empty(partials, device=q.device, dtype=torch.float32)
+    l = torch.empty_like(m)
+    q_norm, k_norm, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)
+    layout = dict(NUM_HEADS=num_heads, NUM_SPLITS=num_splits, MIN_BLOCKS=min_blocks, BLOCK_SIZE=block_size)
+    pdl = launch.pdl(q)
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, k, v, cos, sin, q_norm, k_norm, eps, slots, k_cache, v_cache, block_tables, context_lens, out,
+        acc, m, l, scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCKS_PER_ITER=max(1, WALK_TOKENS // block_size), QK_NORM=qk_norm is not None, PDL=pdl,
+        num_warps=num_warps, **layout, **launch.options(pdl),
+    )
+    _merge_kernel[(batch, num_heads)](
+        acc, m, l, out, context_lens, out.stride(0), out.stride(1),
+        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim, PDL=pdl,
+        **layout, **launch.options(pdl),
+    )
+    return out
