@@ -318,12 +318,14 @@ def test_an_encoder_forward_waits_for_the_rest_of_its_request(model_parts, tiny_
 
 
 @pytest.mark.parametrize("handoff_s", [30.0, 0.0])
-def test_the_aggregated_engine_steps_after_the_prompt_whose_images_its_gap_encoded(model_parts, requests_with_reference,
-                                                                                   tiny_model, handoff_s):
-    """The aggregated engine thread: once its gap between steps has encoded a request's last image, the
-    request's prompt comes back through the frontend; the next engine step waits for it (up to the
-    handoff wait) and takes it, where without the wait it starts at once and the prompt waits a whole
-    step. Here the 'frontend' is the coroutine that adds the prompt once the image's embeddings are in."""
+def test_the_aggregated_engine_hands_off_to_the_prompt_whose_images_its_gap_encoded(model_parts, requests_with_reference,
+                                                                                    tiny_model, handoff_s):
+    """The aggregated engine thread, after its gap between steps has encoded request R's last image, while
+    another prompt P waits and a sequence decodes: the decode row first gets its token in a step of its
+    own, then the loop waits (up to the handoff wait) for R's prompt, which comes back through the
+    frontend, so R is prefilled in the same step as P. Without the wait the step after the gap is P's,
+    and R comes a step later. Here the 'frontend' is the coroutine that adds R's prompt once its image's
+    embeddings are in."""
     import asyncio
 
     import numpy as np
@@ -338,29 +340,39 @@ def test_the_aggregated_engine_steps_after_the_prompt_whose_images_its_gap_encod
     busy = sequence(0, requests_with_reference[0])
     busy.sampling = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)  # decodes throughout
     engine.add_prompt(busy)
+    waiting, image_request = sequence(3, requests_with_reference[3]), sequence(9, requests_with_reference[1])
+    steps: list[dict[str, int]] = []  # each step's outputs: request → token index
+    at: dict[str, int] = {}
 
-    async def steps_before_the_prompt() -> tuple[int, int, int]:
-        loop = EngineLoop(engine, lambda outputs: None, lambda ids, message: None, asyncio.get_running_loop())
+    def record(outputs) -> None:
+        steps.append({out.request_id: out.index for out in outputs})
+
+    async def handing_off() -> tuple[int, int, int]:
+        loop = EngineLoop(engine, record, lambda ids, message: None, asyncio.get_running_loop())
         batcher = VisionBatcher(tower, asyncio.get_running_loop(), max_images=8, max_patches=10_000)
         loop.attach(batcher, handoff_s)
         loop.start()
-        at: dict[str, int] = {}
 
-        def in_the_gap(pixels: torch.Tensor) -> torch.Tensor:  # runs in the engine thread, inside the gap
-            at["gap"] = loop.steps
+        def in_the_gap(pixels: torch.Tensor) -> torch.Tensor:  # the engine thread, inside the gap
+            engine.add_prompt(waiting)
+            at["gap"] = loop.steps  # every step so far had outputs: the index of the first step after the gap
             return pixels
 
         try:
             await loop.call(lambda e: None)  # the engine is stepping
             await asyncio.wait_for(batcher.encode(torch.from_numpy(patches), grid, prepare=in_the_gap, group="r9"), 60)
-            prompt = sequence(9, requests_with_reference[1])
-            await loop.call(lambda e: (e.add_prompt(prompt), at.setdefault("prompt", loop.steps)))
+            await loop.call(lambda e: e.add_prompt(image_request))
+            while not any(outputs.get("r9") == 0 for outputs in steps):
+                await asyncio.sleep(0.01)
         finally:
             await asyncio.to_thread(loop.stop)
-        return at["prompt"] - at["gap"], loop.handoffs, loop.handoffs_missed  # counted once the wait has ended
+        return loop.handoffs, loop.handoffs_missed  # counted once the loop has stopped
 
-    later, handoffs, missed = asyncio.run(steps_before_the_prompt())
+    handoffs, missed = asyncio.run(handing_off())
+    after_gap = [sorted(outputs) for outputs in steps[at["gap"]:]]
     if handoff_s:
-        assert (later, handoffs, missed) == (0, 1, 0)  # the step after the gap waited for the prompt
+        assert (handoffs, missed) == (1, 0)
+        assert after_gap[:2] == [["r0"], ["r0", "r3", "r9"]]  # the row's token, then P and R together
     else:
-        assert later >= 1 and handoffs == 0  # a whole step ran between the gap and the prompt
+        assert handoffs == 0
+        assert after_gap[0] == ["r0", "r3"] and "r9" not in after_gap[0]  # P's step first, R after it

@@ -6,9 +6,12 @@ Device work and host syncs happen only in this thread, so the event loop stays f
 data plane. Other device work of the process (the aggregated worker's ViT) can be ``attach``ed: it runs
 in this thread too, between two engine steps, so the two never contend for the device or the
 interpreter. When that work finishes a request's images, the request's prompt comes back through the
-frontend a few milliseconds later; the loop waits for it (up to ``handoff_s``) before its next step,
-which would otherwise leave the prompt waiting for that step's whole length — up to a full prefill
-chunk — after its images were done.
+frontend a few milliseconds later, and a step started meanwhile would leave it waiting for that step's
+whole length — up to a full prefill chunk — after its images were done. So the loop hands off: the
+decode rows first get the token the ViT held back (a decode-only step, while the prompt travels), then
+it waits what is left of ``handoff_s`` for the prompt, which joins the next step. Waiting at once
+instead, before that decode step, joined the ViT's pause and the prompt's prefill into one gap between
+two tokens (H200, Dynamo's 10-image shape: ITL p99 77 → 114 ms).
 """
 
 from __future__ import annotations
@@ -85,18 +88,26 @@ class EngineLoop:
             if self._has_side_work():
                 finished = self._side.step()  # fails its own items, never the engine
                 if finished and self.handoff_s > 0 and self.engine.has_work():
-                    self._await_prompts(finished)
-            if not self.engine.has_work():
-                continue
-            try:
-                outputs = self.engine.step(self.on_layer_done)
-                self.steps += 1
-            except Exception as err:  # a failed step fails its requests, never the worker
-                log.exception("engine.step_failed")
-                self._fail_everything(f"engine step failed: {type(err).__name__}")
-                continue
-            if outputs:
-                self.loop.call_soon_threadsafe(self.on_outputs, outputs)
+                    self._hand_off(finished)
+            if self.engine.has_work():
+                self._step()
+
+    def _step(self, decode_only: bool = False) -> None:
+        try:
+            outputs = self.engine.step(self.on_layer_done, decode_only)
+            self.steps += bool(outputs) or not decode_only  # a decode-only step with no rows did nothing
+        except Exception as err:  # a failed step fails its requests, never the worker
+            log.exception("engine.step_failed")
+            self._fail_everything(f"engine step failed: {type(err).__name__}")
+            return
+        if outputs:
+            self.loop.call_soon_threadsafe(self.on_outputs, outputs)
+
+    def _hand_off(self, request_ids: list[str]) -> None:
+        """The decode rows' token first, while the prompts of ``request_ids`` travel; then wait for them."""
+        deadline = time.monotonic() + self.handoff_s
+        self._step(decode_only=True)
+        self._await_prompts(request_ids, deadline)
 
     def _run_commands(self, block: bool) -> None:
         try:
@@ -107,13 +118,13 @@ class EngineLoop:
             self._execute(item)
             item = self._next_command()
 
-    def _await_prompts(self, request_ids: list[str]) -> None:
-        """Run commands until the engine holds each of these requests' prompts, or ``handoff_s`` passed (a
+    def _await_prompts(self, request_ids: list[str], deadline: float) -> None:
+        """Run commands until the engine holds each of these requests' prompts, or until ``deadline`` (a
         request cancelled meanwhile, or whose prompt went to another worker, costs that wait)."""
         started = time.monotonic()
-        missing = set(request_ids)
+        missing = {r for r in request_ids if not self.engine.holds(r)}
         while missing and not self._stop:
-            left = started + self.handoff_s - time.monotonic()
+            left = deadline - time.monotonic()
             try:
                 item = self._commands.get(timeout=left) if left > 0 else None
             except queue.Empty:
