@@ -45,7 +45,6 @@ TARGET = 3.0  # TTFT from turn 2 on, without caching over with it
 MODES = {"no caching": False, "caching": True}  # in this order: the second replays the first's histories
 DEFAULTS = {False: dict(users=16, turns=6, max_tokens=64, input_len=64, image_resolution="1080p"),
             True: dict(users=3, turns=3, max_tokens=8, input_len=16, image_resolution="224x224")}
-SETTLE_S = 2.0  # the frontend refreshes the workers' stats about once a second
 _COUNTER = re.compile(r'^vllm:prefix_cache_(hits|queries)(?:_total)?\{[^}]*\} (\S+)$', re.M)
 
 
@@ -72,7 +71,9 @@ def conversations(args, writer: PromptWriter) -> list[Conversation]:
 
 
 async def prefix_counters(api: str) -> dict[str, float]:
-    """The workers' prefix-cache counters (prompt tokens looked up / found), summed by the frontend."""
+    """The workers' prefix-cache counters (prompt tokens looked up / found), summed by the frontend. Final
+    once the answers are in, with no wait: a prompt's tokens are counted when its prefill is computed,
+    before its first token, and ``/metrics`` asks every worker for its figures at scrape time."""
     async with httpx.AsyncClient(timeout=30) as client:
         text = (await client.get(api.removesuffix("/v1") + "/metrics")).text
     return {kind: float(value) for kind, value in _COUNTER.findall(text)}
@@ -94,13 +95,11 @@ class ChatRun:
             warm = await self.chat(chats[-1], min(2, self.args.turns))
             if failed := [r.error for r in warm if not r.ok]:
                 raise RuntimeError(f"the warm-up chat failed: {failed[0]}")
-            await asyncio.sleep(SETTLE_S)
             before = await prefix_counters(self.api)
             started = time.perf_counter()
             users = await asyncio.gather(*(self.chat(c, self.args.turns, replay[i] if replay else None)
                                            for i, c in enumerate(chats[:-1])))
             seconds = time.perf_counter() - started
-            await asyncio.sleep(SETTLE_S)
             after = await prefix_counters(self.api)
         finally:
             await self.generator.close()

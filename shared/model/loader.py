@@ -135,10 +135,20 @@ def _randomize(model: nn.Module, seed: int) -> None:
             p.data.normal_(0.0, 0.02, generator=gen)
 
 
+def _allocate(model: nn.Module, device: torch.device) -> None:
+    """``model.to_empty(device=device)``, without its ``empty_like`` of meta tensors: that runs torch's
+    Python reference, whose first call imports sympy (~0.4 s of CPU in every process that loads a model)."""
+    for module in model.modules():
+        for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            empty = torch.empty(t.shape, dtype=t.dtype, device=device)
+            setattr(module, name, nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty)
+
+
 def _materialize(build, device: torch.device, dtype: torch.dtype) -> nn.Module:
     with torch.device("meta"):
         model = build()
-    model = model.to(dtype).to_empty(device=device)  # allocated in ``dtype`` at once, never in float32 first
+    model = model.to(dtype)  # allocated in ``dtype`` at once, never in float32 first
+    _allocate(model, device)
     for module in model.modules():
         if hasattr(module, "init_buffers"):
             module.init_buffers()
@@ -148,7 +158,7 @@ def _materialize(build, device: torch.device, dtype: torch.dtype) -> nn.Module:
 def _load(path: Path | None, role: str, build, device, dtype, load_format: str, seed: int) -> nn.Module:
     model = _materialize(build, torch.device(device), dtype)
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
-        model.lm_head.weight = model.embed_tokens.weight  # to_empty() breaks the tie
+        model.lm_head.weight = model.embed_tokens.weight  # allocating breaks the tie
     if load_format == "dummy":
         _randomize(model, seed)
     elif load_format in ("auto", "safetensors"):

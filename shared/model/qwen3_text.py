@@ -20,7 +20,7 @@ from shared.model.config import TextConfig
 from shared.model.deepstack import Deepstack
 from shared.model.moe import SparseMoeBlock
 from shared.model.rope import MRotaryEmbedding
-from shared.model.text import MLP, Attention as Qwen2Attention, RMSNorm, few_rows, few_rows_layer
+from shared.model.text import MLP, Attention as Qwen2Attention, RMSNorm, few_rows, few_rows_layer, token_embedding
 
 
 class InterleavedMRotaryEmbedding(MRotaryEmbedding):
@@ -29,6 +29,8 @@ class InterleavedMRotaryEmbedding(MRotaryEmbedding):
 
     def init_buffers(self) -> None:
         super().init_buffers()
+        if self.axis_of_band.is_meta:
+            return  # until materialized (see ``MRotaryEmbedding.init_buffers``)
         band = torch.arange(self.head_dim // 2, device=self.axis_of_band.device)
         axis = torch.zeros_like(band)
         for a in (1, 2):
@@ -76,7 +78,7 @@ class Qwen3LanguageModel(nn.Module):
     def __init__(self, config: TextConfig):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = token_embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

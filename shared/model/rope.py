@@ -75,7 +75,11 @@ class MRotaryEmbedding(torch.nn.Module):
 
     def init_buffers(self) -> None:
         """(Re)compute the constant tables; called again after the module is materialized from ``meta``."""
-        device = self.inv_freq.device if self.inv_freq.device.type != "meta" else None
+        if self.inv_freq.is_meta:
+            # Nothing to compute until materialized; and a meta arange runs torch's Python reference,
+            # whose first call imports torch._dynamo (~1 s of CPU in every process that builds a model).
+            return
+        device = self.inv_freq.device
         exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
         self.inv_freq = 1.0 / (self.theta ** exponent)
         # axis_of_band[j]: which of (t, h, w) drives frequency band j
@@ -104,7 +108,9 @@ class VisionRotaryEmbedding(torch.nn.Module):
         self.init_buffers()
 
     def init_buffers(self) -> None:
-        device = self.inv_freq.device if self.inv_freq.device.type != "meta" else None
+        if self.inv_freq.is_meta:
+            return  # until materialized (see ``MRotaryEmbedding.init_buffers``)
+        device = self.inv_freq.device
         exponent = torch.arange(0, self.dim, 2, dtype=torch.float32, device=device) / self.dim
         self.inv_freq = 1.0 / (self.theta ** exponent)
 

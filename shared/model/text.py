@@ -16,6 +16,13 @@ from shared.model.config import TextConfig
 from shared.model.rope import MRotaryEmbedding
 
 
+def token_embedding(vocab_size: int, hidden_size: int) -> nn.Embedding:
+    """An ``nn.Embedding`` whose weight is left uninitialized: the loader fills it. Models are built on the
+    meta device, where Embedding's own normal_ init runs torch's Python reference, whose first call
+    imports torch._dynamo (~1 s of CPU in every language worker)."""
+    return nn.Embedding(vocab_size, hidden_size, _weight=torch.empty(vocab_size, hidden_size))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -149,7 +156,7 @@ class LanguageModel(nn.Module):
     def __init__(self, config: TextConfig):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = token_embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
