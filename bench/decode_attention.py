@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.gemv_tiles import replay_us  # noqa: E402
 from shared.kernels.decode_attention import NUM_WARPS, decode_attention, default_splits  # noqa: E402
 from shared.model.rope import apply_rotary  # noqa: E402
 
@@ -119,20 +120,7 @@ def time_chain(case_args, dev, dtype, layers: int, bandwidth: float, num_warps: 
         for case, out in zip(cases, outs):
             case.launch(splits, out, num_warps)
 
-    chain()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain()
-    times = []
-    for _ in range(50):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    us = statistics.median(times) * 1e3 / layers
+    us = replay_us(chain, layers)
     c = cases[0]
     kv_bytes = 2 * int(c.lens.sum()) * c.k.shape[1] * c.k.shape[2] * c.k.element_size()
     return {"us_per_launch": us, "splits": splits, "kv_floor_us": kv_bytes / bandwidth * 1e6}  # both kernels
