@@ -154,9 +154,10 @@ class TritonAttention:
         rows = batch.num_decode if batch.is_prefill else q.shape[0]  # decode rows come first
         out = torch.empty_like(q)
         if rows:
-            decode_attention.decode_attention(q[:rows], k[:rows], v[:rows], cos[:rows], sin[:rows], batch.slot_mapping[:rows], k_blocks,
-                        v_blocks, batch.block_tables[:rows], batch.context_lens[:rows], self.scale,
-                        batch.num_splits, norms, out=out[:rows])
+            decode_attention.decode_attention(q[:rows], k[:rows], v[:rows], cos[:rows], sin[:rows],
+                                              batch.slot_mapping[:rows], k_blocks, v_blocks, batch.block_tables[:rows],
+                                              batch.context_lens[:rows], self.scale, batch.num_splits, norms,
+                                              out=out[:rows])
         if batch.is_prefill:
             k_cache, v_cache = self.cache.layer(layer)
             fused.rope_store(q[rows:], k[rows:], v[rows:], cos[rows:], sin[rows:], k_cache, v_cache,
