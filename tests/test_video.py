@@ -7,6 +7,10 @@ Bad clips get a 400 that says what is wrong, never a 500 or a hang, and the stac
 
 from __future__ import annotations
 
+import hashlib
+import subprocess
+import sys
+
 import openai
 import pytest
 import torch
@@ -43,6 +47,19 @@ def expected(reference: VideoReference, case: str) -> tuple[str, int, int]:
 @pytest.fixture(scope="module")
 def video_reference(reference, tiny_model):
     return VideoReference(reference, tiny_model)
+
+
+def test_a_clip_is_the_same_bytes_every_time():
+    """Each parity test encodes its clips twice (for HF and for the request): both must be the same file,
+    also when encoded in another process (x264's assembly and a webm muxer's random ids once made them
+    differ)."""
+    specs = [spec for _, items in CASES.values() for kind, spec in items if kind == "video"]
+    here = [make_clip(*spec[:4], *spec[4:]) for spec in specs]
+    assert here == [make_clip(*spec[:4], *spec[4:]) for spec in specs]
+    code = ("import hashlib, sys; from tests.video_support import make_clip; "
+            f"print(*(hashlib.sha256(make_clip(*s[:4], *s[4:])).hexdigest() for s in {specs!r}))")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert other.stdout.split() == [hashlib.sha256(clip).hexdigest() for clip in here]
 
 
 @pytest.mark.parametrize("case,stream", [("one-video", False), ("image-and-video", True), ("two-videos-webm", False)])

@@ -38,10 +38,16 @@ def make_clip(seed: int, frames: int, height: int, width: int, fps: float = 10, 
 
 def _encode(rng, path: Path, frames: int, height: int, width: int, fps: float, codec: str, container: str,
             faststart: bool) -> None:
-    options = {"movflags": "faststart"} if faststart else {}
+    # The same bytes on every run and every CPU: a muxer without its random ids and version strings
+    # (bitexact), one encoder thread, and x264 without its hand-written assembly, whose AVX-512 paths made
+    # the same seed encode differently now and then (a test's clip and its reference's then disagreed).
+    options = {"fflags": "+bitexact", **({"movflags": "faststart"} if faststart else {})}
     with av.open(str(path), "w", format=container, options=options) as out:
-        stream = out.add_stream(codec, rate=fps if float(fps).is_integer() else _fraction(fps))
+        stream = out.add_stream(codec, rate=fps if float(fps).is_integer() else _fraction(fps),
+                                options={"x264-params": "no-asm=1"} if codec == "libx264" else {})
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.thread_count = 1
+        stream.codec_context.flags |= av.codec.context.Flags.bitexact
         for _ in range(frames):
             blocks = rng.integers(0, 256, (max(1, height // 8), max(1, width // 8), 3), dtype=np.uint8)
             picture = np.repeat(np.repeat(blocks, 8, 0), 8, 1)[:height, :width]
