@@ -148,16 +148,35 @@ class Service:
             loop.add_signal_handler(sig, self.stopping.set)
         health = await start_health(self.settings, self.readiness)  # first and last: /live while models load
         try:
-            await self.start()
+            started = await self._start_unless_stopped()
         except BaseException:
             await self.resources.aclose()  # a setup that failed half-way releases what it took
             raise
-        await self.stopping.wait()
-        log.info("service.draining", kind=self.kind, instance=self.instance)
-        await self.stop()
+        if started:
+            await self.stopping.wait()
+            log.info("service.draining", kind=self.kind, instance=self.instance)
+            await self.stop()
+        else:  # told to stop before it was ready (waiting for NATS, loading a model): nothing to drain
+            log.info("service.stopped_while_starting", kind=self.kind, instance=self.instance)
+            await self.resources.aclose()
+            self.state = "stopped"
         if health is not None:
             await health.stop()
         await _end_leftover_tasks()
+
+    async def _start_unless_stopped(self) -> bool:
+        """``start()``, abandoned when SIGTERM/SIGINT comes first: a service that cannot reach NATS retries
+        the connection forever, and must still obey a stop. False when it was stopped before it started."""
+        starting = asyncio.create_task(self.start(), name="start")
+        stopped = asyncio.create_task(self.stopping.wait(), name="stop-signal")
+        await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not starting.done():
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            return False
+        starting.result()  # raises why the start failed
+        return True
 
 
 async def _end_leftover_tasks(timeout: float = 2.0) -> None:

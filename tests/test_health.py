@@ -229,3 +229,27 @@ def test_epd_encoder_probes(nats_url, tiny_model):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_a_service_waiting_for_nats_obeys_sigterm(tiny_model):
+    """NATS not there yet (compose starting out of order, a cluster rolling): the service retries the
+    connection, is live meanwhile, and a SIGTERM still ends it at once."""
+    port, nowhere = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
+    env.update(EPD_NATS_URL=f"nats://127.0.0.1:{nowhere}", EPD_MODEL=str(tiny_model))
+    process = subprocess.Popen([sys.executable, "-m", "services.encoder", "--health-port", str(port)], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        async def live() -> bool:
+            assert process.poll() is None, process.stderr.read().decode()[-2000:]
+            return await _answers(port)
+
+        asyncio.run(until(live, timeout=120))
+        assert asyncio.run(get(port, "/ready")) == (503, {"status": "starting"})
+        time.sleep(1)  # a few connection attempts
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(15) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
