@@ -6,6 +6,8 @@ import asyncio
 import base64
 import io
 import json
+import re
+import time
 import uuid
 from pathlib import Path
 
@@ -121,12 +123,32 @@ class RunningStack:
         self.stack.spawn(kind, *args)
 
     def wait_for(self, counts: dict[str, int], timeout: float = 180) -> None:
-        """Until the NATS service API lists ``counts[kind]`` instances of each kind on this prefix."""
+        """Until the NATS service API lists ``counts[kind]`` instances of each kind on this prefix, and the
+        frontend routes over all of them."""
         asyncio.run(self.stack.wait_ready(counts, timeout=timeout, prefix=self.prefix))
+        if self.port:
+            asyncio.run(self._routed(counts, timeout))
 
     async def _ready(self, counts: dict[str, int]) -> None:
         http = await self.stack.wait_ready(counts, timeout=180, prefix=self.prefix)  # the frontend's host:port
         self.port = int(http.rsplit(":", 1)[1])
+        await self._routed(counts, 60)
+
+    async def _routed(self, counts: dict[str, int], timeout: float) -> None:
+        """Until the frontend's own directory lists ``counts`` (its ``epd_workers`` gauge): it refreshes
+        every second, so a worker listed just now may not be in it yet, and a test that expects work spread
+        over every worker would see one take it all. A scrape of /metrics refreshes the directory."""
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        async with httpx.AsyncClient(timeout=10) as client:
+            while True:
+                text = (await client.get(f"http://127.0.0.1:{self.port}/metrics")).text
+                seen = {kind: float(v) for kind, v in re.findall(r'^epd_workers\{kind="(\w+)"\} (\S+)$', text, re.M)}
+                if all(seen.get(kind, 0) >= n for kind, n in counts.items() if kind != "frontend"):
+                    return
+                assert time.monotonic() < deadline, f"the frontend routes over {seen}, not {counts}"
+                await asyncio.sleep(0.2)
 
     @property
     def base_url(self) -> str:

@@ -158,7 +158,6 @@ def cache_stack(nats_url, tiny_model):
         by_capacity = {endpoint_data(s)["cache_capacity_bytes"]: endpoint_data(s)["instance"]
                        for s in running.stats_sync("epd-encoder")}
         second = by_capacity.pop(SPARE_CACHE_MB << 20)
-        time.sleep(1.5)  # the frontend's encoder directory refreshes every second
         yield CacheStack(running, by_capacity.popitem()[1], second, spare)
     finally:
         running.stop()

@@ -37,11 +37,8 @@ def test_one_requests_images_spread_over_both_encoders(stack):
 def test_an_added_encoder_takes_work_without_restarting_anything(stack):
     process = stack.stack.spawn("encoder")
     try:
-        deadline = time.monotonic() + 120
-        while len(encoded_by_instance(stack)) < 3:
-            assert time.monotonic() < deadline and process.poll() is None
-            time.sleep(0.5)
-        time.sleep(1.5)  # the frontend's encoder directory refreshes every second
+        stack.wait_for({"encoder": 3}, timeout=120)
+        assert process.poll() is None
         before = encoded_by_instance(stack)
         ask(stack, [make_image(200 + i, 64, 64) for i in range(6)])
         after = encoded_by_instance(stack)
