@@ -20,7 +20,8 @@ from shared.model.config import TextConfig
 from shared.model.deepstack import Deepstack
 from shared.model.moe import SparseMoeBlock
 from shared.model.rope import MRotaryEmbedding
-from shared.model.text import MLP, Attention as Qwen2Attention, RMSNorm, few_rows, few_rows_layer, token_embedding
+from shared.model import text
+from shared.model.text import MLP, Attention as Qwen2Attention, RMSNorm
 
 
 class InterleavedMRotaryEmbedding(MRotaryEmbedding):
@@ -49,46 +50,22 @@ class Attention(Qwen2Attention):
         return self.q_norm, self.k_norm  # the backend applies them: on GPU in its rotary kernel
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, config: TextConfig, layer: int):
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+class DecoderLayer(text.DecoderLayer):
+    attention = Attention
+
+    def make_mlp(self, config: TextConfig, layer: int) -> nn.Module:
         moe = config.moe
-        self.mlp = SparseMoeBlock(moe, config.hidden_size) if moe and layer in moe.layers else MLP(config)
-
-    def forward(self, x, residual, cos, sin, batch, backend):
-        """``x`` is the previous layer's output not yet added to ``residual`` (None: ``x`` is the whole
-        hidden state, as for the first layer and after a deepstack injection)."""
-        if few_rows(x):
-            return few_rows_layer(self, x, residual, cos, sin, batch, backend)
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(h, cos, sin, batch, backend)
-        h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h), residual
+        return SparseMoeBlock(moe, config.hidden_size) if moe and layer in moe.layers else MLP(config)
 
 
-class Qwen3LanguageModel(nn.Module):
-    """Embedding → decoder layers (deepstack after the first ones) → norm; ``logits`` as in Qwen2-VL."""
+class Qwen3LanguageModel(text.LanguageModel):
+    """Qwen2-VL's model with Qwen3's layers, interleaved M-RoPE where configured, and deepstack."""
 
-    def __init__(self, config: TextConfig):
-        super().__init__()
-        self.config = config
-        self.embed_tokens = token_embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+    decoder_layer = DecoderLayer
+
+    def make_rotary(self, config: TextConfig) -> MRotaryEmbedding:
         rotary = InterleavedMRotaryEmbedding if config.mrope_interleaved else MRotaryEmbedding
-        self.rotary = rotary(config.head_dim, config.rope_theta, config.mrope_section)
-
-    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(token_ids)
+        return rotary(config.head_dim, config.rope_theta, config.mrope_section)
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, batch, backend,
                 deepstack: Deepstack | None = None) -> torch.Tensor:
@@ -104,6 +81,3 @@ class Qwen3LanguageModel(nn.Module):
         if residual is None:
             return self.norm(x)
         return self.norm.add_forward(x, residual)[0]
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()

@@ -130,15 +130,23 @@ def norm_then(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, lin
 
 
 class DecoderLayer(nn.Module):
+    """Subclasses change the attention (``attention``) and which MLP a layer has (``make_mlp``)."""
+
+    attention = Attention
+
     def __init__(self, config: TextConfig, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer)
+        self.self_attn = self.attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = self.make_mlp(config, layer)
+
+    def make_mlp(self, config: TextConfig, layer: int) -> nn.Module:
+        return MLP(config)
 
     def forward(self, x, residual, cos, sin, batch, backend):
-        """``x`` is the previous layer's output not yet added to ``residual`` (None for the first layer)."""
+        """``x`` is the previous layer's output not yet added to ``residual`` (None: ``x`` is the whole
+        hidden state, as for the first layer and after a deepstack injection)."""
         if few_rows(x):
             return few_rows_layer(self, x, residual, cos, sin, batch, backend)
         if residual is None:
@@ -151,18 +159,24 @@ class DecoderLayer(nn.Module):
 
 
 class LanguageModel(nn.Module):
-    """Embedding → decoder layers → norm; ``logits`` applies the LM head to the rows that need it."""
+    """Embedding → decoder layers → norm; ``logits`` applies the LM head to the rows that need it.
+    Subclasses change the layers (``decoder_layer``) and the rotary embedding (``make_rotary``)."""
+
+    decoder_layer = DecoderLayer
 
     def __init__(self, config: TextConfig):
         super().__init__()
         self.config = config
         self.embed_tokens = token_embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(self.decoder_layer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = MRotaryEmbedding(config.head_dim, config.rope_theta, config.mrope_section)
+        self.rotary = self.make_rotary(config)
+
+    def make_rotary(self, config: TextConfig) -> MRotaryEmbedding:
+        return MRotaryEmbedding(config.head_dim, config.rope_theta, config.mrope_section)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(token_ids)
