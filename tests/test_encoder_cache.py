@@ -8,8 +8,11 @@ import json
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import nats
@@ -55,11 +58,25 @@ def test_fingerprint_covers_preprocessing_weights_and_dtype(tiny_model, tmp_path
     config = json.loads((resized / "preprocessor_config.json").read_text())
     (resized / "preprocessor_config.json").write_text(json.dumps({**config, "image_mean": [0.5, 0.5, 0.5]}))
     assert base != encoder_fingerprint(resized, "auto", "torch.float32", "pil")
+    on_device = encoder_fingerprint(tiny_model, "auto", "torch.float32", "torch")
+    assert on_device != encoder_fingerprint(resized, "auto", "torch.float32", "torch")
     retrained = shutil.copytree(tiny_model, tmp_path / "retrained")
     weights = bytearray((retrained / "model.safetensors").read_bytes())
     weights[-1] ^= 0xFF
     (retrained / "model.safetensors").write_bytes(bytes(weights))
     assert base != encoder_fingerprint(retrained, "auto", "torch.float32", "pil")
+
+
+def test_preprocessing_on_the_device_loads_no_transformers(tiny_model):
+    """A GPU encoder (``--preprocess torch``) reads its image settings itself: importing HF's image
+    processor would cost ~2.5 s of CPU at every start."""
+    probe = ("import sys; from pathlib import Path; "
+             "from services.encoder.fingerprint import encoder_fingerprint; "
+             "from shared.model.processor import TorchImagePreprocessor; "
+             f"path = Path({str(tiny_model)!r}); TorchImagePreprocessor(path); "
+             "encoder_fingerprint(path, 'auto', 'torch.float32', 'torch'); "
+             "sys.exit('transformers' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).resolve().parents[1]).returncode == 0
 
 
 def _embedding(tokens: int) -> Embedding:

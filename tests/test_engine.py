@@ -181,6 +181,27 @@ def test_preprocessing_on_the_device_matches_the_checkpoints_processor(tiny_mode
         assert difference.mean().item() <= step / 2, (height, width)
 
 
+def test_the_device_preprocessor_reads_the_settings_hf_resolves(tiny_model, tmp_path):
+    """``PixelSteps`` (read without transformers) are the HF processor's own: from the checkpoint's config,
+    and the class defaults where a config leaves them out."""
+    import json
+    import shutil
+
+    from shared.model.processor import PixelSteps, load_image_processor
+
+    bare = shutil.copytree(tiny_model, tmp_path / "bare")
+    config = json.loads((bare / "preprocessor_config.json").read_text())
+    kept = {k: v for k, v in config.items() if k not in PixelSteps.__dataclass_fields__}
+    (bare / "preprocessor_config.json").write_text(json.dumps(kept))
+    for path in (tiny_model, bare):
+        hf = load_image_processor(path)
+        steps = PixelSteps.from_checkpoint(path)
+        assert (steps.do_resize, steps.resample, steps.do_rescale, steps.do_normalize) == \
+            (hf.do_resize, int(hf.resample), hf.do_rescale, hf.do_normalize)
+        assert steps.rescale_factor == hf.rescale_factor
+        assert steps.image_mean == tuple(hf.image_mean) and steps.image_std == tuple(hf.image_std)
+
+
 def test_the_vision_batcher_preprocesses_pixels_it_is_given(model_parts, tiny_model):
     """Pixels queued to a batcher with ``prepare`` come out as the embeddings of the PIL path's patches,
     however the images were grouped into forwards."""

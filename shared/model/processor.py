@@ -7,11 +7,16 @@ How many tokens an image becomes is ``shared.model.geometry`` (no pixels touched
 - ``TorchImagePreprocessor``: the same steps as tensor operations on the encoder's device (the GPU),
   where a 1080p image takes well under a millisecond instead of ~100 ms of CPU. Both resize in two
   8-bit passes, in the order the installed Pillow chooses (``vertical_pass_first``); PIL's fixed-point
-  weights and torch's float ones may then put a pixel one 8-bit step apart.
+  weights and torch's float ones may then put a pixel one 8-bit step apart. It reads the checkpoint's
+  settings itself (``PixelSteps``, ``ImageGeometry``): importing HF's processor costs ~2.5 s of CPU per
+  process (transformers' processing module pulls in its modeling stack, torch._dynamo and
+  torch.distributed), for values in one JSON file.
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +50,32 @@ class ImagePreprocessor:
 
 
 _PIL_BICUBIC = 3
+_OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+_OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+@dataclass(frozen=True)
+class PixelSteps:
+    """What the checkpoint's image processor does to pixel values besides the resize rule (``ImageGeometry``),
+    as HF resolves it: the class defaults of ``Qwen2VLImageProcessorPil`` (transformers 5.24), then
+    ``preprocessor_config.json``."""
+
+    do_resize: bool = True
+    resample: int = _PIL_BICUBIC  # a PIL resampling filter
+    do_rescale: bool = True
+    rescale_factor: float = 1 / 255
+    do_normalize: bool = True
+    image_mean: tuple[float, ...] = _OPENAI_CLIP_MEAN
+    image_std: tuple[float, ...] = _OPENAI_CLIP_STD
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path) -> "PixelSteps":
+        raw = json.loads((Path(path) / "preprocessor_config.json").read_text())
+        given = {k: raw[k] for k in cls.__dataclass_fields__ if raw.get(k) is not None}
+        for name in ("image_mean", "image_std"):  # JSON lists; settings compare and hash as tuples
+            if name in given:
+                given[name] = tuple(given[name])
+        return cls(**given)
 
 
 def _pillow_version() -> tuple[int, int]:
@@ -86,18 +117,17 @@ class TorchImagePreprocessor:
     order and layout of the checkpoint's processor."""
 
     def __init__(self, path: str | Path, dtype: torch.dtype = torch.float32):
-        processor = load_image_processor(path)
-        if not (processor.do_resize and int(processor.resample) == _PIL_BICUBIC and processor.do_rescale
-                and processor.do_normalize):
+        steps = PixelSteps.from_checkpoint(path)
+        if not (steps.do_resize and steps.resample == _PIL_BICUBIC and steps.do_rescale and steps.do_normalize):
             raise ValueError("this checkpoint's image processor is not resize(bicubic)-rescale-normalize: "
                              "preprocess with its own processor (--preprocess pil)")
         self.geometry = ImageGeometry.from_checkpoint(path)
         self.dtype = dtype
         self._pillow = _pillow_version()  # the reference's pass order is the installed Pillow's
-        std = torch.tensor(processor.image_std, dtype=torch.float32).view(3, 1, 1)
-        mean = torch.tensor(processor.image_mean, dtype=torch.float32).view(3, 1, 1)
+        std = torch.tensor(steps.image_std, dtype=torch.float32).view(3, 1, 1)
+        mean = torch.tensor(steps.image_mean, dtype=torch.float32).view(3, 1, 1)
         # (x * rescale - mean) / std as one multiply-add
-        self._scale = processor.rescale_factor / std
+        self._scale = steps.rescale_factor / std
         self._shift = -mean / std
 
     def grid(self, height: int, width: int) -> Grid:
