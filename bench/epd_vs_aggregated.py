@@ -47,7 +47,8 @@ The run:
 
 Every topology on one GPU takes longer than one 10-minute call (`--dry-run` estimates it and proposes a
 split): run some topologies, then the rest with `--floor` from the first run (the same rates), and merge
-the two with `--report-from` (no GPU needed; it also re-predicts with today's planner).
+the two with `--report-from` (no GPU needed; it also re-predicts with today's planner; .json.gz files too).
+`bench/plan_accuracy.py` scores that re-prediction over any number of recorded runs.
 
     python bench/epd_vs_aggregated.py --quick --dry-run                  # what would run, how long
     python bench/epd_vs_aggregated.py --quick --topologies aggregated,E/PD+MPS,E/P/D+MPS --deadline 560 --out A
@@ -61,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import importlib.util
 import json
 import math
@@ -549,7 +551,8 @@ def plan_points(floor: Floor, runs: list[dict], unloaded: list[dict], chosen: li
                      "predictions": {r["topology"]: {"ttft_ms": r["predicted_ttft_ms"],
                                                      "model_ttft_ms": r["predicted_model_ttft_ms"],
                                                      "tpot_ms": predictions[r["topology"]].tpot_ms,
-                                                     "by_images_ms": predictions[r["topology"]].ttft_by_images_ms}
+                                                     "by_images_ms": predictions[r["topology"]].ttft_by_images_ms,
+                                                     "stages_ms": predictions[r["topology"]].stages_ms}
                                      for r in here}}
             if measured and pick:
                 picked = next(r for r in here if r["topology"] == pick.layout)["summary"]["ttft_ms"]["mean"]
@@ -868,22 +871,37 @@ def finish(args, out: Path, meta: dict, floor: Floor, runs, unloaded, stacks, ch
     return 0 if not lost and all("error" not in s for s in stacks) else 1
 
 
-def report_from(args, out: Path) -> int:
-    """Rebuild the report from earlier results.json files (merged; the first one's floor), with today's planner."""
-    loaded = [json.loads(Path(f).read_text()) for f in args.report_from]
+def read_results(path: str) -> dict:
+    """One earlier results.json (gzipped or not: bench/results/ keeps large ones as .json.gz)."""
+    raw = Path(path).read_bytes()
+    return json.loads(gzip.decompress(raw) if path.endswith(".gz") else raw)
+
+
+def load_results(paths: list[str]) -> dict:
+    """Earlier results.json files as one run: the first one's floor and settings, every file's stacks,
+    unloaded records and runs; ``chosen`` the topologies they ran."""
+    loaded = [read_results(f) for f in paths]
     first = loaded[0]
-    args.tiny, args.gpus, args.video_seconds = first["tiny"], first["gpus"], first.get("video_seconds", 0)
     stacks = [s for data in loaded for s in data["stacks"]]
     labels = [s["topology"] for s in stacks]
     chosen = [Topology(label, Layout(**next(s["layout"] for s in stacks if s["topology"] == label)), ())
               for label in dict.fromkeys(labels)]
-    meta = {**{k: first[k] for k in ("hardware", "versions")}, "command": sys.argv, "transport": first.get("transport"),
-            "wall_s": sum(d["wall_s"] for d in loaded)}
-    for data in loaded:
-        for run in data["runs"]:
-            run.setdefault("floor_ms", {})
-    return finish(args, out, meta, Floor(first["floor"], first.get("transport", "zmq")), [r for d in loaded for r in d["runs"]],
-                  [u for d in loaded for u in d["unloaded"]], stacks, chosen)
+    runs = [r for d in loaded for r in d["runs"]]
+    for run in runs:
+        run.setdefault("floor_ms", {})
+    return {"meta": {**{k: first[k] for k in ("hardware", "versions")}, "transport": first.get("transport"),
+                     "wall_s": sum(d["wall_s"] for d in loaded)},
+            "tiny": first["tiny"], "gpus": first["gpus"], "video_seconds": first.get("video_seconds", 0),
+            "floor": Floor(first["floor"], first.get("transport", "zmq")), "stacks": stacks, "chosen": chosen,
+            "runs": runs, "unloaded": [u for d in loaded for u in d["unloaded"]]}
+
+
+def report_from(args, out: Path) -> int:
+    """Rebuild the report from earlier results.json files (merged; the first one's floor), with today's planner."""
+    data = load_results(args.report_from)
+    args.tiny, args.gpus, args.video_seconds = data["tiny"], data["gpus"], data["video_seconds"]
+    return finish(args, out, {**data["meta"], "command": sys.argv}, data["floor"], data["runs"], data["unloaded"],
+                  data["stacks"], data["chosen"])
 
 
 def parse_args(argv=None):
@@ -920,7 +938,8 @@ def parse_args(argv=None):
     parser.add_argument("--transport", default="auto", choices=("auto", "zmq", "ucx"),
                         help="the stacks' data plane; auto: ucx where ucxx is installed (GPU to GPU), else zmq")
     parser.add_argument("--report-from", nargs="+", default=[], metavar="RESULTS_JSON",
-                        help="no measuring: rebuild results.md/json from earlier results.json files (merged)")
+                        help="no measuring: rebuild results.md/json from earlier results.json files (merged; "
+                             "gzipped ones too)")
     parser.add_argument("--video-seconds", type=float, default=0,
                         help="video-heavy's clip length, %g-%g s (default 20 s; --tiny: a 2 s clip)" % VIDEO_SECONDS)
     args = parser.parse_args(argv)

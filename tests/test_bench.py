@@ -425,6 +425,20 @@ def test_dry_run_lists_the_stacks_and_points():
     assert done.stdout.count("  point ") == 2 and "estimated:" in done.stdout
 
 
+def test_plan_accuracy_rereads_a_recorded_run(capsys):
+    """bench/plan_accuracy.py on a recorded H200 run (gzipped, as bench/results keeps them): a line per
+    point, each topology's stages, totals."""
+    from bench.plan_accuracy import main
+
+    recorded = Path(__file__).parents[1] / "bench/results/eva18-h200-l30/results.json.gz"
+    assert main(["--stages", str(recorded)]) == 0
+    out = capsys.readouterr().out
+    points = [line for line in out.splitlines() if "req/s" in line]
+    assert [line.split()[0] for line in points] == ["image-heavy", "mixed", "dynamo-mix"]
+    assert all("pick aggregated (yes)" in line for line in points)
+    assert out.count("stages measured") == 6 and "all runs: best within 25 % 3/3; best named 3/3" in out
+
+
 def test_overheads_fit_ignores_one_slow_request():
     from bench.epd_vs_aggregated import theil_sen
 

@@ -98,6 +98,7 @@ class Prediction:
     tpot_ms: float
     stable: bool
     ttft_by_images_ms: dict[int, float] = field(default_factory=dict)  # per request class (0: text)
+    stages_ms: dict[str, float] = field(default_factory=dict)  # the frontend's stages: media, encode, first_token
     busy: dict[str, float] = field(default_factory=dict)  # share of time each stage keeps its GPU busy
 
 
@@ -190,17 +191,30 @@ class Planner:
 
     # -- layouts -------------------------------------------------------------------------------------
     def predict(self, layout: Layout, t: Traffic, overheads: Overheads | None = None) -> Prediction:
-        ttft, tpot, busy = self._solve(layout, t)
-        ttft = {n: s + self.media(n) + (overheads(n) if overheads else 0.0) for n, s in ttft.items()}
+        parts, tpot, busy = self._solve(layout, t)
+        ttft = {n: self.media(n) + encode + first + (overheads(n) if overheads else 0.0)
+                for n, (encode, first) in parts.items()}
         mean = sum(p * ttft[n] for p, n in t.classes())
         stable = math.isfinite(mean) and math.isfinite(tpot)
         return Prediction(layout.label(), layout.topology, layout.encoders, t.rate,
                           mean * 1e3 if stable else math.inf, tpot * 1e3 if stable else math.inf, stable,
-                          {n: s * 1e3 for n, s in ttft.items()} if stable else {}, busy)
+                          {n: s * 1e3 for n, s in ttft.items()} if stable else {},
+                          self.stages(t, parts) if stable else {}, busy)
 
-    def _solve(self, layout: Layout, t: Traffic) -> tuple[dict[int, float], float, dict[str, float]]:
-        """({images: TTFT s without media}, TPOT s, busy shares) for one replica of the layout."""
-        unstable = ({n: math.inf for _, n in t.classes()}, math.inf, {})
+    def stages(self, t: Traffic, parts: dict[int, tuple[float, float]]) -> dict[str, float]:
+        """The model's frontend stages (ms), each a mean over the requests that have it as the frontend's
+        are: media and encode over image requests, to first token over all (calibration left out)."""
+        images = [(p, n) for p, n in t.classes() if n]
+        share = sum(p for p, _ in images)
+        out = {"first_token": sum(p * parts[n][1] for p, n in t.classes()) * 1e3}
+        if share:
+            out["media"] = sum(p * self.media(n) for p, n in images) / share * 1e3
+            out["encode"] = sum(p * parts[n][0] for p, n in images) / share * 1e3
+        return out
+
+    def _solve(self, layout: Layout, t: Traffic) -> tuple[dict[int, tuple[float, float]], float, dict[str, float]]:
+        """({images: (encode s, to first token s)}, TPOT s, busy shares) for one replica of the layout."""
+        unstable = ({n: (math.inf, math.inf) for _, n in t.classes()}, math.inf, {})
         if layout.topology == "aggregated":
             return self._aggregated(t.rate / layout.gpus, t) or unstable
         return self._workers(layout, t) or unstable
@@ -245,9 +259,9 @@ class Planner:
             own = sum(chunks[n])
             if n:  # the ViT batches of later requests cut in between its chunks
                 own += (len(chunks[n]) - 1) / len(chunks[n]) * own * rho_vit / (1 - rho_vit)
-                ttft[n] = wait_vit + vit[n] + wait_image + own
+                ttft[n] = (wait_vit + vit[n], wait_image + own)
             else:  # its step is filled up with an image prompt's chunk when one waits
-                ttft[n] = wait_text + own + waiting * max(0.0, first_chunk - own)
+                ttft[n] = (0.0, wait_text + own + waiting * max(0.0, first_chunk - own))
         return ttft, tpot, {"vit+prefill": rho_work, "vit": rho_vit, "decode": decoding}
 
     def decode_rows(self, t: Traffic, batch: float) -> float:
@@ -308,5 +322,5 @@ class Planner:
         ttft = {}
         for _, n in t.classes():
             encode = encode_wait + vit_own[n] * slow["vit"] if n else 0.0
-            ttft[n] = encode + prefill_wait + in_the_way + self.prefill(t, n) * slow["prefill"] + self.transfer(n)
+            ttft[n] = (encode, prefill_wait + in_the_way + self.prefill(t, n) * slow["prefill"] + self.transfer(n))
         return ttft, tpot, {**busy, **{f"slowdown_{x}": s for x, s in slow.items()}}
