@@ -1,0 +1,211 @@
+"""A simulation of one replica, request by request, from the costs ``model.py`` reasons with: the reference
+its closed forms are checked against (tests/test_bench.py), and a replay of a benchmark point's own
+arrivals (``bench/plan_accuracy.py --replay``), which tells the model's error from the sample's: a point
+of 8-40 requests is one draw of a Poisson process, its mean TTFT 10-40 % off the process's own.
+
+It schedules as the code does, with the model's per-request costs (media m, ViT v, prefill P, decode
+step t(B) and the rows a step carries):
+- an engine step (``Scheduler``): every decoding sequence's row first, then prompt chunks (those that have
+  waited longer than the priority window oldest first, the rest fewest tokens left first) until
+  ``step_tokens``; a step with chunks takes their share of their prompts' prefill plus the rows, a
+  decode-only step t(B);
+- aggregated (``EngineLoop`` with ``VisionBatcher.step``): before a step, when images are queued, a
+  gap: batches of what is queued (and arrives meanwhile) until none is, or ``STEP_BUDGET_S`` of ViT
+  time is spent. A gap that finished a request's images hands off: a decode-only step, then the
+  prompts join the next step; without the hand-off they miss the step that starts at once;
+- E/PD (an encoder beside a joined worker): the encoder forwards everything queued at a time, a
+  request's images together (the sibling wait); a prompt reaches the worker after its embeddings'
+  transfer. The processes slow each other by the model's solved factors (``Prediction.busy``).
+Left out: the prompt's trip through the frontend (calibration carries it), KV room, ``max_num_seqs``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+from tools.plan.layouts import Layout
+from tools.plan.model import Planner, Traffic
+
+# as the code has them (tests compare): services/encoder/batcher.py, services/encoder/settings.py,
+# shared/engine/settings.py; tools/plan stays without torch
+STEP_BUDGET_S = 0.25
+MAX_BATCH_IMAGES = 32
+MAX_BATCH_PATCHES = 65536
+PRIORITY_WINDOW_S = 2.0
+PATCHES_PER_TOKEN = 4  # a 2 × 2 merge: an image of k placeholder tokens is 4k patches
+
+
+@dataclass(frozen=True)
+class Arrival:
+    at: float  # s from the start
+    images: int
+    output_len: int
+
+
+def poisson(t: Traffic, seconds: float, seed: int = 0) -> list[Arrival]:
+    """The traffic's requests over ``seconds``: Poisson arrivals, each class as likely as ``t`` says."""
+    draw, now, out = random.Random(seed), 0.0, []
+    kinds = t.classes()
+    while (now := now + draw.expovariate(t.rate)) < seconds:
+        out.append(Arrival(now, draw.choices([n for _, n in kinds], [p for p, _ in kinds])[0], t.output_len))
+    return out
+
+
+@dataclass(eq=False)
+class _Request:
+    arrival: Arrival
+    tokens: int
+    prefill_s: float
+    left: int  # prompt tokens not computed yet
+    rows: int  # tokens still to decode after the first
+    images_left: int
+    ready: float = math.inf  # its prompt in the engine from then on
+    first_token: float = math.nan
+
+
+@dataclass
+class _Vision:
+    """Images waiting for the ViT (oldest first) and the forwards that take them."""
+
+    planner: Planner
+    patches: int  # of one image
+    slowdown: float = 1.0
+    queue: list[tuple[float, _Request]] = field(default_factory=list)  # (queued at, request), by time
+
+    def ready(self, now: float) -> bool:
+        return bool(self.queue) and self.queue[0][0] <= now
+
+    def forward(self, now: float) -> tuple[float, list[_Request]]:
+        """One batch of what is queued by ``now``: the time it ends, the requests it finished."""
+        fits = min(MAX_BATCH_IMAGES, max(1, MAX_BATCH_PATCHES // self.patches))
+        taken = [r for queued, r in self.queue[:fits] if queued <= now]  # a prefix: the queue is by time
+        del self.queue[:len(taken)]
+        now += self.planner.vit(len(taken)) * self.slowdown
+        for r in taken:
+            r.images_left -= 1
+        return now, [r for r in dict.fromkeys(taken) if r.images_left == 0]
+
+    def gap(self, now: float) -> tuple[float, list[_Request]]:
+        """The aggregated engine thread's ViT between two steps: the requests whose images it finished."""
+        deadline, finished = now + STEP_BUDGET_S, []
+        while self.ready(now) and now < deadline:
+            now, done = self.forward(now)
+            finished += done
+        return now, finished
+
+
+class _Engine:
+    """One engine: its waiting and running prompts, its decoding sequences, its steps."""
+
+    def __init__(self, planner: Planner, t: Traffic, prefill_slowdown: float = 1.0, decode_slowdown: float = 1.0):
+        self.planner, self.t = planner, t
+        self.step_s = planner.step(t)
+        self.slow_prefill, self.slow_decode = prefill_slowdown, decode_slowdown
+        self.prompts: list[_Request] = []
+        self.decoding: list[_Request] = []
+
+    def has_work(self) -> bool:
+        return bool(self.prompts or self.decoding)
+
+    def step(self, now: float, decode_only: bool = False) -> float:
+        rows = len(self.decoding)
+        chunks = [] if decode_only else self._chunks(now, self.planner.step_tokens - rows)
+        if chunks:
+            now += sum(r.prefill_s * take / r.tokens for r, take in chunks) * self.slow_prefill + \
+                self.planner.decode_rows(self.t, rows) * self.slow_decode
+        elif rows:
+            now += self.step_s(rows) * self.slow_decode
+        else:
+            return now
+        for r in list(self.decoding):
+            r.rows -= 1
+            if r.rows <= 0:
+                self.decoding.remove(r)
+        for r, take in chunks:
+            r.left -= take
+            if not r.left:
+                r.first_token = now
+                self.prompts.remove(r)
+                if r.rows > 0:
+                    self.decoding.append(r)
+        return now
+
+    def _chunks(self, now: float, budget: int) -> list[tuple[_Request, int]]:
+        overdue = sorted((r for r in self.prompts if now - r.ready > PRIORITY_WINDOW_S), key=lambda r: r.ready)
+        fresh = sorted((r for r in self.prompts if now - r.ready <= PRIORITY_WINDOW_S), key=lambda r: r.left)
+        out = []
+        for r in overdue + fresh:
+            if budget <= 0:
+                break
+            out.append((r, min(budget, r.left)))
+            budget -= out[-1][1]
+        return out
+
+
+def simulate(planner: Planner, layout: Layout, t: Traffic, arrivals: list[Arrival],
+             handoff: bool = True) -> list[float]:
+    """Each arrival's TTFT (s, without the stack's fixed costs) on one replica of ``layout``: aggregated,
+    or an encoder beside a joined language worker (``t`` sets the decode context and the slowdowns)."""
+    if layout.topology == "aggregated" and layout.gpus == 1:
+        requests = _requests(planner, t, arrivals)
+        vision = _Vision(planner, planner.costs.image_tokens * PATCHES_PER_TOKEN)
+        vision.queue = sorted(((r.arrival.at + planner.media(r.arrival.images), r) for r in requests
+                               for _ in range(r.arrival.images)), key=lambda item: item[0])
+        _run(_Engine(planner, t), requests, vision, handoff)
+    elif layout.pd == "joined" and layout.lm_gpus == 1 and layout.encoders == 1:
+        busy = planner.predict(layout, t).busy
+        requests = _requests(planner, t, arrivals)
+        _encode(planner, requests, busy.get("slowdown_vit", 1.0))
+        _run(_Engine(planner, t, busy.get("slowdown_prefill", 1.0), busy.get("slowdown_decode", 1.0)), requests)
+    else:
+        raise ValueError(f"simulate: {layout.label()} is neither one aggregated process nor one encoder and one "
+                         "joined worker")
+    return [r.first_token - r.arrival.at for r in requests]
+
+
+def _requests(planner: Planner, t: Traffic, arrivals: list[Arrival]) -> list[_Request]:
+    out = []
+    for a in arrivals:
+        tokens = planner.costs.prompt_tokens(t.input_len, a.images)
+        out.append(_Request(a, tokens, planner.prefill(t, a.images), tokens, a.output_len - 1, a.images,
+                            math.inf if a.images else a.at))
+    return out
+
+
+def _encode(planner: Planner, requests: list[_Request], slowdown: float) -> None:
+    """An encoder process of its own: forwards back to back while images are queued."""
+    vision = _Vision(planner, planner.costs.image_tokens * PATCHES_PER_TOKEN, slowdown)
+    vision.queue = sorted(((r.arrival.at + planner.media(r.arrival.images), r) for r in requests
+                           for _ in range(r.arrival.images)), key=lambda item: item[0])
+    now = 0.0
+    while vision.queue:
+        now, done = vision.forward(max(now, vision.queue[0][0]))
+        for r in done:
+            r.ready = now + planner.transfer(r.arrival.images)
+
+
+def _run(engine: _Engine, requests: list[_Request], vision: _Vision | None = None, handoff: bool = True) -> None:
+    """The engine thread: commands (prompts that arrived), the ViT gap when images wait, a step."""
+    pending = sorted((r for r in requests if math.isfinite(r.ready)), key=lambda r: r.ready)
+    now = 0.0
+    while pending or engine.has_work() or (vision and vision.queue):
+        while pending and pending[0].ready <= now:
+            engine.prompts.append(pending.pop(0))
+        if vision and vision.ready(now):
+            now, finished = vision.gap(now)
+            for r in finished:
+                r.ready = now
+            # the hand-off waits for prompts only when no image is left queued (whose they are is not
+            # known there); otherwise, and without it, the prompts miss the step that starts at once
+            if finished and engine.has_work():
+                now = engine.step(now, decode_only=handoff and not vision.ready(now))
+            engine.prompts += finished
+        if engine.has_work():
+            now = engine.step(now)
+            continue
+        upcoming = [pending[0].ready] if pending else []
+        if vision and vision.queue:
+            upcoming.append(vision.queue[0][0])
+        now = max(now, min(upcoming, default=now))
