@@ -312,3 +312,60 @@ def test_each_triton_compile_is_logged_with_its_time():
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = saved
     assert lines[0][0] == "kernel.compiled" and lines[0][1]["kernel"] == "_prefill_kernel"
     assert lines[0][1]["ms"] >= 0 and "q_ptr" in lines[0][1]["specialization"]
+
+
+def test_mixed_steps_launch_the_kernels_the_decode_graphs_compiled(tiny_model, monkeypatch):
+    """Triton compiles a kernel anew for every new specialization of its arguments: pointer dtypes, 16-byte
+    alignment, integers equal to 1 or divisible by 16. The decode graphs compile theirs at start-up; a
+    mixed step's decode rows and the chunks after them must launch those same variants, whatever the
+    number of decode rows, or each new one is a compile mid-serving (on the H200 1.1 s for the decode
+    kernel, with the stack's requests waiting). Every launch's specialization is taken as Triton's own
+    binder for sm_90 computes it (the CPU's allocator aligns like the GPU's), over decode steps of 1-4
+    rows, a prompt alone, and mixed steps of 1-3 decode rows with a chunk."""
+    pytest.importorskip("triton.backends.nvidia")
+    from collections import defaultdict
+
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    from shared.engine.attention import TritonAttention
+    from shared.engine.engine import Engine
+    from shared.engine.kv_cache import KVCache
+    from shared.engine.runner import ModelRunner
+    from shared.engine.sampling import SamplingParams
+    from shared.engine.sequence import Sequence
+    from shared.kernels import decode_attention as decode_module, fused
+    from shared.model.config import ModelConfig
+    from shared.model.loader import load_language_model
+
+    hopper = CUDABackend(GPUTarget("cuda", 90, 32))
+    variants: dict[str, set[str]] = defaultdict(set)
+    for module, name in ((decode_module, "_decode_kernel"), (decode_module, "_merge_kernel"),
+                         (fused, "_rope_store_kernel")):
+        kernel = getattr(module, name)
+        jit = JITFunction(kernel.fn, **kernel.kwargs)
+        bind = create_function_from_signature(jit.signature, jit.params, hopper)
+
+        def recorded(*args, grid, warmup, _run=kernel.run, _bind=bind, _name=name, **kwargs):
+            _, specialization, options = _bind(*args, **kwargs)
+            variants[_name].add(repr((specialization, options)))
+            return _run(*args, grid=grid, warmup=warmup, **kwargs)
+
+        monkeypatch.setattr(kernel, "run", recorded)
+    config = ModelConfig.from_checkpoint(tiny_model)
+    cache = KVCache(config.text, 64, 16, torch.float32, "cpu")
+    engine = Engine(ModelRunner(load_language_model(tiny_model, config), cache, 2,
+                                backend=TritonAttention(cache, config.text.head_dim ** -0.5)),
+                    config.eos_token_ids, max_model_len=1000)
+    ids = torch.randint(10, config.text.vocab_size - 10, (60,), generator=torch.Generator().manual_seed(0)).tolist()
+    for i in range(4):  # each prompt joins the decode rows of those before it: mixed steps of 1, 2, 3 rows
+        prompt = ids[i:20 + 7 * i]
+        engine.add_prompt(Sequence(f"r{i}", prompt, len(prompt), SamplingParams(temperature=0, max_tokens=4,
+                                                                                 ignore_eos=True)))
+        engine.step()
+        engine.step()
+    while engine.has_work():
+        engine.step()
+    assert {name: len(v) for name, v in variants.items()} == {"_decode_kernel": 1, "_merge_kernel": 1,
+                                                              "_rope_store_kernel": 1}

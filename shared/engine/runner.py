@@ -58,7 +58,7 @@ class ModelRunner:
             embeds[row:row + main.shape[0]] = main
             rows.append(torch.arange(row, row + main.shape[0], device=self.device))
             levels.append(extra)
-        batch = self._prefill_batch(chunks, cu, torch.tensor(slots, device=self.device))
+        batch = self._prefill_batch(chunks, cu, torch.tensor(slots, dtype=torch.int32, device=self.device))
         return embeds, torch.cat(positions, dim=1).to(self.device), batch, deepstack.collect(rows, levels)
 
     def _positions(self, seq: Sequence, start: int, end: int) -> torch.Tensor:

@@ -101,8 +101,10 @@ def _attend(q, k, v, valid, m, l, acc, scale):
 
 
 # a mixed step's block tables are as wide as its longest table: their row stride changes from step to step
-# (one compile per new specialization of it, 0.4-0.6 s each on the H200), graph replays keep theirs
-@triton.jit(do_not_specialize=["stride_bt"])
+# (one compile per new specialization of it, 0.4-0.6 s each on the H200), graph replays keep theirs; the
+# rows' slots and lengths are read a scalar a program, from graph inputs packed in one buffer or from a
+# step's own tensors: their alignment is not specialized on either
+@triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=["slots", "context_lens"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_norm, k_norm, eps, slots,
     k_cache, v_cache, block_tables, context_lens, out_ptr, acc_ptr, m_ptr, l_ptr, scale,
@@ -178,7 +180,7 @@ def _decode_kernel(
         tl.store(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["context_lens"])
 def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, context_lens, stride_ob, stride_oh,
                   NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
                   MIN_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):

@@ -89,7 +89,10 @@ def _norm_halves(lo, hi, x_ptr, w_ptr, d, dm, eps, HALF: tl.constexpr):
     return lo, hi
 
 
-@triton.jit
+# a mixed step's chunks start after its decode rows: their slots are a view at any int32 offset, and a
+# specialization on its alignment was one compile per residue of the row count mid-serving (one scalar
+# is loaded per program: alignment buys nothing)
+@triton.jit(do_not_specialize_on_alignment=["slots"])
 def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache, v_cache, slots, q_norm, k_norm, eps,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
                        stride_cs, stride_ch,
