@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -97,6 +98,7 @@ def service_env(nats_url: str, model: Path, prefix: str, extra: dict[str, str]) 
     return env
 
 
+@functools.cache  # a child that imports torch: once a run, not once a start
 def _cuda_available() -> bool:
     probe = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
     return subprocess.run([sys.executable, "-c", probe]).returncode == 0
