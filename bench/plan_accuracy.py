@@ -71,9 +71,19 @@ def ratio(predicted: float, measured: float) -> float:
     return predicted / measured if math.isfinite(predicted) and measured else math.inf
 
 
-def describe(entry: dict, stages: bool) -> list[str]:
+def by_part(run: dict, parts: int) -> list[float]:
+    """Mean TTFT (ms) of each of ``parts`` equal runs of a point's requests in sending order: a stall in
+    the first requests (a compile, a cold plan) shows apart from the steady state."""
+    ttft = [q["ttft"] * 1e3 for q in sorted(run["requests"], key=lambda q: q["sent_at"]) if q["ok"]]
+    size = len(ttft) // parts
+    return [statistics.fmean(ttft[i * size:(i + 1) * size]) for i in range(parts)] if size else []
+
+
+def describe(entry: dict, stages: bool, parts: int = 0) -> list[str]:
     cells, lines = [], []
     for label, run in entry["measured"].items():
+        if parts:
+            lines.append(f"      {label:<10} TTFT by part {', '.join(f'{t:.0f}' for t in by_part(run, parts))}")
         measured, predicted = run["summary"]["ttft_ms"]["mean"], entry["predictions"][label]["ttft_ms"]
         replayed = f" replay {entry['replay_ms'][label]:.0f}" if "replay_ms" in entry else ""
         cells.append(f"{label} {measured:.0f}/{predicted:.0f} ({ratio(predicted, measured):.2f}){replayed}")
@@ -115,6 +125,8 @@ def main(argv=None) -> int:
     parser.add_argument("runs", nargs="+", help="results.json[.gz], several of one run joined with +")
     parser.add_argument("--stages", action="store_true", help="also each topology's stages against the model's")
     parser.add_argument("--replay", action="store_true", help="also each point's own requests through the simulation")
+    parser.add_argument("--parts", type=int, default=0, metavar="N",
+                        help="also each topology's mean TTFT over N equal parts of the point, in sending order")
     args = parser.parse_args(argv)
     print("measured / predicted mean TTFT in ms (predicted ÷ measured)")
     overall: dict[str, tuple[int, int]] = {}
@@ -122,7 +134,7 @@ def main(argv=None) -> int:
         plan = points(run, args.replay)
         print(f"{run}:")
         for entry in plan:
-            print("\n".join(describe(entry, args.stages)))
+            print("\n".join(describe(entry, args.stages, args.parts)))
         mine = totals(plan)
         print("    " + "; ".join(f"{name} {hit}/{of}" for name, (hit, of) in mine.items()))
         for name, (hit, of) in mine.items():
