@@ -31,7 +31,7 @@ class StackProcess:
         self.tail: deque[str] = deque(maxlen=60)
         self.ready_event: dict = {}
         self.events: Counter[str] = Counter()
-        self.compiles: list[dict] = []  # each kernel.compiled: kernel, ms
+        self.compiles: list[dict] = []  # each kernel.compiled: kernel, ms, specialization
         self._lock = threading.Lock()
         self._ready = threading.Event()
         threading.Thread(target=self._drain, daemon=True).start()
@@ -48,7 +48,8 @@ class StackProcess:
                 with self._lock:
                     self.events[name] += 1
                     if name == "kernel.compiled":
-                        self.compiles.append({"kernel": event.get("kernel"), "ms": event.get("ms")})
+                        self.compiles.append({"kernel": event.get("kernel"), "ms": event.get("ms"),
+                                              "specialization": event.get("specialization")})
             elif name == "stack.ready":
                 self.ready_event = event
                 self._ready.set()
