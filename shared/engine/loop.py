@@ -6,12 +6,13 @@ Device work and host syncs happen only in this thread, so the event loop stays f
 data plane. Other device work of the process (the aggregated worker's ViT) can be ``attach``ed: it runs
 in this thread too, between two engine steps, so the two never contend for the device or the
 interpreter. When that work finishes a request's images, the request's prompt comes back through the
-frontend a few milliseconds later, and a step started meanwhile would leave it waiting for that step's
-whole length — up to a full prefill chunk — after its images were done. So the loop hands off: the
-decode rows first get the token the ViT held back (a decode-only step, while the prompt travels), then
-it waits what is left of ``handoff_s`` for the prompt, which joins the next step. Waiting at once
-instead, before that decode step, joined the ViT's pause and the prompt's prefill into one gap between
-two tokens (H200, Dynamo's 10-image shape: ITL p99 77 → 114 ms).
+frontend a few milliseconds later, and a step started meanwhile leaves it waiting for that step's whole
+length after its images were done. With ``handoff_s`` set the loop hands off: the decode rows first get
+the token the ViT held back (a decode-only step, while the prompt travels), then it waits what is left
+of ``handoff_s`` for the prompt, which joins the next step. Waiting at once instead, before that decode
+step, joined the ViT's pause and the prompt's prefill into one gap between two tokens (H200, Dynamo's
+10-image shape: ITL p99 77 → 114 ms). Measured on an H200 without compile stalls, the hand-off gained
+nothing (docs/benchmarks.md), so the aggregated worker leaves it off by default.
 """
 
 from __future__ import annotations
