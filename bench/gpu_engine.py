@@ -351,23 +351,22 @@ def _decode1_at(ctx, prompt: int) -> None:
 def _decode_variants(ctx, seq: Sequence) -> dict:
     """The batch-1 graph replay with one part switched off, on the same staged inputs (a graph of bucket 1
     captured for each): the few-rows layer (``shared.kernels.gemv``: norms fused into GEMVs),
-    programmatic dependent launch (``shared.kernels.launch``), both; the MoE small path's routing inside
-    its gate|up kernel (``shared.kernels.moe_small.FUSED_ROUTING``: off, a routing kernel of its own)."""
-    from shared.kernels import ENABLED, launch, moe_small
+    programmatic dependent launch (``shared.kernels.launch``), both."""
+    from shared.kernels import ENABLED, launch
 
     runner, timer = ctx["engine"].runner, ctx["timer"]
     graphs, inputs = runner.graphs, runner.inputs
-    before = ENABLED["gemv"], launch.ENABLED, moe_small.FUSED_ROUTING
+    before = ENABLED["gemv"], launch.ENABLED
     out = {}
-    for name, *switches in (("without_pdl", True, False, True), ("without_gemv", False, True, True),
-                            ("without_gemv_and_pdl", False, False, True), ("without_fused_routing", True, True, False)):
-        ENABLED["gemv"], launch.ENABLED, moe_small.FUSED_ROUTING = switches
+    for name, gemv_on, pdl_on in (("without_pdl", True, False), ("without_gemv", False, True),
+                                  ("without_gemv_and_pdl", False, False)):
+        ENABLED["gemv"], launch.ENABLED = gemv_on, pdl_on
         try:
             runner.capture_graphs(1, ctx["max_len"])
             rows = runner.stage_decode([seq])
             out[name] = timer.ms(lambda: runner.graphs.replay(rows), repeat=200, warmup=10)
         finally:
-            ENABLED["gemv"], launch.ENABLED, moe_small.FUSED_ROUTING = before
+            ENABLED["gemv"], launch.ENABLED = before
             runner.graphs, runner.inputs = graphs, inputs
             torch.cuda.empty_cache()
         log(f"decode b1 {name}: graph replay {out[name]:.3f} ms")

@@ -48,10 +48,9 @@ def main() -> int:
     compile_for_hopper(moe_routing._route_kernel, route, dict(routing, ROWS=16, COUNT=True))
     compile_for_hopper(moe_routing._route_kernel, route, dict(routing, ROWS=1, COUNT=False, PDL=True), num_warps=1,
                        launch_pdl=True)
-    gate_up = dict(x_ptr=bf16, w_ptr=bf16, act_ptr=bf16, ids_ptr=i32, weights_ptr=bf16, logits_ptr=bf16)
     for kernel, pointers, tiles, constants in (
-            (moe_small._gate_up_kernel, gate_up, moe_small.GATE_UP, dict(TOP_K=8, ROUTE=False)),
-            (moe_small._gate_up_kernel, gate_up, moe_small.GATE_UP, dict(routing, ROUTE=True)),  # routing inside
+            (moe_small._gate_up_kernel, dict(x_ptr=bf16, w_ptr=bf16, act_ptr=bf16, ids_ptr=i32), moe_small.GATE_UP,
+             dict(TOP_K=8)),
             (moe_small._down_kernel, dict(act_ptr=bf16, w_ptr=bf16, out_ptr=bf16, weights_ptr=bf16, ids_ptr=i32),
              moe_small.DOWN, dict(TOP_K=8, K_PAD=8))):
         compile_for_hopper(kernel, pointers, dict(constants, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PDL=True),

@@ -4,10 +4,10 @@ a few tokens.
 A layer's ``T`` tokens each pick ``top_k`` experts: ``A = T · top_k`` assignments. Two paths, picked
 from ``A`` alone (``expert_path``), so from the shapes and never from the routing:
 
-- ``"small"`` (``A <= moe_small.MAX_ASSIGNMENTS``, decode at small batches): each assignment reads its
-  expert's weights directly (``shared.kernels.moe_small``), its gate|up program routing its token first:
-  three kernels a layer (router GEMM, gate|up with the routing, down with the weighted sum), nothing
-  sorted or padded;
+- ``"small"`` (``A <= moe_small.MAX_ASSIGNMENTS``, decode at small batches): routing alone, one
+  program per token (``moe_routing.route``), then each assignment reads its expert's weights directly
+  (``shared.kernels.moe_small``): four kernels a layer (router GEMM, routing, gate|up, down with the
+  weighted sum), nothing sorted or padded;
 - ``"sorted"``: the assignments sorted by expert with each expert's run padded to a multiple of
   ``BLOCK_M`` (``shared.kernels.moe_routing``), so every row block of the sorted list belongs to one
   expert. Then one launch computes SiLU(x·Wg)·(x·Wu) for every assignment (``gate_up``: both halves of
@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from shared.kernels import moe_small
-from shared.kernels.moe_routing import ExpertLayout, align, route_and_align
+from shared.kernels.moe_routing import ExpertLayout, align, route, route_and_align
 
 
 @dataclass(frozen=True)
@@ -167,8 +167,8 @@ def moe(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torc
     ``path``: ``"small"`` or ``"sorted"`` to force one (tests, benchmarks); by default ``expert_path``."""
     a = x.shape[0] * top_k
     if expert_path(a, path) == "small":
-        out, _, ids = moe_small.moe_from_logits(x, logits, gate_up, down, top_k, renormalize)
-        return out, ids
+        weights, ids = route(logits, top_k, renormalize)
+        return moe_small.gemv_experts(x, gate_up, down, ids, weights), ids
     config = kernel_config(a, gate_up.shape[0], gate_up.element_size())
     weights, ids, layout = route_and_align(logits, top_k, renormalize, config.block_m)
     return grouped_experts(x, gate_up, down, weights, layout, config), ids

@@ -1,36 +1,18 @@
-"""Mixture-of-experts MLP for a few assignments (decode at small batches): routing and two GEMVs in two
-launches, no sorting.
+"""Mixture-of-experts MLP for a few assignments (decode at small batches): two GEMVs, no sorting.
 
 With ``A = T · top_k`` small, sorting the assignments by expert costs more than it saves: at batch 1
 of Qwen3-VL-30B-A3B the one-program routing and alignment alone took 22 µs a layer, the 16-row tiles
 of the grouped GEMMs were 15/16 padding, and the ``top_k`` rows were summed by a separate launch.
-Here every assignment reads its own expert's weights directly:
+Here every assignment reads its own expert's weights directly (``ids`` say which):
 
-1. ``_gate_up_kernel``, grid (assignment, block of the intermediate width): after its PDL wait the
-   program routes its token from the router's logits row (``moe_routing._top_k``, the code ``route``
-   runs: float32 softmax, top-k with the first index on ties, optional renormalization) and takes its
-   slot's expert; the token's slot-0 program of column block 0 stores the token's ``ids`` and
-   ``weights`` (in the logits' dtype) for the down kernel. Then the token's row of ``x`` against the
-   expert's gate and up rows (``gate_up`` ``[E, 2I, H]``, gate rows first), products and sums in
-   float32 (elementwise and ``tl.sum``: no ``tl.dot``, so no 16-row tile of which 15 rows are
+1. ``_gate_up_kernel``, grid (assignment, block of the intermediate width): the token's row of ``x``
+   against the expert's gate and up rows (``gate_up`` ``[E, 2I, H]``, gate rows first), products and
+   sums in float32 (elementwise and ``tl.sum``: no ``tl.dot``, so no 16-row tile of which 15 rows are
    padding), then SiLU(gate) · up into ``act`` ``[A, I]``;
-2. ``_down_kernel``, grid (token, block of H): after its PDL wait (the gate|up grid has finished and
-   its ``ids`` and ``weights`` are visible), the token's ``top_k`` rows of ``act`` against their
+2. ``_down_kernel``, grid (token, block of H): the token's ``top_k`` rows of ``act`` against their
    experts' ``down`` rows (``[E, H, I]``), all slots in one ``[top_k, BLOCK_N, BLOCK_K]`` tile, the
    routing-weighted sum taken in registers and the ``[T, H]`` output written once: no ``[A, H]``
    intermediate and no separate sum.
-
-Why route in the gate|up programs: a routing kernel of its own (``route``, one one-warp program per
-token) puts one more kernel boundary between the router GEMV and the expert GEMVs, and even with PDL a
-boundary costs a few µs at batch 1, 48 times a step. The price is that every program of a token (96
-per assignment at Qwen3-VL-30B-A3B) computes the token's routing again, a softmax over the experts and
-``top_k`` reductions, before it loads its expert's weights; those it could not load sooner anyway, the
-expert being known only after routing. ``FUSED_ROUTING = False`` runs ``route`` and then the two
-GEMVs, for the benchmark to measure both (``bench/gpu_engine.py``, ``without_fused_routing``);
-``gemv_experts`` alone takes a routing decided elsewhere (its gate|up programs read ``ids``). The ids
-and weights are ``route``'s, bit for bit in the interpreter; on the GPU the softmax's float32 sum is
-reduced over this kernel's 4 warps rather than ``route``'s one, so a weight can, rarely, round one
-step apart (as between ``route`` and the sorted path's routing kernels).
 
 Numerics are the grouped GEMMs' (``shared.kernels.moe``): gate and up rounded to the model's dtype,
 SiLU in float32 and rounded, their product rounded; each expert's output rounded, times its routing
@@ -70,10 +52,9 @@ import torch
 import triton
 import triton.language as tl
 
-from shared.kernels import launch, moe_routing
+from shared.kernels import launch
 
 MAX_ASSIGNMENTS = 64  # tokens · top_k up to which the GEMVs beat sorting by expert (see above)
-FUSED_ROUTING = True  # route inside the gate|up kernel (see above); benchmarks switch it off to measure it
 
 
 @dataclass(frozen=True)
@@ -88,26 +69,13 @@ DOWN = GemvTiles(block_n=8, block_k=128, num_warps=4)
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, weights_ptr, logits_ptr, N, K, stride_x, stride_we, stride_wn,
-                    stride_act, stride_l, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PDL: tl.constexpr, ROUTE: tl.constexpr, NUM_EXPERTS: tl.constexpr = 1, E_PAD: tl.constexpr = 1,
-                    K_PAD: tl.constexpr = 1, RENORMALIZE: tl.constexpr = False):
+def _gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, N, K, stride_x, stride_we, stride_wn, stride_act,
+                    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """act[a, cols] = SiLU(x[a // TOP_K] · G[e]ᵀ) · (x[a // TOP_K] · U[e]ᵀ), e = ids[a], for one block of
-    the N = I columns; G and U are the first and last N rows of w[e]. x and w rows are contiguous in K.
-    ROUTE: e is this slot's pick of the token's routing, computed from its ``logits`` row as ``route``
-    computes it, and the token's slot-0 program of column block 0 stores that routing into ``ids`` and
-    ``weights``; else e is read from ``ids``."""
+    the N = I columns; G and U are the first and last N rows of w[e]. x and w rows are contiguous in K."""
     launch.wait_for_inputs(PDL)
     a = tl.program_id(0)
-    if ROUTE:
-        t = a // TOP_K + tl.arange(0, 1)
-        t_ok = tl.full((1,), True, tl.int1)
-        weights, ids = moe_routing._top_k(logits_ptr, t, t_ok, stride_l, NUM_EXPERTS, E_PAD, TOP_K, K_PAD, RENORMALIZE)
-        expert = tl.sum(tl.where(tl.arange(0, K_PAD)[None, :] == a % TOP_K, ids, 0)).to(tl.int64)
-        if (tl.program_id(1) == 0) & (a % TOP_K == 0):  # one program a token: the down kernel reads its row
-            moe_routing._store_routing(weights_ptr, ids_ptr, weights, ids, t, t_ok, TOP_K, K_PAD)
-    else:
-        expert = tl.load(ids_ptr + a).to(tl.int64)
+    expert = tl.load(ids_ptr + a).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
@@ -180,37 +148,16 @@ def gemv_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids
     """``x`` ``[T, H]``; ``gate_up`` ``[E, 2I, H]`` (gate rows first); ``down`` ``[E, H, I]``; expert
     ``ids`` and routing ``weights`` ``[T, top_k]`` → ``Σ_k w_k · expert_k(x)`` ``[T, H]``. Two launches,
     shapes from ``T`` alone."""
-    return _experts(x, gate_up, down, ids, weights, None, False, gate_up_tiles, down_tiles)
-
-
-def moe_from_logits(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
-                    renormalize: bool, gate_up_tiles: GemvTiles = GATE_UP,
-                    down_tiles: GemvTiles = DOWN) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The whole MLP from the router's ``logits`` ``[T, E]``: output ``[T, H]``, and the routing weights
-    (the logits' dtype) and expert ids (int32) ``[T, top_k]`` it used, ``route``'s. Two launches with
-    ``FUSED_ROUTING``, else ``route`` and ``gemv_experts``: three."""
-    if not FUSED_ROUTING:
-        weights, ids = moe_routing.route(logits, top_k, renormalize)
-        return gemv_experts(x, gate_up, down, ids, weights, gate_up_tiles, down_tiles), weights, ids
-    weights, ids = moe_routing._routing_buffers(logits, top_k)
-    return _experts(x, gate_up, down, ids, weights, logits, renormalize, gate_up_tiles, down_tiles), weights, ids
-
-
-def _experts(x, gate_up, down, ids, weights, logits, renormalize, gate_up_tiles, down_tiles) -> torch.Tensor:
-    """The two launches; with ``logits``, the gate|up kernel routes and fills ``ids`` and ``weights``."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     inter = gate_up.shape[1] // 2
     x, ids, weights = x.contiguous(), ids.contiguous().view(-1), weights.contiguous().view(-1)
     act = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
-    routing = (dict(ROUTE=False, TOP_K=top_k) if logits is None else
-               dict(ROUTE=True, **moe_routing._routing_constants(logits.shape[1], top_k, renormalize)))
     pdl = launch.pdl(x)
     _gate_up_kernel[(tokens * top_k, triton.cdiv(inter, gate_up_tiles.block_n))](
-        x, gate_up, act, ids, weights, x if logits is None else logits, inter, hidden, x.stride(0),
-        gate_up.stride(0), gate_up.stride(1), act.stride(0), 0 if logits is None else logits.stride(0),
-        BLOCK_N=gate_up_tiles.block_n, BLOCK_K=gate_up_tiles.block_k, PDL=pdl, num_warps=gate_up_tiles.num_warps,
-        **routing, **launch.options(pdl))
+        x, gate_up, act, ids, inter, hidden, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
+        TOP_K=top_k, BLOCK_N=gate_up_tiles.block_n, BLOCK_K=gate_up_tiles.block_k,
+        PDL=pdl, num_warps=gate_up_tiles.num_warps, **launch.options(pdl))
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(tokens, triton.cdiv(hidden, down_tiles.block_n))](
         act, down, out, weights, ids, hidden, inter, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
