@@ -490,6 +490,9 @@ def test_overheads_fit_ignores_one_slow_request():
     # two unloaded requests, the first on a fresh stack paying a one-time cost (eva16-h200-q3c: 1,075
     # and 317 ms): the stack's fixed cost is the cheaper one's, not their median
     assert lower_line([(2, 1.075), (2, 0.317)]) == (pytest.approx(0.317), 0.0)
+    # two image counts, the second request stalled (eva20-h200-q3-mixed: 1 image 0.074 s over the model,
+    # 2 images 0.88 s): one pairwise slope is no evidence of a per-image cost, the line stays flat
+    assert lower_line([(1, 0.074), (2, 0.88)]) == (pytest.approx(0.074), 0.0)
 
 
 # -- video-heavy: one clip a request ---------------------------------------------------------------------
