@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.frontend.errors import ApiError
 from services.frontend.gateway import Gateway
-from services.frontend.generation import Generation
+from services.frontend.generation import FLUSH, Generation
 from services.frontend.protocol import ChatCompletion, ChatCompletionRequest, ErrorResponse, ModelCard, ModelList
 from services.frontend.responses import chunk_json, invalid_request
 from services.frontend.text_protocol import (
@@ -41,6 +41,7 @@ from shared.logging import get_logger
 
 log = get_logger(__name__)
 
+JOINED_EVENTS = 64  # server-sent events one write carries at most (``_sse``)
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 404, 413, 429, 503, 504)}
 
 
@@ -247,12 +248,22 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 async def _sse(chunks) -> AsyncIterator[str]:
-    """Server-sent events: the chunks, then [DONE]; an error after streaming began is an ``error`` event."""
+    """Server-sent events: the chunks, then [DONE]; an error after streaming began is an ``error`` event.
+    Events at hand go out in one write: each chunk's event waits for the next one's until the chunks say
+    ``FLUSH`` (nothing more has arrived: they are about to wait for a token), up to ``JOINED_EVENTS`` a
+    write. One write per token was ~40 % of the frontend's CPU per streamed token, so a frontend that
+    falls behind its streams now catches up with fewer writes; one that keeps up writes each token as it
+    comes, as before."""
+    parts: list[str] = []
     try:
         async with aclosing(chunks) as stream:
             async for chunk in stream:
-                yield f"data: {chunk_json(chunk)}\n\n"
-        yield "data: [DONE]\n\n"
+                if chunk is not FLUSH:
+                    parts.append(f"data: {chunk_json(chunk)}\n\n")
+                if parts and (chunk is FLUSH or len(parts) >= JOINED_EVENTS):
+                    yield "".join(parts)
+                    parts = []
+        parts.append("data: [DONE]\n\n")
     except ApiError as err:
-        yield f"data: {json.dumps(err.body())}\n\n"
-        yield "data: [DONE]\n\n"
+        parts += [f"data: {json.dumps(err.body())}\n\n", "data: [DONE]\n\n"]
+    yield "".join(parts)

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from services.frontend.errors import ApiError
-from services.frontend.generation import Finished, Generation, TextDelta
+from services.frontend.generation import FLUSH, Finished, Flush, Generation, TextDelta
 from services.frontend.logprobs import TokenText
 from services.frontend.protocol import (
     AssistantMessage,
@@ -77,7 +77,7 @@ class ChatOutput:
         return Choice(index=index, message=message, finish_reason=_finish_reason(finish, calls), logprobs=lp,
                       stop_reason=finish.stop_reason)
 
-    async def chunks(self, generation: Generation, request: ChatCompletionRequest) -> AsyncIterator[dict]:
+    async def chunks(self, generation: Generation, request: ChatCompletionRequest) -> AsyncIterator[dict | Flush]:
         head = {"id": completion_id(generation), "object": "chat.completion.chunk",
                 "created": int(generation.timing.arrived), "model": self.model_name}
         usage, continuous = request.include_usage(), request.continuous_usage()
@@ -97,8 +97,11 @@ class ChatOutput:
         try:
             for choice in range(len(generation.choices)):
                 yield chunk(choice, {"role": "assistant", "content": echoed(request)})
-            async with aclosing(generation.events()) as events:
+            async with aclosing(generation.events(flushes=True)) as events:
                 async for event in events:
+                    if event is FLUSH:
+                        yield FLUSH
+                        continue
                     if isinstance(event, Finished):
                         parser = parsers[event.choice]
                         rest = parser.finish() if parser is not None else ""

@@ -25,7 +25,7 @@ from prometheus_client import Counter, Gauge
 
 from services.frontend.chat_output import ChatOutput
 from services.frontend.errors import ApiError
-from services.frontend.generation import Generation
+from services.frontend.generation import Flush, Generation
 from services.frontend.logprobs import TokenText
 from services.frontend.options import GenerationOptions
 from services.frontend.pipeline import Pipeline
@@ -126,11 +126,12 @@ class Gateway:
     async def complete(self, generation: Generation) -> ChatCompletion:
         return await self.chat_output.complete(generation, generation.request)
 
-    def chunks(self, generation: Generation) -> AsyncIterator[dict]:
+    def chunks(self, generation: Generation) -> AsyncIterator[dict | Flush]:
+        """The answer's chunks, with ``FLUSH`` wherever none is at hand (``Generation.events``)."""
         return self.chat_output.chunks(generation, generation.request)
 
     async def complete_text(self, generations: list[Generation]) -> Completion:
         return await self.text_output.complete(generations, generations[0].request)
 
-    def text_chunks(self, generations: list[Generation]) -> AsyncIterator[dict]:
+    def text_chunks(self, generations: list[Generation]) -> AsyncIterator[dict | Flush]:
         return self.text_output.chunks(generations, generations[0].request)

@@ -43,6 +43,14 @@ class Finished:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
 
+class Flush:
+    """What ``Generation.events(flushes=True)`` yields before it waits for a token: what a streaming
+    response holds can go out now (``services.frontend.app``), nothing more is at hand."""
+
+
+FLUSH = Flush()
+
+
 @dataclass
 class Timing:
     """Wall-clock seconds: TTFT and E2E count from arrival. ``stages``: media (fetch, decode), encode
@@ -138,16 +146,23 @@ class Generation:
     def done(self) -> bool:
         return all(c.done for c in self.choices)
 
-    async def events(self) -> AsyncIterator[TextDelta | Finished]:
+    async def events(self, flushes: bool = False) -> AsyncIterator[TextDelta | Finished | Flush]:
+        """The choices' text and finishes; with ``flushes``, ``FLUSH`` before each wait for a token."""
         try:
             while not self.done:
                 try:
+                    if flushes and not self.stream.ready():
+                        yield FLUSH
                     async for event in self.stream.tokens():
                         for output in self._consume(event):
                             yield output
                         if self.done:
                             return
+                        if flushes and not self.stream.ready():
+                            yield FLUSH
                 except WorkerLost as lost:
+                    if flushes:  # what is held goes out before the resume's wait
+                        yield FLUSH
                     await self.pipeline.resume(self, str(lost))
         except ServiceError as err:
             self.outcome = f"error_{err.status}"

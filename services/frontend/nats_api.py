@@ -14,6 +14,7 @@ from contextlib import aclosing
 
 from services.frontend.errors import ApiError
 from services.frontend.gateway import Gateway
+from services.frontend.generation import FLUSH
 from services.frontend.responses import chunk_json, parse_request
 from shared.bus.service_api import Endpoint, Request
 from shared.bus.subjects import QUEUE, Subjects
@@ -37,7 +38,8 @@ def chat_endpoint(gateway: Gateway, subjects: Subjects, max_body_bytes: int, lim
         generation = await gateway.start(body)
         async with aclosing(gateway.chunks(generation)) as chunks:
             async for chunk in chunks:
-                await request.respond(chunk_json(chunk).encode())
+                if chunk is not FLUSH:  # a message a chunk: nothing to join
+                    await request.respond(chunk_json(chunk).encode())
         await request.respond(b"", headers={STREAM_HEADER: STREAM_END})
         return None
 

@@ -8,17 +8,23 @@ attempt's tokens exactly once each, in index order within each choice, and raise
 - ``WorkerLost`` when the worker named in the events is gone (``Directory.watching``) or reports a
   server error: the request can continue elsewhere;
 - ``ServiceError`` 504 when no token comes in time, 503 when the bus is gone, or a worker's own 4xx.
+
+Messages are decoded as they arrive (the subscription's callback) into an inbox the consumer reads
+without a task per token (nats-py's ``next_msg`` made two tasks and a uuid for every message), and
+``ready`` says whether the next token is already there, so the HTTP side can write what is at hand at
+once (``services.frontend.app``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 
 from shared.bus.directory import Directory
 from shared.errors import ServiceError
-from shared.messages import unpack
+from shared.messages import ProtocolError, unpack
 from shared.messages.stream import TokenEvent
 
 POLL = 0.5  # seconds between checks of the bus, the timeouts and the watched worker
@@ -38,12 +44,57 @@ class TokenStream:
         self.attempt = ""  # the id the current attempt runs under on the workers
         self.received: dict[int, int] = {}  # choice -> output tokens delivered so far, across attempts
         self._sub = None
+        self._inbox: deque[TokenEvent | ProtocolError] = deque()  # arrived, not yet read by ``tokens``
+        self._waiter: asyncio.Future | None = None  # ``tokens`` waiting for the next arrival
         self._worker = ""  # the instance watched: named by the latest event, or the one submitted to
         self._gone: asyncio.Event | None = None
 
     async def open(self) -> None:
         """Subscribe; call before the job that produces the tokens is submitted."""
-        self._sub = await self.nc.subscribe(self.subject)
+        self._sub = await self.nc.subscribe(self.subject, cb=self._arrive)
+
+    async def _arrive(self, msg) -> None:
+        try:
+            self._inbox.append(unpack(TokenEvent, msg.data))
+        except ProtocolError as err:  # raised where the consumer reads it
+            self._inbox.append(err)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def _next(self) -> TokenEvent | None:
+        """The next arrival, or None after ``POLL`` seconds without one."""
+        if not self._inbox:
+            loop = asyncio.get_running_loop()
+            self._waiter = waiter = loop.create_future()
+            timer = loop.call_later(POLL, lambda: waiter.done() or waiter.set_result(None))
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+            if not self._inbox:
+                return None
+        item = self._inbox.popleft()
+        if isinstance(item, ProtocolError):
+            raise item
+        return item
+
+    def ready(self) -> bool:
+        """Whether ``tokens`` has its next token (or the error that ends it) at hand, with no wait: arrivals
+        it would skip (a superseded attempt's, a repeat) are dropped here; one ahead of its turn is not ready."""
+        while self._inbox:
+            head = self._inbox[0]
+            if isinstance(head, ProtocolError):
+                return True
+            if head.request_id == self.attempt:
+                if head.error is not None:
+                    return True
+                delivered = self.received.get(head.choice, 0)
+                if head.index >= delivered:
+                    return head.index == delivered
+                self._follow(head.worker)  # as ``tokens`` does with a repeat
+            self._inbox.popleft()
+        return False
 
     def expect(self, attempt: str, worker: str) -> None:
         """Tokens now come from ``attempt``, first from ``worker`` (each event may name a later one)."""
@@ -55,12 +106,10 @@ class TokenStream:
         last_progress = time.monotonic()
         while True:
             limit = self.first_token_timeout if not self.received else self.token_timeout
-            try:
-                msg = await self._sub.next_msg(timeout=POLL)
-            except asyncio.TimeoutError:
+            event = await self._next()
+            if event is None:
                 self._check(time.monotonic() - last_progress, limit)
                 continue
-            event = unpack(TokenEvent, msg.data)
             if event.request_id != self.attempt:
                 continue  # a superseded attempt's late words
             if event.error is not None:

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from services.frontend.errors import ApiError
-from services.frontend.generation import Finished, Generation, TextDelta
+from services.frontend.generation import FLUSH, Finished, Flush, Generation, TextDelta
 from services.frontend.logprobs import TokenText
 from services.frontend.responses import usage_of
 from services.frontend.text_protocol import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
@@ -62,7 +62,7 @@ class TextOutput:
                                  finish_reason=finishes[i].reason, stop_reason=finishes[i].stop_reason)
                 for i in range(n)]
 
-    async def chunks(self, generations: list[Generation], request: CompletionRequest) -> AsyncIterator[dict]:
+    async def chunks(self, generations: list[Generation], request: CompletionRequest) -> AsyncIterator[dict | Flush]:
         first = generations[0]
         head = {"id": completion_id(first), "object": "text_completion", "created": int(first.timing.arrived),
                 "model": self.model_name}
@@ -81,6 +81,9 @@ class TextOutput:
 
         try:
             async for generation, event in _merged(generations):
+                if event is FLUSH:
+                    yield FLUSH
+                    continue
                 index = generation.prompt_index * len(generation.choices) + event.choice
                 if index not in offsets:
                     echo = self._echo(generation, request)
@@ -102,10 +105,11 @@ class TextOutput:
                 generation.close()
 
 
-async def _merged(generations: list[Generation]) -> AsyncIterator[tuple[Generation, TextDelta | Finished]]:
-    """Every generation's events as they come, interleaved; the first error ends them all."""
+async def _merged(generations: list[Generation]) -> AsyncIterator[tuple[Generation, TextDelta | Finished | Flush]]:
+    """Every generation's events as they come, interleaved, with ``FLUSH`` where none is at hand; the first
+    error ends them all."""
     if len(generations) == 1:
-        async with aclosing(generations[0].events()) as events:
+        async with aclosing(generations[0].events(flushes=True)) as events:
             async for event in events:
                 yield generations[0], event
         return
@@ -126,6 +130,8 @@ async def _merged(generations: list[Generation]) -> AsyncIterator[tuple[Generati
     try:
         remaining = len(tasks)
         while remaining:
+            if queue.empty():  # about to wait
+                yield generations[0], FLUSH
             generation, item = await queue.get()
             if item is done:
                 remaining -= 1
