@@ -230,7 +230,7 @@ async def _unless_disconnected(work, request: Request):
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
-            # until it ends: one cancel can be lost — Python 3.11's wait_for (under nats-py's next_msg)
+            # until it ends: one cancel can be lost — Python 3.11's wait_for (as under nats-py's next_msg)
             # returns a result that meets the cancel and drops the cancel, and the answer generated on
             while not task.done():
                 task.cancel()
