@@ -177,6 +177,17 @@ def test_completions_string_ids_echo_logprobs_stream(stack, reference):
     assert [c.index for c in sorted(several.choices, key=lambda c: c.index)] == [0, 1, 2, 3]
 
 
+def test_logprobs_of_a_degenerate_penalty_are_json_numbers(stack):
+    # repetition_penalty 5e-324 makes the engine's logits +inf and its log-softmax NaN (found by the
+    # property test as a 500): the answer carries vLLM's floor, -9999, where JSON has no number
+    client = stack.client()
+    out = client.completions.create(model=model_id(client), prompt="0", max_tokens=3, logprobs=2, temperature=0,
+                                    extra_body={"repetition_penalty": 5e-324})
+    lp = out.choices[0].logprobs
+    assert len(lp.token_logprobs) == 3 and all(-9999.0 <= v <= 0 for v in lp.token_logprobs)
+    assert all(-9999.0 <= v <= 0 for top in lp.top_logprobs for v in top.values())
+
+
 def test_tokenize_detokenize_version_model(stack, reference):
     tokens = post(stack, "/tokenize", {"prompt": "Hello world", "add_special_tokens": False}).json()
     assert tokens["tokens"] == reference.tokenizer.encode("Hello world", add_special_tokens=False)

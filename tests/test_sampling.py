@@ -87,6 +87,22 @@ def test_logprobs_equal_hf_scores(parts, reference):
         assert lp.top_logprobs == pytest.approx(top.values.tolist(), abs=1e-4)
 
 
+def test_logprobs_are_finite_numbers_whatever_the_penalty(parts, reference):
+    """A repetition penalty at the bottom of its range divides a seen token's logit into +inf, and the
+    row's log-softmax into NaN (HF's processor does the same): reported as vLLM reports what JSON cannot
+    carry, at its floor of -9999 (a property test found /v1/completions answering 500 on this)."""
+    import math
+
+    from shared.engine.sampling import LOWEST_LOGPROB
+
+    ids = prompt_ids(reference, PROMPTS[0])
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, repetition_penalty=5e-324, logprobs=3)
+    got = run(make_engine(parts), [Sequence("r", list(ids), len(ids), params)])["r"]
+    values = [v for _, _, lp in got for v in [lp.logprob, *lp.top_logprobs]]
+    assert len(values) == 16 and all(math.isfinite(v) and LOWEST_LOGPROB <= v <= 0 for v in values)
+    assert LOWEST_LOGPROB in values  # the NaN rows
+
+
 def test_presence_frequency_bias_match_a_reference_loop(parts, reference):
     ids = prompt_ids(reference, PROMPTS[1])
     bias = ((17, 3.0), (42, -100.0))

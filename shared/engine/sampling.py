@@ -103,6 +103,9 @@ def _noise_seed(seed: int, index: int) -> int:
     return ((seed * _MIX) ^ (index + 1) * 0xBF58476D1CE4E5B9) & 0x7FFF_FFFF_FFFF_FFFF
 
 
+LOWEST_LOGPROB = -9999.0  # what a logprob is reported as at least (vLLM's floor)
+
+
 @dataclass
 class TokenLogprobs:
     """The sampled token's logprob and the ``len(top_ids)`` most likely tokens' (most likely first)."""
@@ -161,7 +164,9 @@ class Sampler:
         if not wanted:
             return
         rows = torch.tensor(wanted, device=logits.device)
-        logprobs = logits[rows].log_softmax(dim=-1)
+        # as vLLM reports them: at least LOWEST_LOGPROB, never -inf or NaN (JSON has neither; a masked token
+        # is -inf, and a repetition penalty near 0 divides a logit into +inf, its row into NaN)
+        logprobs = logits[rows].log_softmax(dim=-1).nan_to_num(LOWEST_LOGPROB).clamp_min(LOWEST_LOGPROB)
         chosen = logprobs.gather(1, tokens[rows].unsqueeze(1)).squeeze(1).tolist()
         k = max(params[i].logprobs for i in wanted)
         top = logprobs.topk(k, dim=-1) if k else None
