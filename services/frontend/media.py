@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import hashlib
 import io
 import ipaddress
 import socket
@@ -31,6 +30,7 @@ from PIL import Image, UnidentifiedImageError
 
 from services.frontend.errors import ApiError
 from services.frontend.video import DecodedVideo, VideoLimits, decode_video
+from shared.embedding_index import content_digest
 from shared.model.video import VideoGeometry
 
 FORMATS = {"PNG", "JPEG", "WEBP", "GIF", "BMP"}
@@ -52,10 +52,7 @@ class DecodedImage:
 
 
 def content_hash(pixels: np.ndarray, mode: str = "RGB") -> str:
-    h = hashlib.blake2b(digest_size=20)
-    h.update(f"{mode}:{pixels.shape[1]}x{pixels.shape[0]}:".encode())
-    h.update(np.ascontiguousarray(pixels).data)
-    return h.hexdigest()
+    return content_digest(f"{mode}:{pixels.shape[1]}x{pixels.shape[0]}:", np.ascontiguousarray(pixels).data)
 
 
 def decode_image(data: bytes, max_pixels: int) -> DecodedImage:

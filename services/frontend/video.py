@@ -17,7 +17,6 @@ at what rate), so it names the video processor's input, timing included.
 from __future__ import annotations
 
 import collections
-import hashlib
 import io
 import time
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import av
 import numpy as np
 
 from services.frontend.errors import ApiError
+from shared.embedding_index import content_digest
 from shared.messages.encode import VideoSampling
 from shared.model.video import VideoGeometry
 
@@ -62,12 +62,10 @@ class DecodedVideo:
 
 
 def video_hash(frames: np.ndarray, sampling: VideoSampling) -> str:
-    h = hashlib.blake2b(digest_size=20)
     t, height, width = frames.shape[:3]
-    h.update(f"video:RGB:{t}x{width}x{height}:{sampling.total_frames}@{sampling.source_fps!r}:".encode())
-    h.update(np.asarray(sampling.frame_indices, dtype=np.int64).tobytes())
-    h.update(np.ascontiguousarray(frames).data)
-    return h.hexdigest()
+    return content_digest(f"video:RGB:{t}x{width}x{height}:{sampling.total_frames}@{sampling.source_fps!r}:",
+                          np.asarray(sampling.frame_indices, dtype=np.int64).tobytes(),
+                          np.ascontiguousarray(frames).data)
 
 
 def decode_video(data: bytes, geometry: VideoGeometry, limits: VideoLimits) -> DecodedVideo:
