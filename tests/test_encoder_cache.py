@@ -273,3 +273,27 @@ def test_when_the_holder_dies_the_image_is_encoded_elsewhere(cache_stack):
     assert survivor["images"] == before["images"] + 1
     # It found the dead encoder named in the index, failed to borrow from it, and encoded the image itself.
     assert survivor["cache_borrow_failures"] == before["cache_borrow_failures"] + 1
+
+
+@pytest.mark.parametrize("mode, fmt", [("RGB", "JPEG"), ("RGB", "PNG"), ("RGBA", "PNG"), ("L", "PNG"), ("P", "PNG"),
+                                       ("CMYK", "JPEG"), ("LA", "PNG"), ("I;16", "PNG")])
+def test_decoded_pixels_are_pils_rgb_conversion_in_every_mode(mode, fmt):
+    """The frontend's pixels for any mode are what PIL's ``convert("RGB")`` gives (as HF's processor takes
+    them); an RGB image skips that copy, which must change nothing."""
+    import io
+
+    from PIL import Image
+
+    from services.frontend.media import decode_image
+
+    rng = np.random.default_rng(3)
+    base = Image.fromarray(rng.integers(0, 256, (37, 53, 3), dtype=np.uint8))
+    image = base.convert(mode) if mode != "I;16" else Image.fromarray(rng.integers(0, 65536, (37, 53), dtype=np.uint16))
+    buf = io.BytesIO()
+    image.save(buf, fmt)
+    data = buf.getvalue()
+    with Image.open(io.BytesIO(data)) as again:
+        expected = np.array(again.convert("RGB"))
+    decoded = decode_image(data, 1 << 20)
+    assert decoded.pixels.dtype == np.uint8 and decoded.pixels.shape == (37, 53, 3) and decoded.pixels.flags.writeable
+    assert np.array_equal(decoded.pixels, expected)

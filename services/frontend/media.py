@@ -69,7 +69,8 @@ def decode_image(data: bytes, max_pixels: int) -> DecodedImage:
                 raise ApiError(400, f"image of {width}x{height} pixels exceeds the limit of {max_pixels} pixels")
             if getattr(img, "n_frames", 1) > 1:
                 raise ApiError(400, "animated or multi-frame images are not supported")
-            pixels = np.array(img.convert("RGB"), dtype=np.uint8)  # writable: tensors view it
+            # writable: tensors view it; an RGB image as it is (``convert`` would copy its 6 MB first)
+            pixels = np.array(img if img.mode == "RGB" else img.convert("RGB"), dtype=np.uint8)
     except ApiError:
         raise
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError):
