@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""The frontend's CPU for one image: ``decode_image`` (JPEG decode, RGB pixels, content hash) of a
-generated image of each size, median of ``--repeats`` calls in one thread, and the content hash alone.
+"""The frontend's CPU for one image: ``decode_image`` (JPEG decode, RGB pixels, content hash) as the floor
+measures it (``tools.plan.costs.measure_media``: the workload's own images, least of five), and the
+content hash alone, for each size.
 
     python bench/media_decode.py --sizes 1920x1080,448x448 --out bench/results/media_decode-cpu.json
 """
@@ -8,50 +9,34 @@ generated image of each size, median of ``--repeats`` calls in one thread, and t
 from __future__ import annotations
 
 import argparse
-import io
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return round(statistics.median(times), 2)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="1920x1080,448x448", help="WIDTHxHEIGHT, comma-separated")
-    parser.add_argument("--format", default="JPEG")
-    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--format", default="jpeg", choices=["jpeg", "png"])
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
     import numpy as np
-    from PIL import Image
+    import torch
 
-    from services.frontend.media import content_hash, decode_image
+    from services.frontend.media import content_hash
     from tools.bench.dataset import make_image
+    from tools.plan.costs import Timer, measure_media
 
     rows = []
     for size in args.sizes.split(","):
         width, height = (int(v) for v in size.split("x"))
-        buf = io.BytesIO()
-        make_image(0, width, height).save(buf, args.format)
-        data = buf.getvalue()
-        pixels = np.array(Image.open(io.BytesIO(data)).convert("RGB"))
-        rows.append({"size": size, "format": args.format, "bytes": len(data),
-                     "decode_image_ms": median_ms(lambda: decode_image(data, width * height), args.repeats),
-                     "content_hash_ms": median_ms(lambda: content_hash(pixels), args.repeats)})
+        pixels = np.array(make_image(0, width, height).convert("RGB"))
+        rows.append({"size": size, "format": args.format,
+                     "decode_image_ms": round(measure_media(width, height, args.format), 2),
+                     "content_hash_ms": round(Timer(torch.device("cpu")).ms(lambda: content_hash(pixels), repeat=5), 2)})
         print(json.dumps(rows[-1]), flush=True)
     if args.out:
         args.out.write_text(json.dumps({"python": sys.version.split()[0], "rows": rows}, indent=1))

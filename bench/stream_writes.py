@@ -134,6 +134,18 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _session(leader: int) -> list[int]:
+    """The processes of the session ``leader`` started (the stack runs in a session of its own)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and os.getsid(int(entry.name)) == leader:
+                pids.append(int(entry.name))
+        except ProcessLookupError:
+            continue
+    return pids
+
+
 def stack_frontend(streams: int, tokens: int) -> dict:
     """The frontend's CPU per token while a tiny aggregated stack streams ``streams`` answers at once."""
     import httpx
@@ -144,8 +156,8 @@ def stack_frontend(streams: int, tokens: int) -> dict:
     stack = StackProcess(["--topology", "aggregated"], {**env, "EPD_LOG_FORMAT": "json"}, Path.cwd())
     try:
         api = stack.wait_ready(240)
-        frontend = int(next(p for p in Path("/proc").iterdir() if p.name.isdigit() and
-                            b"services.frontend" in (p / "cmdline").read_bytes()).name)
+        frontend = next(pid for pid in _session(stack.process.pid)
+                        if b"services.frontend" in Path(f"/proc/{pid}/cmdline").read_bytes())
 
         def answer(i: int) -> int:
             body = {"messages": [{"role": "user", "content": f"hello {i}"}], "max_tokens": tokens,
