@@ -15,6 +15,8 @@ triton = pytest.importorskip("triton")
 from shared.kernels.attention import paged_prefill_attention  # noqa: E402
 from shared.kernels.fused import add_rms_norm, rms_norm, rope_store, silu_mul  # noqa: E402
 from shared.kernels.gemv import linear, norm_linear, tiles  # noqa: E402
+import shared.kernels.prefetch as prefetch  # noqa: E402
+import triton.language as tl  # noqa: E402
 from shared.model.rope import apply_rotary  # noqa: E402
 from shared.model.text import RMSNorm  # noqa: E402
 
@@ -369,3 +371,29 @@ def test_mixed_steps_launch_the_kernels_the_decode_graphs_compiled(tiny_model, m
         engine.step()
     assert {name: len(v) for name, v in variants.items()} == {"_decode_kernel": 1, "_merge_kernel": 1,
                                                               "_rope_store_kernel": 1}
+
+
+@triton.jit
+def _record_prefetches(out_ptr, addr, nbytes, SLOTS: tl.constexpr, CHUNK: tl.constexpr, LANES: tl.constexpr):
+    part = tl.program_id(0)
+    prefetch.to_l2(addr, nbytes, part, tl.num_programs(0), out_ptr + part * SLOTS * 2, CHUNK, LANES, RECORD=True)
+
+
+@pytest.mark.parametrize("nbytes,parts,chunk,lanes", [(17 << 20, 128, 16384, 256), (3 << 20, 96, 16384, 128),
+                                                       (48, 7, 16, 32), (1 << 20, 3, 4096, 32),
+                                                       (16 * 1001, 5, 64, 32)])
+def test_l2_prefetch_requests_cover_the_range_once_spread_over_the_programs(nbytes, parts, chunk, lanes):
+    """``prefetch.to_l2``'s requests (recorded instead of issued): together every byte of the range exactly once,
+    none past it, each at most ``chunk`` bytes and 16-byte aligned, and the programs' shares within one
+    request of each other (every SM's copy engine takes part)."""
+    base = 1 << 40
+    slots = lanes * math.ceil(math.ceil(nbytes / chunk) / (parts * lanes))
+    out = torch.zeros(parts, slots, 2, dtype=torch.int64)
+    _record_prefetches[(parts,)](out, base, nbytes, SLOTS=slots, CHUNK=chunk, LANES=lanes)
+    issued = [(int(a), int(n)) for a, n in out.view(-1, 2).tolist() if n > 0]
+    assert all(0 < n <= chunk and n % 16 == 0 and (a - base) % 16 == 0 for a, n in issued)
+    issued.sort()
+    assert issued[0][0] == base and sum(n for _, n in issued) == nbytes
+    assert all(a + n == b for (a, n), (b, _) in zip(issued, issued[1:]))  # contiguous, no overlap
+    shares = [(row[:, 1] > 0).sum().item() for row in out]
+    assert max(shares) - min(shares) <= 1

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from shared.kernels import launch
+import shared.kernels.prefetch as prefetch  # the module itself, not the package's lazy handle
 
 MAX_ROWS = 1  # rows the decoder layers use these kernels for (measured: see above)
 ROWS_LIMIT = 4  # rows the kernels compute
@@ -59,19 +60,24 @@ def tiles(n: int, k: int, rows: int = 1) -> tuple[int, int, int]:
 
 @triton.jit(do_not_specialize=["rows"])
 def _gemv_kernel(x_ptr, res_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr, h_out_ptr,
-                 rows, N, K, eps, stride_x, stride_r, stride_w, stride_o,
+                 rows, N, K, eps, stride_x, stride_r, stride_w, stride_o, pf_addr, pf_bytes,
                  NORM: tl.constexpr, RESIDUAL: tl.constexpr, KEEP: tl.constexpr, HAS_BIAS: tl.constexpr,
                  ROWS_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PDL: tl.constexpr):
+                 PDL: tl.constexpr, PREFETCH: tl.constexpr, PF_CHUNK: tl.constexpr, LANES: tl.constexpr,
+                 W_POLICY: tl.constexpr):
     """out[r, cols] = h[r] · W[cols]ᵀ (+ bias): h = x, or with NORM the RMSNorm of x (+ res with RESIDUAL).
     Program 0 writes x + res to res_out (RESIDUAL) and h to h_out (KEEP). Rows are contiguous in K; the
-    res_out and h_out rows have x's stride."""
+    res_out and h_out rows have x's stride. PREFETCH: the programs ask for [pf_addr, + pf_bytes) in L2
+    (``shared.kernels.prefetch``) after their first weights, before the wait; W_POLICY: the weights' loads'."""
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_w + ks[None, :]
-    w = tl.load(w_ptrs, mask=col_ok[:, None] & (ks < K)[None, :], other=0.0)  # weights: no kernel writes them
+    # weights: no kernel writes them
+    w = tl.load(w_ptrs, mask=col_ok[:, None] & (ks < K)[None, :], other=0.0, eviction_policy=W_POLICY)
+    if PREFETCH:
+        prefetch.to_l2(pf_addr, pf_bytes, pid, tl.num_programs(0), pf_addr, PF_CHUNK, LANES, PREFETCH == 2)
     launch.wait_for_inputs(PDL)
 
     r = tl.arange(0, ROWS_PAD)
@@ -110,7 +116,8 @@ def _gemv_kernel(x_ptr, res_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr
                 h = (h.to(tl.float32) + tl.load(res_ptrs, mask=x_ok, other=0.0).to(tl.float32)).to(dtype)
             weight = tl.load(norm_ptr + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
             h = (weight[None, :] * (h.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype)
-        w_next = tl.load(w_ptrs + BLOCK_K, mask=col_ok[:, None] & (ks < K - k0 - BLOCK_K)[None, :], other=0.0)
+        w_next = tl.load(w_ptrs + BLOCK_K, mask=col_ok[:, None] & (ks < K - k0 - BLOCK_K)[None, :], other=0.0,
+                         eviction_policy=W_POLICY)
         acc += w.to(tl.float32)[None, :, :] * h.to(tl.float32)[:, None, :]
         w = w_next
         w_ptrs += BLOCK_K
@@ -125,7 +132,8 @@ def _gemv_kernel(x_ptr, res_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
-            norm: torch.Tensor | None, eps: float, keep: bool, block: tuple[int, int, int] | None):
+            norm: torch.Tensor | None, eps: float, keep: bool, block: tuple[int, int, int] | None,
+            ahead: torch.Tensor | None = None):
     rows, k = x.shape
     n = weight.shape[0]
     assert rows <= ROWS_LIMIT and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
@@ -136,22 +144,26 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, re
         block = (min(triton.next_power_of_2(n), 256), 64, 4) if launch.interpreted() else tiles(n, k, rows)
     block_n, block_k, num_warps = block
     pdl = launch.pdl(x)
+    hints = prefetch.PLAN.active(x)
+    pf_addr, pf_bytes = prefetch.span(ahead if hints else None)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x, norm if norm is not None else weight, weight,
         bias if bias is not None else weight, out, res_out if res_out is not None else out,
         h_out if h_out is not None else out, rows, n, k, eps, x.stride(0),
-        residual.stride(0) if residual is not None else 0, weight.stride(0), out.stride(0),
+        residual.stride(0) if residual is not None else 0, weight.stride(0), out.stride(0), pf_addr, pf_bytes,
         NORM=norm is not None, RESIDUAL=residual is not None, KEEP=keep, HAS_BIAS=bias is not None,
         ROWS_PAD=triton.next_power_of_2(rows), K_PAD=triton.next_power_of_2(k), BLOCK_N=block_n, BLOCK_K=block_k,
-        PDL=pdl, num_warps=num_warps, **launch.options(pdl))
+        PDL=pdl, PREFETCH=prefetch.PLAN.mode(pf_bytes > 0), PF_CHUNK=prefetch.PLAN.chunk, LANES=32 * num_warps,
+        W_POLICY=prefetch.PLAN.streamed(hints), num_warps=num_warps, **launch.options(pdl))
     return out, res_out, h_out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           block: tuple[int, int, int] | None = None) -> torch.Tensor:
+           block: tuple[int, int, int] | None = None, ahead: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` ``[rows <= ROWS_LIMIT, K]``; ``block``: (BLOCK_N, BLOCK_K,
-    num_warps) instead of ``tiles``' (tests, ``bench/gemv_tiles.py``)."""
-    return _launch(x, weight, bias, None, None, 0.0, False, block)[0]
+    num_warps) instead of ``tiles``' (tests, ``bench/gemv_tiles.py``); ``ahead``: a weight a later kernel
+    reads, asked for in L2 (``shared.kernels.prefetch``)."""
+    return _launch(x, weight, bias, None, None, 0.0, False, block, ahead)[0]
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: torch.Tensor, eps: float,

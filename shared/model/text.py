@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.kernels import enabled, fused, gemv
+from shared.kernels import enabled, fused, gemv, prefetch
 from shared.model.config import TextConfig
 from shared.model.rope import MRotaryEmbedding
 
@@ -63,14 +63,16 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, backend) -> torch.Tensor:
         return self.o_proj(self.attend(self.qkv_proj(x), cos, sin, batch, backend))
 
-    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, backend) -> torch.Tensor:
-        """The fused projection's output ``[T, q|k|v]`` → attention's ``[T, heads · head_dim]``, before ``o_proj``."""
+    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, backend,
+               ahead: torch.Tensor | None = None) -> torch.Tensor:
+        """The fused projection's output ``[T, q|k|v]`` → attention's ``[T, heads · head_dim]``, before ``o_proj``;
+        ``ahead``: a weight read next, for the backend to ask for in L2."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         # (QK-norm,) rotary, cache write, attention
-        out = backend.forward(self.layer, q, k, v, cos, sin, batch, qk_norm=self.qk_norm)
+        out = backend.forward(self.layer, q, k, v, cos, sin, batch, qk_norm=self.qk_norm, ahead=ahead)
         return out.reshape(-1, self.q_size)
 
 
@@ -83,6 +85,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     finish_reads_input = False
+    streams_own_weights = False  # cuBLAS reads gate|up and down: weights asked for in L2 before them are evicted
 
     @property
     def first(self) -> nn.Linear:
@@ -92,8 +95,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.finish(x, self.gate_up_proj(x))
 
-    def finish(self, x: torch.Tensor | None, gate_up: torch.Tensor) -> torch.Tensor:
-        """The rest after ``first``."""
+    def finish(self, x: torch.Tensor | None, gate_up: torch.Tensor, ahead: torch.Tensor | None = None) -> torch.Tensor:
+        """The rest after ``first`` (``ahead``, the next layer's first weight: unused, cuBLAS streams ``down``)."""
         if gate_up.is_cuda and enabled("fused"):
             act = fused.silu_mul(gate_up)
             if few_rows(act) and gemv.suits(self.down_proj.weight):
@@ -108,17 +111,26 @@ def few_rows(x: torch.Tensor) -> bool:
     return x.is_cuda and enabled("gemv") and x.shape[0] <= gemv.MAX_ROWS
 
 
-def few_rows_layer(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, cos, sin, batch, backend):
+def few_rows_layer(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, cos, sin, batch, backend,
+                   following: nn.Module | None = None):
     """A decoder layer's forward for a few rows: each projection whose weight ``gemv.suits`` a GEMV with the
     RMSNorm before it fused in (``shared.kernels.gemv``), launched back to back with the layer's other
     Triton kernels (``shared.kernels.launch``); larger ones as in ``DecoderLayer.forward``. Same inputs,
-    outputs and rounding points as that."""
+    outputs and rounding points as that. Weights are asked for in L2 ahead of their kernel where the device
+    takes it (``shared.kernels.prefetch.PLAN``): o_proj's by attention, the next layer's (``following``)
+    q|k|v by this layer's experts or o_proj."""
     attn, mlp = layer.self_attn, layer.mlp
+    plan = prefetch.PLAN
     qkv, residual, _ = norm_then(layer.input_layernorm, x, residual, attn.qkv_proj)
-    out = attn.attend(qkv, cos, sin, batch, backend)
-    o = gemv.linear(out, attn.o_proj.weight) if gemv.suits(attn.o_proj.weight) else attn.o_proj(out)
+    o_small = gemv.suits(attn.o_proj.weight)
+    out = attn.attend(qkv, cos, sin, batch, backend, ahead=attn.o_proj.weight if o_small and plan.o_in_attention else None)
+    ahead = following.self_attn.qkv_proj.weight if following is not None and mlp.streams_own_weights else None
+    if ahead is not None and not gemv.suits(ahead):
+        ahead = None
+    o = gemv.linear(out, attn.o_proj.weight, ahead=ahead if plan.ahead == "o" else None) if o_small \
+        else attn.o_proj(out)
     first, residual, h = norm_then(layer.post_attention_layernorm, o, residual, mlp.first, keep=mlp.finish_reads_input)
-    return mlp.finish(h, first), residual
+    return mlp.finish(h, first, ahead=ahead), residual
 
 
 def norm_then(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, linear: nn.Linear, keep: bool = False):
@@ -144,11 +156,12 @@ class DecoderLayer(nn.Module):
     def make_mlp(self, config: TextConfig, layer: int) -> nn.Module:
         return MLP(config)
 
-    def forward(self, x, residual, cos, sin, batch, backend):
+    def forward(self, x, residual, cos, sin, batch, backend, following: nn.Module | None = None):
         """``x`` is the previous layer's output not yet added to ``residual`` (None: ``x`` is the whole
-        hidden state, as for the first layer and after a deepstack injection)."""
+        hidden state, as for the first layer and after a deepstack injection); ``following``: the next
+        layer, whose first weight a few-rows forward asks for in L2 ahead."""
         if few_rows(x):
-            return few_rows_layer(self, x, residual, cos, sin, batch, backend)
+            return few_rows_layer(self, x, residual, cos, sin, batch, backend, following)
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
@@ -185,9 +198,13 @@ class LanguageModel(nn.Module):
         """``embeds`` ``[T, hidden]``, ``positions`` ``[3, T]`` → final hidden states ``[T, hidden]``."""
         cos, sin = self.rotary(positions, embeds.dtype)
         x, residual = embeds, None
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, batch, backend)
+        for layer, following in self.layer_pairs():
+            x, residual = layer(x, residual, cos, sin, batch, backend, following)
         return self.norm.add_forward(x, residual)[0]
+
+    def layer_pairs(self):
+        """Each layer with the one after it (None after the last)."""
+        return zip(self.layers, [*self.layers[1:], None])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
