@@ -349,47 +349,29 @@ def _decode1_at(ctx, prompt: int) -> None:
 
 
 def _decode_variants(ctx, seq: Sequence) -> dict:
-    """The batch-1 graph replay with one part switched off or changed, on the same staged inputs (a graph of
-    bucket 1 captured for each): the few-rows layer (``shared.kernels.gemv``: norms fused into GEMVs),
-    programmatic dependent launch (``shared.kernels.launch``), both; the L2 prefetches
-    (``shared.kernels.prefetch``): all, each part of the plan, its chunk size; the down GEMV's loads before
-    its wait (``moe_small.EARLY_DOWN``)."""
-    import dataclasses
-    import importlib
+    """The batch-1 graph replay with one part switched off, on the same staged inputs (a graph of bucket 1
+    captured for each): the few-rows layer (``shared.kernels.gemv``: norms fused into GEMVs),
+    programmatic dependent launch (``shared.kernels.launch``), both; the MoE down GEMV's loads before its
+    wait (``moe_small.EARLY_DOWN``); the routing inside the router's GEMV (``text.ROUTE_IN_ROUTER``)."""
     from shared.kernels import ENABLED, launch, moe_small
-
-    prefetch = importlib.import_module("shared.kernels.prefetch")  # the module (the package has a lazy handle)
+    from shared.model import text
 
     runner, timer = ctx["engine"].runner, ctx["timer"]
     graphs, inputs = runner.graphs, runner.inputs
-    plan = prefetch.PLAN
-    switches = {  # name → (gemv, pdl, prefetch, early down, plan)
-        "without_pdl": (True, False, True, True, plan), "without_gemv": (False, True, True, True, plan),
-        "without_gemv_and_pdl": (False, False, True, True, plan),
-        "without_prefetch": (True, True, False, True, plan),
-        "without_prefetch_and_early_down": (True, True, False, False, plan),
-        "without_early_down": (True, True, True, False, plan),
-    }
-    alone = dict(o_in_attention=False, down_in_gate_up=False, ahead=None)
-    plain = dict(keep=False, evict_first=False)
-    o_only = dict(alone, o_in_attention=True, **plain)
-    for name, change in (("o_before_wait", o_only), ("o_after_wait", dict(o_only, o_where="after")),
-                         ("o_in_merge", dict(o_only, o_where="merge")),
-                         ("o_in_merge_keep", dict(o_only, o_where="merge", keep=True, evict_first=True)),
-                         ("o_in_merge_1k", dict(o_only, o_where="merge", chunk=1024)),
-                         ("o_after_wait_1k", dict(o_only, o_where="after", chunk=1024))):
-        switches[f"prefetch_{name}"] = (True, True, True, True, dataclasses.replace(plan, **change))
-    before = ENABLED["gemv"], launch.ENABLED, prefetch.ENABLED, moe_small.EARLY_DOWN, prefetch.PLAN
+    before = ENABLED["gemv"], launch.ENABLED, moe_small.EARLY_DOWN, text.ROUTE_IN_ROUTER
     out = {}
-    for name, (gemv_on, pdl_on, prefetch_on, early, variant) in switches.items():
-        ENABLED["gemv"], launch.ENABLED, prefetch.ENABLED, moe_small.EARLY_DOWN, prefetch.PLAN = (
-            gemv_on, pdl_on, prefetch_on, early, variant)
+    for name, switches in (("without_pdl", (True, False, True, True)), ("without_gemv", (False, True, True, True)),
+                           ("without_gemv_and_pdl", (False, False, True, True)),
+                           ("without_early_down", (True, True, False, True)),
+                           ("without_route_in_router", (True, True, True, False)),
+                           ("without_both", (True, True, False, False))):
+        ENABLED["gemv"], launch.ENABLED, moe_small.EARLY_DOWN, text.ROUTE_IN_ROUTER = switches
         try:
             runner.capture_graphs(1, ctx["max_len"])
             rows = runner.stage_decode([seq])
             out[name] = timer.ms(lambda: runner.graphs.replay(rows), repeat=200, warmup=10)
         finally:
-            ENABLED["gemv"], launch.ENABLED, prefetch.ENABLED, moe_small.EARLY_DOWN, prefetch.PLAN = before
+            ENABLED["gemv"], launch.ENABLED, moe_small.EARLY_DOWN, text.ROUTE_IN_ROUTER = before
             runner.graphs, runner.inputs = graphs, inputs
             torch.cuda.empty_cache()
         log(f"decode b1 {name}: graph replay {out[name]:.3f} ms")

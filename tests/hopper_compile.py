@@ -14,7 +14,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from shared.kernels import attention, decode_attention, fused, gemv, moe, moe_routing, moe_small, prefetch  # noqa: E402
+from shared.kernels import attention, decode_attention, fused, gemv, moe, moe_routing, moe_small  # noqa: E402
 
 
 def compile_for_hopper(kernel, pointers: dict[str, str], constants: dict, **options) -> None:
@@ -48,48 +48,44 @@ def main() -> int:
     compile_for_hopper(moe_routing._route_kernel, route, dict(routing, ROWS=16, COUNT=True))
     compile_for_hopper(moe_routing._route_kernel, route, dict(routing, ROWS=1, COUNT=False, PDL=True), num_warps=1,
                        launch_pdl=True)
-    # L2 prefetches (shared.kernels.prefetch) on and off: their inline PTX is checked by ptxas here
-    ahead = dict(pf_addr="i64", pf_bytes="i64")
-    hints = [dict(PREFETCH=2, PF_CHUNK=prefetch.PLAN.chunk, W_POLICY="evict_first"),
-             dict(PREFETCH=1, PF_CHUNK=prefetch.PLAN.chunk, W_POLICY="")]
-    for hint in hints:
-        for kernel, pointers, tiles, constants in (
-                (moe_small._gate_up_kernel, dict(x_ptr=bf16, w_ptr=bf16, act_ptr=bf16, ids_ptr=i32, down_ptr=bf16),
-                 moe_small.GATE_UP, dict(TOP_K=8)),
-                (moe_small._down_kernel, dict(ahead, act_ptr=bf16, w_ptr=bf16, out_ptr=bf16, weights_ptr=bf16,
-                                              ids_ptr=i32), moe_small.DOWN, dict(TOP_K=8, K_PAD=8, EARLY=True))):
-            compile_for_hopper(kernel, pointers, dict(constants, **hint, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-                                                      PDL=True, LANES=32 * tiles.num_warps),
-                               num_warps=tiles.num_warps, launch_pdl=True)
+    for kernel, pointers, tiles, constants in (
+            (moe_small._gate_up_kernel, dict(x_ptr=bf16, w_ptr=bf16, act_ptr=bf16, ids_ptr=i32), moe_small.GATE_UP,
+             dict(TOP_K=8)),
+            (moe_small._down_kernel, dict(act_ptr=bf16, w_ptr=bf16, out_ptr=bf16, weights_ptr=bf16, ids_ptr=i32),
+             moe_small.DOWN, dict(TOP_K=8, K_PAD=8, EARLY=True))):
+        compile_for_hopper(kernel, pointers, dict(constants, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PDL=True),
+                           num_warps=tiles.num_warps, launch_pdl=True)
     compile_for_hopper(moe_routing._align_kernel, dict(
         ids_ptr=i32, counts_ptr=i32, cursor_ptr=i32, sorted_ids_ptr=i32, block_experts_ptr=i32, num_padded_ptr=i32),
         dict(NUM_EXPERTS=128, E_PAD=128, BLOCK_M=64, CHUNK=64))
     # the decode step's chain at batch 1 of Qwen3-VL-30B-A3B, launched with PDL
-    gemv_pointers = dict(ahead, x_ptr=bf16, res_ptr=bf16, norm_ptr=bf16, w_ptr=bf16, bias_ptr=bf16, out_ptr=bf16,
+    gemv_pointers = dict(x_ptr=bf16, res_ptr=bf16, norm_ptr=bf16, w_ptr=bf16, bias_ptr=bf16, out_ptr=bf16,
                          res_out_ptr=bf16, h_out_ptr=bf16)
-    for (n, k, norm, keep), hint in zip(((5120, 2048, True, False), (2048, 4096, False, False), (128, 2048, True, True)),
-                                        (hints[1], hints[0], hints[0])):
+    for n, k, norm, keep in ((5120, 2048, True, False), (2048, 4096, False, False), (128, 2048, True, True)):
         block_n, block_k, warps = gemv.tiles(n, k)
         compile_for_hopper(gemv._gemv_kernel, gemv_pointers, dict(
-            **hint, NORM=norm, RESIDUAL=norm, KEEP=keep, HAS_BIAS=False, ROWS_PAD=1, K_PAD=k, BLOCK_N=block_n,
-            BLOCK_K=block_k, PDL=True, LANES=32 * warps), num_warps=warps, launch_pdl=True)
+            NORM=norm, RESIDUAL=norm, KEEP=keep, HAS_BIAS=False, ROWS_PAD=1, K_PAD=k, BLOCK_N=block_n,
+            BLOCK_K=block_k, PDL=True, ROUTE=False, E_PAD=1, TOP_K=1, K_PAD_ROUTE=2, RENORMALIZE=False),
+            num_warps=warps, launch_pdl=True)
+    block_n, block_k, warps = gemv.tiles(128, 2048)  # the router, routing in its last program
+    compile_for_hopper(gemv._gemv_kernel, dict(gemv_pointers, counter_ptr=i32, weights_ptr=bf16, ids_ptr=i32), dict(
+        NORM=True, RESIDUAL=True, KEEP=True, HAS_BIAS=False, ROWS_PAD=1, K_PAD=2048, BLOCK_N=block_n, BLOCK_K=block_k,
+        PDL=True, ROUTE=True, E_PAD=128, TOP_K=8, K_PAD_ROUTE=8, RENORMALIZE=True), num_warps=warps, launch_pdl=True)
     compile_for_hopper(fused._rope_store_kernel, dict(
         q_ptr=bf16, k_ptr=bf16, v_ptr=bf16, cos_ptr=bf16, sin_ptr=bf16, k_cache=bf16, v_cache=bf16, slots="*i64",
         q_norm=bf16, k_norm=bf16), dict(NUM_HEADS=32, NUM_KV_HEADS=4, HALF=64, HALF_PAD=64, HEADS_PAD=32, KV_PAD=4,
                                         STORE=True, QK_NORM=True, PDL=True), launch_pdl=True)
-    decode = dict(ahead, q_ptr=bf16, k_ptr=bf16, v_ptr=bf16, cos_ptr=bf16, sin_ptr=bf16, q_norm=bf16, k_norm=bf16,
+    decode = dict(q_ptr=bf16, k_ptr=bf16, v_ptr=bf16, cos_ptr=bf16, sin_ptr=bf16, q_norm=bf16, k_norm=bf16,
                   slots="*i64", k_cache=bf16, v_cache=bf16, block_tables=i32, context_lens=i32, out_ptr=bf16,
                   acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32")
     layout = dict(NUM_SPLITS=32, MIN_BLOCKS=decode_attention.MIN_BLOCKS, BLOCK_SIZE=16, HEAD_DIM=128, PDL=True)
-    for (heads, group, qk_norm), hint in zip(((32, 8, True), (28, 7, False)), hints):  # Qwen3-VL-30B-A3B, the 7B
+    for heads, group, qk_norm in ((32, 8, True), (28, 7, False)):  # Qwen3-VL-30B-A3B, Qwen2.5-VL-7B
         compile_for_hopper(decode_attention._decode_kernel, decode, dict(
             layout, NUM_HEADS=heads, GROUP=group, GROUP_PAD=16, BLOCKS_PER_ITER=decode_attention.WALK_TOKENS // 16,
-            QK_NORM=qk_norm, PREFETCH=hint["PREFETCH"], PF_CHUNK=hint["PF_CHUNK"],
-            LANES=32 * decode_attention.NUM_WARPS), num_warps=decode_attention.NUM_WARPS, launch_pdl=True)
+            QK_NORM=qk_norm), num_warps=decode_attention.NUM_WARPS, launch_pdl=True)
         compile_for_hopper(decode_attention._merge_kernel, dict(
             acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", out_ptr=bf16, context_lens=i32),
-            dict(layout, NUM_HEADS=heads, SPLITS_PAD=32, PREFETCH=hint["PREFETCH"], PF_CHUNK=hint["PF_CHUNK"], LANES=128),
-            launch_pdl=True)
+            dict(layout, NUM_HEADS=heads, SPLITS_PAD=32), launch_pdl=True)
     return 0
 
 

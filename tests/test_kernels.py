@@ -15,8 +15,6 @@ triton = pytest.importorskip("triton")
 from shared.kernels.attention import paged_prefill_attention  # noqa: E402
 from shared.kernels.fused import add_rms_norm, rms_norm, rope_store, silu_mul  # noqa: E402
 from shared.kernels.gemv import linear, norm_linear, tiles  # noqa: E402
-import shared.kernels.prefetch as prefetch  # noqa: E402
-import triton.language as tl  # noqa: E402
 from shared.model.rope import apply_rotary  # noqa: E402
 from shared.model.text import RMSNorm  # noqa: E402
 
@@ -162,6 +160,31 @@ def test_norm_linear_equals_the_norm_then_the_projection(rows, with_residual, bi
         close(out, proj(norm(summed)))
     close(linear(x, proj.weight, proj.bias, block=(8, 16, 4)), proj(x))
     assert norm_linear(x, None, norm.weight, 1e-6, proj.weight)[1] is x
+
+
+@pytest.mark.parametrize("rows,dtype,renormalize", [(1, torch.bfloat16, True), (3, torch.float32, False)])
+def test_norm_router_routes_in_the_last_program_as_the_routing_kernel_does(rows, dtype, renormalize):
+    """``norm_router``: the router's logits, residual and normalized rows as ``norm_linear`` gives them, and
+    the routing (top-k of 64 experts, ties included) that ``route`` computes from those logits, made by
+    whichever of its 8 programs finishes last; the counter is back at zero after each launch."""
+    gemv = importlib.import_module("shared.kernels.gemv")
+    from shared.kernels.moe_routing import route
+
+    torch.manual_seed(rows)
+    hidden, experts, top_k = 48, 64, 6
+    x, res = (torch.randn(rows, hidden, device=DEVICE).to(dtype) for _ in range(2))
+    norm = torch.randn(hidden, device=DEVICE).to(dtype)
+    router = torch.randn(experts, hidden, device=DEVICE).to(dtype)
+    router[5] = router[9]  # equal logits: the first index wins, in both
+    for _ in range(2):  # twice: the counter the first launch left behind
+        logits, residual, normed, weights, ids = gemv.norm_router(x, res, norm, 1e-6, router, top_k, renormalize,
+                                                                  block=(8, 16, 4))
+        expected = norm_linear(x, res, norm, 1e-6, router, keep=True, block=(8, 16, 4))
+        assert all(torch.equal(a, b) for a, b in zip((logits, residual, normed), expected))
+        want_weights, want_ids = route(logits, top_k, renormalize)
+        assert torch.equal(ids, want_ids) and weights.dtype == want_weights.dtype
+        close(weights, want_weights)
+        assert gemv._counter(x.device).item() == 0
 
 
 def test_norm_linear_rounds_where_the_unfused_path_rounds_in_bf16():
@@ -371,29 +394,3 @@ def test_mixed_steps_launch_the_kernels_the_decode_graphs_compiled(tiny_model, m
         engine.step()
     assert {name: len(v) for name, v in variants.items()} == {"_decode_kernel": 1, "_merge_kernel": 1,
                                                               "_rope_store_kernel": 1}
-
-
-@triton.jit
-def _record_prefetches(out_ptr, addr, nbytes, SLOTS: tl.constexpr, CHUNK: tl.constexpr, LANES: tl.constexpr):
-    part = tl.program_id(0)
-    prefetch.to_l2(addr, nbytes, part, tl.num_programs(0), out_ptr + part * SLOTS * 2, CHUNK, LANES, RECORD=True)
-
-
-@pytest.mark.parametrize("nbytes,parts,chunk,lanes", [(17 << 20, 128, 16384, 256), (3 << 20, 96, 16384, 128),
-                                                       (48, 7, 16, 32), (1 << 20, 3, 4096, 32),
-                                                       (16 * 1001, 5, 64, 32)])
-def test_l2_prefetch_requests_cover_the_range_once_spread_over_the_programs(nbytes, parts, chunk, lanes):
-    """``prefetch.to_l2``'s requests (recorded instead of issued): together every byte of the range exactly once,
-    none past it, each at most ``chunk`` bytes and 16-byte aligned, and the programs' shares within one
-    request of each other (every SM's copy engine takes part)."""
-    base = 1 << 40
-    slots = lanes * math.ceil(math.ceil(nbytes / chunk) / (parts * lanes))
-    out = torch.zeros(parts, slots, 2, dtype=torch.int64)
-    _record_prefetches[(parts,)](out, base, nbytes, SLOTS=slots, CHUNK=chunk, LANES=lanes)
-    issued = [(int(a), int(n)) for a, n in out.view(-1, 2).tolist() if n > 0]
-    assert all(0 < n <= chunk and n % 16 == 0 and (a - base) % 16 == 0 for a, n in issued)
-    issued.sort()
-    assert issued[0][0] == base and sum(n for _, n in issued) == nbytes
-    assert all(a + n == b for (a, n), (b, _) in zip(issued, issued[1:]))  # contiguous, no overlap
-    shares = [(row[:, 1] > 0).sum().item() for row in out]
-    assert max(shares) - min(shares) <= 1

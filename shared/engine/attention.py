@@ -62,8 +62,7 @@ class TorchAttention:
     def __init__(self, cache: KVCache):
         self.cache = cache
 
-    def forward(self, layer: int, q, k, v, cos, sin, batch: ForwardBatch, qk_norm=None, ahead=None) -> torch.Tensor:
-        """``ahead``: a weight the layer reads next, which the GPU backend asks for in L2 (a hint: unused here)."""
+    def forward(self, layer: int, q, k, v, cos, sin, batch: ForwardBatch, qk_norm=None) -> torch.Tensor:
         if qk_norm is not None:
             q, k = qk_norm[0](q), qk_norm[1](k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -149,9 +148,7 @@ class TritonAttention:
         self.split_min_tokens = self.SPLIT_MIN_TOKENS
         self.split_chunks = 0  # chunks attended the split way
 
-    def forward(self, layer: int, q, k, v, cos, sin, batch: ForwardBatch, qk_norm=None, ahead=None) -> torch.Tensor:
-        """``ahead``: a weight the layer reads next, asked for in L2 by the decode rows' kernel
-        (``shared.kernels.prefetch``)."""
+    def forward(self, layer: int, q, k, v, cos, sin, batch: ForwardBatch, qk_norm=None) -> torch.Tensor:
         norms = qk_norm and (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
         k_blocks, v_blocks = self.cache.data[layer]
         rows = batch.num_decode if batch.is_prefill else q.shape[0]  # decode rows come first
@@ -160,7 +157,7 @@ class TritonAttention:
             decode_attention.decode_attention(q[:rows], k[:rows], v[:rows], cos[:rows], sin[:rows],
                                               batch.slot_mapping[:rows], k_blocks, v_blocks, batch.block_tables[:rows],
                                               batch.context_lens[:rows], self.scale, batch.num_splits, norms,
-                                              out=out[:rows], ahead=ahead)
+                                              out=out[:rows])
         if batch.is_prefill:
             k_cache, v_cache = self.cache.layer(layer)
             fused.rope_store(q[rows:], k[rows:], v[rows:], cos[rows:], sin[rows:], k_cache, v_cache,

@@ -46,7 +46,6 @@ attention = _Lazy("shared.kernels.attention")
 decode_attention = _Lazy("shared.kernels.decode_attention")
 moe = _Lazy("shared.kernels.moe")
 gemv = _Lazy("shared.kernels.gemv")
-prefetch = _Lazy("shared.kernels.prefetch")
 
 
 def log_compiles(log) -> None:

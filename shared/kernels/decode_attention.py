@@ -36,7 +36,6 @@ import triton
 import triton.language as tl
 
 from shared.kernels import launch
-import shared.kernels.prefetch as prefetch  # the module itself, not the package's lazy handle
 
 WALK_TOKENS = 64  # keys a program loads and scores at once
 MIN_BLOCKS = 4  # KV blocks of 16 a split takes at least: one walk; shorter contexts use fewer splits
@@ -110,19 +109,14 @@ def _decode_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_norm, k_norm, eps, slots,
     k_cache, v_cache, block_tables, context_lens, out_ptr, acc_ptr, m_ptr, l_ptr, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
-    stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh, pf_addr, pf_bytes,
+    stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_BLOCKS: tl.constexpr, GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr,
-    QK_NORM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, PF_CHUNK: tl.constexpr, LANES: tl.constexpr,
-    PF_WHERE: tl.constexpr = 0,
+    QK_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    part = (b * tl.num_programs(1) + kv_head) * NUM_SPLITS + split
-    parts = tl.num_programs(0) * tl.num_programs(1) * NUM_SPLITS
-    if PF_WHERE == 0 and PREFETCH:  # a later kernel's weights (o_proj's) into L2 while this one waits on latency
-        prefetch.to_l2(pf_addr, pf_bytes, part, parts, pf_addr, PF_CHUNK, LANES, PREFETCH == 2)
     ctx, n_blocks, per_split, splits = _split_layout(context_lens, b, NUM_SPLITS, MIN_BLOCKS, BLOCK_SIZE)
     if split >= splits:  # the row's other programs wait, so the launch still ends after the previous kernel
         return
@@ -137,8 +131,6 @@ def _decode_kernel(
     cos = tl.load(cos_ptr + b * stride_ct + d).to(tl.float32)
     sin = tl.load(sin_ptr + b * stride_ct + d).to(tl.float32)
     launch.wait_for_inputs(PDL)
-    if PF_WHERE == 1 and PREFETCH:
-        prefetch.to_l2(pf_addr, pf_bytes, part, parts, pf_addr, PF_CHUNK, LANES, PREFETCH == 2)
 
     # 1. the query group and the new key (the previous kernel's output), normalized and rotated
     partner = (d + HEAD_DIM // 2) % HEAD_DIM
@@ -189,19 +181,15 @@ def _decode_kernel(
 
 
 @triton.jit(do_not_specialize_on_alignment=["context_lens"])
-def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, context_lens, stride_ob, stride_oh, pf_addr, pf_bytes,
+def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, context_lens, stride_ob, stride_oh,
                   NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                  MIN_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
-                  PREFETCH: tl.constexpr = 0, PF_CHUNK: tl.constexpr = 16384, LANES: tl.constexpr = 128):
+                  MIN_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
     """One row's query head: ``Σ_s acc_s · e^(m_s − M) / Σ_s l_s · e^(m_s − M)`` over its splits in use; a
     row of one split has its output already."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     _, _, _, splits = _split_layout(context_lens, b, NUM_SPLITS, MIN_BLOCKS, BLOCK_SIZE)
     launch.wait_for_inputs(PDL)  # also where there is nothing to merge: this launch must end after the last
-    if PREFETCH:
-        prefetch.to_l2(pf_addr, pf_bytes, b * NUM_HEADS + h, tl.num_programs(0) * NUM_HEADS, pf_addr, PF_CHUNK, LANES,
-                       PREFETCH == 2)
     if splits == 1:
         return
     s = tl.arange(0, SPLITS_PAD)
@@ -221,14 +209,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
                      context_lens: torch.Tensor, scale: float, num_splits: int,
                      qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
                      out: torch.Tensor | None = None, min_blocks: int = MIN_BLOCKS,
-                     num_warps: int = NUM_WARPS, ahead: torch.Tensor | None = None) -> torch.Tensor:
+                     num_warps: int = NUM_WARPS) -> torch.Tensor:
     """Decode rows' attention. ``q`` ``[B, heads, D]``, ``k``, ``v`` ``[B, kv_heads, D]`` before rotary (left
     unchanged); ``cos``/``sin`` ``[B, D]``; ``slots`` ``[B]``: each row's new token's cache slot; caches
     ``[blocks, block_size, kv_heads, D]``; ``block_tables`` ``[B, width]`` int32; ``context_lens`` ``[B]``
     int32, the new token included; ``qk_norm``: (q's weight, k's weight, eps); ``min_blocks``: blocks a
     split takes at least (tests: 1, for many splits on short contexts); ``num_warps``: the first kernel's
-    (benchmarks); ``ahead``: a weight a later kernel reads, asked for in L2 (``shared.kernels.prefetch``).
-    Returns ``[B, heads, D]``."""
+    (benchmarks). Returns ``[B, heads, D]``."""
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -240,23 +227,18 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
     q_norm, k_norm, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)
     layout = dict(NUM_HEADS=num_heads, NUM_SPLITS=num_splits, MIN_BLOCKS=min_blocks, BLOCK_SIZE=block_size)
     pdl = launch.pdl(q)
-    plan = prefetch.PLAN
-    pf_addr, pf_bytes = prefetch.span(ahead if plan.active(q) else None)
-    where = {"before": 0, "after": 1, "merge": 2}[plan.o_where]
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k, v, cos, sin, q_norm, k_norm, eps, slots, k_cache, v_cache, block_tables, context_lens, out,
         acc, m, l, scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1), pf_addr, pf_bytes,
+        out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCKS_PER_ITER=max(1, WALK_TOKENS // block_size), QK_NORM=qk_norm is not None, PDL=pdl,
-        PREFETCH=plan.mode(pf_bytes > 0 and where < 2), PF_CHUNK=plan.chunk, LANES=32 * num_warps, PF_WHERE=where,
         num_warps=num_warps, **layout, **launch.options(pdl),
     )
     _merge_kernel[(batch, num_heads)](
-        acc, m, l, out, context_lens, out.stride(0), out.stride(1), pf_addr, pf_bytes,
+        acc, m, l, out, context_lens, out.stride(0), out.stride(1),
         SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim, PDL=pdl,
-        PREFETCH=plan.mode(pf_bytes > 0 and where == 2), PF_CHUNK=plan.chunk, LANES=128,
         **layout, **launch.options(pdl),
     )
     return out

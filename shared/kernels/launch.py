@@ -39,14 +39,9 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def hopper(t: torch.Tensor) -> bool:
-    """Whether ``t`` is on a device of compute capability 9 or later, with kernels compiled (not interpreted)."""
-    return t.is_cuda and not interpreted() and _capable(t.device.index or 0)
-
-
 def pdl(t: torch.Tensor) -> bool:
     """Whether kernels over ``t``'s device launch with PDL."""
-    return ENABLED and hopper(t)
+    return ENABLED and t.is_cuda and not interpreted() and _capable(t.device.index or 0)
 
 
 def options(enabled: bool) -> dict:

@@ -162,14 +162,13 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
 
 
 def moe(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
-        renormalize: bool, path: str | None = None, ahead: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        renormalize: bool, path: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A whole MoE MLP from the router's logits: (output ``[T, H]``, expert ids ``[T, top_k]``).
-    ``path``: ``"small"`` or ``"sorted"`` to force one (tests, benchmarks); by default ``expert_path``;
-    ``ahead``: a weight read next, which the small path asks for in L2 (``moe_small.gemv_experts``)."""
+    ``path``: ``"small"`` or ``"sorted"`` to force one (tests, benchmarks); by default ``expert_path``."""
     a = x.shape[0] * top_k
     if expert_path(a, path) == "small":
         weights, ids = route(logits, top_k, renormalize)
-        return moe_small.gemv_experts(x, gate_up, down, ids, weights, ahead=ahead), ids
+        return moe_small.gemv_experts(x, gate_up, down, ids, weights), ids
     config = kernel_config(a, gate_up.shape[0], gate_up.element_size())
     weights, ids, layout = route_and_align(logits, top_k, renormalize, config.block_m)
     return grouped_experts(x, gate_up, down, weights, layout, config), ids

@@ -12,7 +12,8 @@ Here every assignment reads its own expert's weights directly (``ids`` say which
 2. ``_down_kernel``, grid (token, block of H): the token's ``top_k`` rows of ``act`` against their
    experts' ``down`` rows (``[E, H, I]``), all slots in one ``[top_k, BLOCK_N, BLOCK_K]`` tile, the
    routing-weighted sum taken in registers and the ``[T, H]`` output written once: no ``[A, H]``
-   intermediate and no separate sum.
+   intermediate and no separate sum. Launched with PDL, it reads the expert ids and loads its first
+   weights before it waits for gate|up (the ids come from the kernel before that one).
 
 Numerics are the grouped GEMMs' (``shared.kernels.moe``): gate and up rounded to the model's dtype,
 SiLU in float32 and rounded, their product rounded; each expert's output rounded, times its routing
@@ -53,10 +54,11 @@ import triton
 import triton.language as tl
 
 from shared.kernels import launch
-import shared.kernels.prefetch as prefetch  # the module itself, not the package's lazy handle
 
 MAX_ASSIGNMENTS = 64  # tokens · top_k up to which the GEMVs beat sorting by expert (see above)
-EARLY_DOWN = True  # down loads the ids and its first weights before its wait (benchmarks switch it off)
+# down loads its ids and first weights before its wait: batch-1 step of Qwen3-VL-30B-A3B on an H200 2.58-2.59
+# against 2.63-2.65 ms (docs/benchmarks.md); the benchmarks switch it off to measure that
+EARLY_DOWN = True
 
 
 @dataclass(frozen=True)
@@ -71,12 +73,10 @@ DOWN = GemvTiles(block_n=8, block_k=128, num_warps=4)
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, down_ptr, N, K, stride_x, stride_we, stride_wn, stride_act,
-                    stride_de, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                    PREFETCH: tl.constexpr, PF_CHUNK: tl.constexpr, LANES: tl.constexpr, W_POLICY: tl.constexpr):
+def _gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, N, K, stride_x, stride_we, stride_wn, stride_act,
+                    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """act[a, cols] = SiLU(x[a // TOP_K] · G[e]ᵀ) · (x[a // TOP_K] · U[e]ᵀ), e = ids[a], for one block of
-    the N = I columns; G and U are the first and last N rows of w[e]. x and w rows are contiguous in K.
-    PREFETCH: the assignment's programs ask for down[e] (``stride_de`` elements) in L2, a share each."""
+    the N = I columns; G and U are the first and last N rows of w[e]. x and w rows are contiguous in K."""
     launch.wait_for_inputs(PDL)
     a = tl.program_id(0)
     expert = tl.load(ids_ptr + a).to(tl.int64)
@@ -88,17 +88,13 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, down_ptr, N, K, stride_x, st
     gates = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     ups = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     w_ok = col_ok[:, None] & (ks < K)[None, :]
-    g_w = tl.load(w_ptrs, mask=w_ok, other=0.0, eviction_policy=W_POLICY)
-    u_w = tl.load(w_ptrs + N * stride_wn, mask=w_ok, other=0.0, eviction_policy=W_POLICY)
-    if PREFETCH:  # the down GEMV's rows of this expert, while these stream
-        down = (down_ptr + expert * stride_de).to(tl.int64, bitcast=True)
-        prefetch.to_l2(down, stride_de * down_ptr.dtype.element_ty.primitive_bitwidth // 8, tl.program_id(1),
-                       tl.num_programs(1), down, PF_CHUNK, LANES, PREFETCH == 2)
+    g_w = tl.load(w_ptrs, mask=w_ok, other=0.0)
+    u_w = tl.load(w_ptrs + N * stride_wn, mask=w_ok, other=0.0)
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(x_ptrs, mask=ks < K - k0, other=0.0).to(tl.float32)[None, :]
         w_ok = col_ok[:, None] & (ks < K - k0 - BLOCK_K)[None, :]
-        g_next = tl.load(w_ptrs + BLOCK_K, mask=w_ok, other=0.0, eviction_policy=W_POLICY)
-        u_next = tl.load(w_ptrs + N * stride_wn + BLOCK_K, mask=w_ok, other=0.0, eviction_policy=W_POLICY)
+        g_next = tl.load(w_ptrs + BLOCK_K, mask=w_ok, other=0.0)
+        u_next = tl.load(w_ptrs + N * stride_wn + BLOCK_K, mask=w_ok, other=0.0)
         gates += g_w.to(tl.float32) * x
         ups += u_w.to(tl.float32) * x
         g_w, u_w = g_next, u_next
@@ -116,16 +112,13 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, down_ptr, N, K, stride_x, st
 
 @triton.jit
 def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, N, K, stride_act, stride_we, stride_wn, stride_out,
-                 pf_addr, pf_bytes, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, PREFETCH: tl.constexpr,
-                 PF_CHUNK: tl.constexpr, LANES: tl.constexpr, W_POLICY: tl.constexpr):
+                 TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr, EARLY: tl.constexpr):
     """out[t, cols] = Σ_k weights[t, k] · (act[t·TOP_K + k] · D[ids[t, k]]ᵀ) for one block of the N = H
     columns, every slot k in one tile (slots past TOP_K masked). act and D rows are contiguous in K.
-    EARLY: the ids (routing's, the kernel before the previous one: done once this kernel starts) and the
-    first weights are loaded before the wait; PREFETCH: [pf_addr, + pf_bytes) asked for in L2 then."""
-    if PREFETCH:
-        prefetch.to_l2(pf_addr, pf_bytes, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
-                       tl.num_programs(0) * tl.num_programs(1), pf_addr, PF_CHUNK, LANES, PREFETCH == 2)
+    EARLY: the ids and the first weights are loaded before the wait for the previous kernel (gate|up). The
+    ids are written before gate|up, which waits for its own previous kernel before this one may launch:
+    so they are complete and visible when this kernel starts."""
     if not EARLY:
         launch.wait_for_inputs(PDL)
     t = tl.program_id(0)
@@ -141,13 +134,12 @@ def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, N, K, stride_act
               + ks[None, None, :])  # [K_PAD, BN, BK]
     w_rows_ok = slot_ok[:, None, None] & col_ok[None, :, None]
     products = tl.zeros((K_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    w = tl.load(w_ptrs, mask=w_rows_ok & (ks < K)[None, None, :], other=0.0, eviction_policy=W_POLICY)
+    w = tl.load(w_ptrs, mask=w_rows_ok & (ks < K)[None, None, :], other=0.0)
     if EARLY:
         launch.wait_for_inputs(PDL)
     for k0 in range(0, K, BLOCK_K):
         act = tl.load(act_ptrs, mask=slot_ok[:, None] & (ks < K - k0)[None, :], other=0.0).to(tl.float32)
-        w_next = tl.load(w_ptrs + BLOCK_K, mask=w_rows_ok & (ks < K - k0 - BLOCK_K)[None, None, :], other=0.0,
-                         eviction_policy=W_POLICY)
+        w_next = tl.load(w_ptrs + BLOCK_K, mask=w_rows_ok & (ks < K - k0 - BLOCK_K)[None, None, :], other=0.0)
         products += w.to(tl.float32) * act[:, None, :]
         w = w_next
         act_ptrs += BLOCK_K
@@ -162,31 +154,23 @@ def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, N, K, stride_act
 
 def gemv_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
                  weights: torch.Tensor, gate_up_tiles: GemvTiles = GATE_UP,
-                 down_tiles: GemvTiles = DOWN, ahead: torch.Tensor | None = None) -> torch.Tensor:
+                 down_tiles: GemvTiles = DOWN) -> torch.Tensor:
     """``x`` ``[T, H]``; ``gate_up`` ``[E, 2I, H]`` (gate rows first); ``down`` ``[E, H, I]``; expert
     ``ids`` and routing ``weights`` ``[T, top_k]`` → ``Σ_k w_k · expert_k(x)`` ``[T, H]``. Two launches,
-    shapes from ``T`` alone. Where the device takes L2 prefetches (``shared.kernels.prefetch.PLAN``), gate|up
-    asks for the chosen experts' down rows, and down for ``ahead`` (the next layer's first weight)."""
+    shapes from ``T`` alone."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     inter = gate_up.shape[1] // 2
     x, ids, weights = x.contiguous(), ids.contiguous().view(-1), weights.contiguous().view(-1)
     act = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
     pdl = launch.pdl(x)
-    plan = prefetch.PLAN
-    hints = plan.active(x)
-    policy = plan.streamed(hints)
-    assert down.stride(1) == inter and down.stride(2) == 1  # an expert's down rows: one contiguous range
     _gate_up_kernel[(tokens * top_k, triton.cdiv(inter, gate_up_tiles.block_n))](
-        x, gate_up, act, ids, down, inter, hidden, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
-        down.stride(0), TOP_K=top_k, BLOCK_N=gate_up_tiles.block_n, BLOCK_K=gate_up_tiles.block_k,
-        PDL=pdl, PREFETCH=plan.mode(hints and plan.down_in_gate_up), PF_CHUNK=plan.chunk, LANES=32 * gate_up_tiles.num_warps,
-        W_POLICY=policy, num_warps=gate_up_tiles.num_warps, **launch.options(pdl))
+        x, gate_up, act, ids, inter, hidden, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
+        TOP_K=top_k, BLOCK_N=gate_up_tiles.block_n, BLOCK_K=gate_up_tiles.block_k,
+        PDL=pdl, num_warps=gate_up_tiles.num_warps, **launch.options(pdl))
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
-    pf_addr, pf_bytes = prefetch.span(ahead if hints and plan.ahead == "down" else None)
     _down_kernel[(tokens, triton.cdiv(hidden, down_tiles.block_n))](
         act, down, out, weights, ids, hidden, inter, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        pf_addr, pf_bytes, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_N=down_tiles.block_n,
-        BLOCK_K=down_tiles.block_k, PDL=pdl, EARLY=EARLY_DOWN, PREFETCH=plan.mode(pf_bytes > 0), PF_CHUNK=plan.chunk,
-        LANES=32 * down_tiles.num_warps, W_POLICY=policy, num_warps=down_tiles.num_warps, **launch.options(pdl))
+        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_N=down_tiles.block_n, BLOCK_K=down_tiles.block_k,
+        PDL=pdl, EARLY=EARLY_DOWN, num_warps=down_tiles.num_warps, **launch.options(pdl))
     return out

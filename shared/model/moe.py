@@ -54,7 +54,18 @@ class SparseMoeBlock(nn.Module):
         return weights.to(logits.dtype), ids
 
     finish_reads_input = True
-    streams_own_weights = True  # the expert GEMVs: they ask for the next layer's first weight in L2
+
+    @property
+    def routing(self) -> tuple[int, bool]:
+        """(top_k, renormalize): what a few-rows layer's router GEMV routes with (``gemv.norm_router``)."""
+        return self.top_k, self.norm_topk_prob
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The experts for a routing already made: ``finish`` without its routing."""
+        experts = self.experts
+        if enabled("moe"):
+            return moe_kernels.fused_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights)
+        return experts.reference(x, weights, ids)
 
     @property
     def first(self) -> nn.Linear:
@@ -64,13 +75,12 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.finish(x, self.gate(x))
 
-    def finish(self, x: torch.Tensor, logits: torch.Tensor, ahead: torch.Tensor | None = None) -> torch.Tensor:
-        """The experts for the router's ``logits`` of ``x``; ``ahead``: the next layer's first weight, which
-        the decode path's kernels ask for in L2 (``shared.kernels.prefetch``)."""
+    def finish(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The experts for the router's ``logits`` of ``x``."""
         if x.is_cuda and enabled("moe"):  # routing and the experts in Triton kernels
             experts = self.experts
             return moe_kernels.moe(x, logits, experts.gate_up_proj, experts.down_proj, self.top_k,
-                                   self.norm_topk_prob, ahead=ahead)[0]
+                                   self.norm_topk_prob)[0]
         weights, ids = self.route(logits)
         return self.experts.reference(x, weights, ids)
 

@@ -73,8 +73,8 @@ class Qwen3LanguageModel(text.LanguageModel):
         ``deepstack``: level ``i`` is added to the image rows after decoder layer ``i``."""
         cos, sin = self.rotary(positions, embeds.dtype)
         x, residual = embeds, None
-        for i, (layer, following) in enumerate(self.layer_pairs()):
-            x, residual = layer(x, residual, cos, sin, batch, backend, following)
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, cos, sin, batch, backend)
             if deepstack is not None and i < deepstack.num_levels:
                 # the same rounding order as the reference: (residual + mlp) + level
                 x, residual = deepstack.add(x + residual, i), None

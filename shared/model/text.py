@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.kernels import enabled, fused, gemv, prefetch
+from shared.kernels import enabled, fused, gemv
 from shared.model.config import TextConfig
 from shared.model.rope import MRotaryEmbedding
 
@@ -63,16 +63,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, backend) -> torch.Tensor:
         return self.o_proj(self.attend(self.qkv_proj(x), cos, sin, batch, backend))
 
-    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, backend,
-               ahead: torch.Tensor | None = None) -> torch.Tensor:
-        """The fused projection's output ``[T, q|k|v]`` → attention's ``[T, heads · head_dim]``, before ``o_proj``;
-        ``ahead``: a weight read next, for the backend to ask for in L2."""
+    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, backend) -> torch.Tensor:
+        """The fused projection's output ``[T, q|k|v]`` → attention's ``[T, heads · head_dim]``, before ``o_proj``."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         # (QK-norm,) rotary, cache write, attention
-        out = backend.forward(self.layer, q, k, v, cos, sin, batch, qk_norm=self.qk_norm, ahead=ahead)
+        out = backend.forward(self.layer, q, k, v, cos, sin, batch, qk_norm=self.qk_norm)
         return out.reshape(-1, self.q_size)
 
 
@@ -85,7 +83,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     finish_reads_input = False
-    streams_own_weights = False  # cuBLAS reads gate|up and down: weights asked for in L2 before them are evicted
+    routing = None  # a MoE block's (top_k, renormalize): its router's GEMV routes as well
 
     @property
     def first(self) -> nn.Linear:
@@ -95,8 +93,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.finish(x, self.gate_up_proj(x))
 
-    def finish(self, x: torch.Tensor | None, gate_up: torch.Tensor, ahead: torch.Tensor | None = None) -> torch.Tensor:
-        """The rest after ``first`` (``ahead``, the next layer's first weight: unused, cuBLAS streams ``down``)."""
+    def finish(self, x: torch.Tensor | None, gate_up: torch.Tensor) -> torch.Tensor:
+        """The rest after ``first``."""
         if gate_up.is_cuda and enabled("fused"):
             act = fused.silu_mul(gate_up)
             if few_rows(act) and gemv.suits(self.down_proj.weight):
@@ -106,31 +104,32 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+# a MoE layer's routing in its router GEMV's launch (the last program to finish), not a kernel of its own:
+# batch-1 step of Qwen3-VL-30B-A3B on an H200 (docs/benchmarks.md); the benchmarks switch it off
+ROUTE_IN_ROUTER = True
+
+
 def few_rows(x: torch.Tensor) -> bool:
     """Whether ``x``'s rows go through ``shared.kernels.gemv`` (decode at batch 1, on GPU: ``gemv.MAX_ROWS``)."""
     return x.is_cuda and enabled("gemv") and x.shape[0] <= gemv.MAX_ROWS
 
 
-def few_rows_layer(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, cos, sin, batch, backend,
-                   following: nn.Module | None = None):
+def few_rows_layer(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, cos, sin, batch, backend):
     """A decoder layer's forward for a few rows: each projection whose weight ``gemv.suits`` a GEMV with the
     RMSNorm before it fused in (``shared.kernels.gemv``), launched back to back with the layer's other
-    Triton kernels (``shared.kernels.launch``); larger ones as in ``DecoderLayer.forward``. Same inputs,
-    outputs and rounding points as that. Weights are asked for in L2 ahead of their kernel where the device
-    takes it (``shared.kernels.prefetch.PLAN``): o_proj's by attention, the next layer's (``following``)
-    q|k|v by this layer's experts or o_proj."""
+    Triton kernels (``shared.kernels.launch``); larger ones as in ``DecoderLayer.forward``; a MoE block's
+    routing inside its router's GEMV (``gemv.norm_router``). Same inputs, outputs and rounding points as that."""
     attn, mlp = layer.self_attn, layer.mlp
-    plan = prefetch.PLAN
     qkv, residual, _ = norm_then(layer.input_layernorm, x, residual, attn.qkv_proj)
-    o_small = gemv.suits(attn.o_proj.weight)
-    out = attn.attend(qkv, cos, sin, batch, backend, ahead=attn.o_proj.weight if o_small and plan.o_in_attention else None)
-    ahead = following.self_attn.qkv_proj.weight if following is not None and mlp.streams_own_weights else None
-    if ahead is not None and not gemv.suits(ahead):
-        ahead = None
-    o = gemv.linear(out, attn.o_proj.weight, ahead=ahead if plan.ahead == "o" else None) if o_small \
-        else attn.o_proj(out)
-    first, residual, h = norm_then(layer.post_attention_layernorm, o, residual, mlp.first, keep=mlp.finish_reads_input)
-    return mlp.finish(h, first, ahead=ahead), residual
+    out = attn.attend(qkv, cos, sin, batch, backend)
+    o = gemv.linear(out, attn.o_proj.weight) if gemv.suits(attn.o_proj.weight) else attn.o_proj(out)
+    norm = layer.post_attention_layernorm
+    if mlp.routing is not None and ROUTE_IN_ROUTER and gemv.suits(mlp.first.weight):  # routed in the router's launch
+        _, residual, h, weights, ids = gemv.norm_router(o, residual, norm.weight, norm.eps, mlp.first.weight,
+                                                        *mlp.routing)
+        return mlp.routed(h, weights, ids), residual
+    first, residual, h = norm_then(norm, o, residual, mlp.first, keep=mlp.finish_reads_input)
+    return mlp.finish(h, first), residual
 
 
 def norm_then(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, linear: nn.Linear, keep: bool = False):
@@ -156,12 +155,11 @@ class DecoderLayer(nn.Module):
     def make_mlp(self, config: TextConfig, layer: int) -> nn.Module:
         return MLP(config)
 
-    def forward(self, x, residual, cos, sin, batch, backend, following: nn.Module | None = None):
+    def forward(self, x, residual, cos, sin, batch, backend):
         """``x`` is the previous layer's output not yet added to ``residual`` (None: ``x`` is the whole
-        hidden state, as for the first layer and after a deepstack injection); ``following``: the next
-        layer, whose first weight a few-rows forward asks for in L2 ahead."""
+        hidden state, as for the first layer and after a deepstack injection)."""
         if few_rows(x):
-            return few_rows_layer(self, x, residual, cos, sin, batch, backend, following)
+            return few_rows_layer(self, x, residual, cos, sin, batch, backend)
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
@@ -198,13 +196,9 @@ class LanguageModel(nn.Module):
         """``embeds`` ``[T, hidden]``, ``positions`` ``[3, T]`` → final hidden states ``[T, hidden]``."""
         cos, sin = self.rotary(positions, embeds.dtype)
         x, residual = embeds, None
-        for layer, following in self.layer_pairs():
-            x, residual = layer(x, residual, cos, sin, batch, backend, following)
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin, batch, backend)
         return self.norm.add_forward(x, residual)[0]
-
-    def layer_pairs(self):
-        """Each layer with the one after it (None after the last)."""
-        return zip(self.layers, [*self.layers[1:], None])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
