@@ -352,26 +352,22 @@ def _decode_variants(ctx, seq: Sequence) -> dict:
     """The batch-1 graph replay with one part switched off, on the same staged inputs (a graph of bucket 1
     captured for each): the few-rows layer (``shared.kernels.gemv``: norms fused into GEMVs),
     programmatic dependent launch (``shared.kernels.launch``), both; the MoE down GEMV's loads before its
-    wait (``moe_small.EARLY_DOWN``); the routing inside the router's GEMV (``text.ROUTE_IN_ROUTER``)."""
+    wait (``moe_small.EARLY_DOWN``)."""
     from shared.kernels import ENABLED, launch, moe_small
-    from shared.model import text
 
     runner, timer = ctx["engine"].runner, ctx["timer"]
     graphs, inputs = runner.graphs, runner.inputs
-    before = ENABLED["gemv"], launch.ENABLED, moe_small.EARLY_DOWN, text.ROUTE_IN_ROUTER
+    before = ENABLED["gemv"], launch.ENABLED, moe_small.EARLY_DOWN
     out = {}
-    for name, switches in (("without_pdl", (True, False, True, True)), ("without_gemv", (False, True, True, True)),
-                           ("without_gemv_and_pdl", (False, False, True, True)),
-                           ("without_early_down", (True, True, False, True)),
-                           ("without_route_in_router", (True, True, True, False)),
-                           ("without_both", (True, True, False, False))):
-        ENABLED["gemv"], launch.ENABLED, moe_small.EARLY_DOWN, text.ROUTE_IN_ROUTER = switches
+    for name, switches in (("without_pdl", (True, False, True)), ("without_gemv", (False, True, True)),
+                           ("without_gemv_and_pdl", (False, False, True)), ("without_early_down", (True, True, False))):
+        ENABLED["gemv"], launch.ENABLED, moe_small.EARLY_DOWN = switches
         try:
             runner.capture_graphs(1, ctx["max_len"])
             rows = runner.stage_decode([seq])
             out[name] = timer.ms(lambda: runner.graphs.replay(rows), repeat=200, warmup=10)
         finally:
-            ENABLED["gemv"], launch.ENABLED, moe_small.EARLY_DOWN, text.ROUTE_IN_ROUTER = before
+            ENABLED["gemv"], launch.ENABLED, moe_small.EARLY_DOWN = before
             runner.graphs, runner.inputs = graphs, inputs
             torch.cuda.empty_cache()
         log(f"decode b1 {name}: graph replay {out[name]:.3f} ms")

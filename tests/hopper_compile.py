@@ -65,12 +65,7 @@ def main() -> int:
         block_n, block_k, warps = gemv.tiles(n, k)
         compile_for_hopper(gemv._gemv_kernel, gemv_pointers, dict(
             NORM=norm, RESIDUAL=norm, KEEP=keep, HAS_BIAS=False, ROWS_PAD=1, K_PAD=k, BLOCK_N=block_n,
-            BLOCK_K=block_k, PDL=True, ROUTE=False, E_PAD=1, TOP_K=1, K_PAD_ROUTE=2, RENORMALIZE=False),
-            num_warps=warps, launch_pdl=True)
-    block_n, block_k, warps = gemv.tiles(128, 2048)  # the router, routing in its last program
-    compile_for_hopper(gemv._gemv_kernel, dict(gemv_pointers, counter_ptr=i32, weights_ptr=bf16, ids_ptr=i32), dict(
-        NORM=True, RESIDUAL=True, KEEP=True, HAS_BIAS=False, ROWS_PAD=1, K_PAD=2048, BLOCK_N=block_n, BLOCK_K=block_k,
-        PDL=True, ROUTE=True, E_PAD=128, TOP_K=8, K_PAD_ROUTE=8, RENORMALIZE=True), num_warps=warps, launch_pdl=True)
+            BLOCK_K=block_k, PDL=True), num_warps=warps, launch_pdl=True)
     compile_for_hopper(fused._rope_store_kernel, dict(
         q_ptr=bf16, k_ptr=bf16, v_ptr=bf16, cos_ptr=bf16, sin_ptr=bf16, k_cache=bf16, v_cache=bf16, slots="*i64",
         q_norm=bf16, k_norm=bf16), dict(NUM_HEADS=32, NUM_KV_HEADS=4, HALF=64, HALF_PAD=64, HEADS_PAD=32, KV_PAD=4,

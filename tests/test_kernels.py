@@ -162,31 +162,6 @@ def test_norm_linear_equals_the_norm_then_the_projection(rows, with_residual, bi
     assert norm_linear(x, None, norm.weight, 1e-6, proj.weight)[1] is x
 
 
-@pytest.mark.parametrize("rows,dtype,renormalize", [(1, torch.bfloat16, True), (3, torch.float32, False)])
-def test_norm_router_routes_in_the_last_program_as_the_routing_kernel_does(rows, dtype, renormalize):
-    """``norm_router``: the router's logits, residual and normalized rows as ``norm_linear`` gives them, and
-    the routing (top-k of 64 experts, ties included) that ``route`` computes from those logits, made by
-    whichever of its 8 programs finishes last; the counter is back at zero after each launch."""
-    gemv = importlib.import_module("shared.kernels.gemv")
-    from shared.kernels.moe_routing import route
-
-    torch.manual_seed(rows)
-    hidden, experts, top_k = 48, 64, 6
-    x, res = (torch.randn(rows, hidden, device=DEVICE).to(dtype) for _ in range(2))
-    norm = torch.randn(hidden, device=DEVICE).to(dtype)
-    router = torch.randn(experts, hidden, device=DEVICE).to(dtype)
-    router[5] = router[9]  # equal logits: the first index wins, in both
-    for _ in range(2):  # twice: the counter the first launch left behind
-        logits, residual, normed, weights, ids = gemv.norm_router(x, res, norm, 1e-6, router, top_k, renormalize,
-                                                                  block=(8, 16, 4))
-        expected = norm_linear(x, res, norm, 1e-6, router, keep=True, block=(8, 16, 4))
-        assert all(torch.equal(a, b) for a, b in zip((logits, residual, normed), expected))
-        want_weights, want_ids = route(logits, top_k, renormalize)
-        assert torch.equal(ids, want_ids) and weights.dtype == want_weights.dtype
-        close(weights, want_weights)
-        assert gemv._counter(x.device).item() == 0
-
-
 def test_norm_linear_rounds_where_the_unfused_path_rounds_in_bf16():
     torch.manual_seed(0)
     hidden = 64

@@ -37,7 +37,6 @@ import triton
 import triton.language as tl
 
 from shared.kernels import launch
-from shared.kernels.moe_routing import _store_routing, _top_k, routing_buffers, routing_constants
 
 MAX_ROWS = 1  # rows the decoder layers use these kernels for (measured: see above)
 ROWS_LIMIT = 4  # rows the kernels compute
@@ -60,17 +59,13 @@ def tiles(n: int, k: int, rows: int = 1) -> tuple[int, int, int]:
 
 @triton.jit(do_not_specialize=["rows"])
 def _gemv_kernel(x_ptr, res_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr, h_out_ptr,
-                 counter_ptr, weights_ptr, ids_ptr,
                  rows, N, K, eps, stride_x, stride_r, stride_w, stride_o,
                  NORM: tl.constexpr, RESIDUAL: tl.constexpr, KEEP: tl.constexpr, HAS_BIAS: tl.constexpr,
                  ROWS_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PDL: tl.constexpr, ROUTE: tl.constexpr = False, E_PAD: tl.constexpr = 1, TOP_K: tl.constexpr = 1,
-                 K_PAD_ROUTE: tl.constexpr = 2, RENORMALIZE: tl.constexpr = False):
+                 PDL: tl.constexpr):
     """out[r, cols] = h[r] · W[cols]ᵀ (+ bias): h = x, or with NORM the RMSNorm of x (+ res with RESIDUAL).
     Program 0 writes x + res to res_out (RESIDUAL) and h to h_out (KEEP). Rows are contiguous in K; the
-    res_out and h_out rows have x's stride. ROUTE (a MoE router, out = its logits over N experts): the
-    program that finishes last — an atomic counter, zero between launches — routes every row as
-    ``moe_routing._route_kernel`` does into weights and ids ``[rows, TOP_K]``, and resets the counter."""
+    res_out and h_out rows have x's stride."""
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -127,31 +122,10 @@ def _gemv_kernel(x_ptr, res_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         acc = acc.to(out_type).to(tl.float32) + bias[None, :]
     tl.store(out_ptr + r[:, None] * stride_o + cols[None, :], acc.to(out_type), mask=r_ok[:, None] & col_ok[None, :])
-    if ROUTE:
-        tl.debug_barrier()  # every thread's logits written before the counter releases them
-        if tl.atomic_add(counter_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-            # the others' logits from L2 (.cg), rounded to the logits' dtype as the routing kernel reads them
-            weights, ids = _top_k(out_ptr, r, r_ok, stride_o, N, E_PAD, TOP_K, K_PAD_ROUTE, RENORMALIZE, True)
-            _store_routing(weights_ptr, ids_ptr, weights, ids, r, r_ok, TOP_K, K_PAD_ROUTE)
-            tl.atomic_xchg(counter_ptr, 0)  # every program has counted: ready for the next launch
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counter(device: torch.device) -> torch.Tensor:
-    """The routing GEMV's counter on ``device`` (zero between launches; each launch resets it). Made once,
-    outside any CUDA graph capture: the engine's warm-up runs every decode shape eagerly first."""
-    counter = _COUNTERS.get(device)
-    if counter is None:
-        assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), "made outside capture"
-        counter = _COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return counter
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
-            norm: torch.Tensor | None, eps: float, keep: bool, block: tuple[int, int, int] | None,
-            route: tuple[int, bool] | None = None):
+            norm: torch.Tensor | None, eps: float, keep: bool, block: tuple[int, int, int] | None):
     rows, k = x.shape
     n = weight.shape[0]
     assert rows <= ROWS_LIMIT and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
@@ -162,24 +136,15 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, re
         block = (min(triton.next_power_of_2(n), 256), 64, 4) if launch.interpreted() else tiles(n, k, rows)
     block_n, block_k, num_warps = block
     pdl = launch.pdl(x)
-    routing, routed = {}, (None, None)
-    if route is not None:
-        top_k, renormalize = route
-        routed = routing_buffers(out, top_k)
-        constants = routing_constants(n, top_k, renormalize)
-        routing = dict(ROUTE=True, E_PAD=constants["E_PAD"], TOP_K=top_k, K_PAD_ROUTE=constants["K_PAD"],
-                       RENORMALIZE=renormalize)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x, norm if norm is not None else weight, weight,
         bias if bias is not None else weight, out, res_out if res_out is not None else out,
-        h_out if h_out is not None else out, _counter(x.device) if route is not None else out,
-        routed[0] if route is not None else out, routed[1] if route is not None else out,
-        rows, n, k, eps, x.stride(0),
+        h_out if h_out is not None else out, rows, n, k, eps, x.stride(0),
         residual.stride(0) if residual is not None else 0, weight.stride(0), out.stride(0),
         NORM=norm is not None, RESIDUAL=residual is not None, KEEP=keep, HAS_BIAS=bias is not None,
         ROWS_PAD=triton.next_power_of_2(rows), K_PAD=triton.next_power_of_2(k), BLOCK_N=block_n, BLOCK_K=block_k,
-        PDL=pdl, num_warps=num_warps, **routing, **launch.options(pdl))
-    return out, res_out, h_out, routed
+        PDL=pdl, num_warps=num_warps, **launch.options(pdl))
+    return out, res_out, h_out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -194,15 +159,5 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: torch.Tens
                 block: tuple[int, int, int] | None = None):
     """``F.linear(rms_norm(x + residual), weight, bias)`` → (that, the new residual ``x + residual`` — ``x``
     itself when ``residual`` is None —, the normalized rows if ``keep`` else None)."""
-    out, res_out, h_out, _ = _launch(x, weight, bias, residual, norm, eps, keep, block)
+    out, res_out, h_out = _launch(x, weight, bias, residual, norm, eps, keep, block)
     return out, (res_out if residual is not None else x), h_out
-
-
-def norm_router(x: torch.Tensor, residual: torch.Tensor, norm: torch.Tensor, eps: float, weight: torch.Tensor,
-                top_k: int, renormalize: bool, block: tuple[int, int, int] | None = None):
-    """A MoE router after the norm, with the routing in the same launch: ``norm_linear(..., keep=True)``'s
-    (logits, new residual, normalized rows) and the routing weights and expert ids ``[rows, top_k]`` that
-    ``moe_routing.route`` gives for those logits."""
-    out, res_out, h_out, (weights, ids) = _launch(x, weight, None, residual, norm, eps, True, block,
-                                                  route=(top_k, renormalize))
-    return out, res_out, h_out, weights, ids

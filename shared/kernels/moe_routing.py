@@ -48,17 +48,13 @@ def capacity(num_assignments: int, num_experts: int, block_m: int) -> int:
 
 @triton.jit
 def _top_k(logits_ptr, t, t_ok, stride_l, NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr,
-           K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, FROM_L2: tl.constexpr = False):
+           K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
     """Softmax over the experts (float32), the top k (first index on ties), optionally renormalized:
-    weights ``[rows, K_PAD]`` float32 and ids ``[rows, K_PAD]`` int32 (columns past TOP_K are 0).
-    ``FROM_L2``: the logits are loaded past L1 (other programs of the launch wrote them)."""
+    weights ``[rows, K_PAD]`` float32 and ids ``[rows, K_PAD]`` int32 (columns past TOP_K are 0)."""
     e = tl.arange(0, E_PAD)
     e_ok = e < NUM_EXPERTS
-    logits = logits_ptr + t[:, None].to(tl.int64) * stride_l + e[None, :]
-    if FROM_L2:
-        x = tl.load(logits, mask=t_ok[:, None] & e_ok[None, :], other=0.0, cache_modifier=".cg").to(tl.float32)
-    else:
-        x = tl.load(logits, mask=t_ok[:, None] & e_ok[None, :], other=0.0).to(tl.float32)
+    x = tl.load(logits_ptr + t[:, None].to(tl.int64) * stride_l + e[None, :], mask=t_ok[:, None] & e_ok[None, :],
+                other=0.0).to(tl.float32)
     x = tl.where(e_ok[None, :], x, float("-inf"))
     p = tl.exp(x - tl.max(x, 1)[:, None])
     p = p / tl.sum(p, 1)[:, None]
@@ -201,13 +197,13 @@ def _layout_buffers(a: int, num_experts: int, block_m: int, device) -> ExpertLay
                         torch.empty(1, dtype=torch.int32, device=device), a, block_m)
 
 
-def routing_buffers(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _routing_buffers(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = logits.shape[0]
     return (torch.empty(tokens, top_k, dtype=logits.dtype, device=logits.device),
             torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device))
 
 
-def routing_constants(experts: int, top_k: int, renormalize: bool) -> dict:
+def _routing_constants(experts: int, top_k: int, renormalize: bool) -> dict:
     # at least 2 slot columns: padding slots are masked out
     return dict(E_PAD=triton.next_power_of_2(experts), TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)),
                 NUM_EXPERTS=experts, RENORMALIZE=renormalize)
@@ -218,11 +214,11 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     one program per token, no layout: what ``SparseMoeBlock.route`` gives (float32 softmax, top-k with
     the first index on ties, optional renormalization)."""
     tokens, experts = logits.shape
-    weights, ids = routing_buffers(logits, top_k)
+    weights, ids = _routing_buffers(logits, top_k)
     pdl = launch.pdl(logits)
     # one warp: a [1, E] row is 4 values a lane at 128 experts, every reduction a few shuffles
     _route_kernel[(tokens,)](logits, weights, ids, ids, tokens, logits.stride(0), ROWS=1, COUNT=False, PDL=pdl,
-                             num_warps=1, **routing_constants(experts, top_k, renormalize), **launch.options(pdl))
+                             num_warps=1, **_routing_constants(experts, top_k, renormalize), **launch.options(pdl))
     return weights, ids
 
 
@@ -232,9 +228,9 @@ def route_and_align(logits: torch.Tensor, top_k: int, renormalize: bool, block_m
     and the layout. ``one_program``: force a path (tests); by default by size."""
     tokens, experts = logits.shape
     a = tokens * top_k
-    weights, ids = routing_buffers(logits, top_k)
+    weights, ids = _routing_buffers(logits, top_k)
     layout = _layout_buffers(a, experts, block_m, logits.device)
-    routing = routing_constants(experts, top_k, renormalize)
+    routing = _routing_constants(experts, top_k, renormalize)
     if one_program if one_program is not None else a <= SMALL_ASSIGNMENTS:
         _route_align_kernel[(1,)](
             logits, weights, ids, layout.sorted_ids, layout.block_experts, layout.num_padded, tokens,

@@ -38,10 +38,14 @@ computes. The float32 products accumulate elementwise (32 or 64 values a thread)
 are reduced across threads once, after the last step: reducing every step (last session's kernels)
 cost shuffles and a barrier per step, and the batch-1 decode step 3.14–3.16 against 3.08–3.11 ms
 (docs/benchmarks.md, "Decode at batch 1"). The tiles come from a sweep at batch 1 (``bench/gemv_tiles.py
---moe-only``, one layer's two GEMVs, 8 layers of experts of their own in one graph): 4 warps; gate|up 8
-columns × 512-wide steps (8 assignments × 768/8 = 768 programs, 4 steps over H = 2048), down 8 experts ×
-8 columns × 128-wide steps (256 programs, 6 steps over I = 768). The layer's GEMVs took 30.6 µs with the
-first tiles of this scheme (8 warps, gate|up 16 × 256), 25.1 with this gate|up; the decode step 2.77 against 3.08–3.11 ms. Batches of 2–8
+--moe-only``, one layer's two GEMVs, 8 layers of experts of their own in one graph): gate|up 8 columns ×
+256-wide steps, 4 warps (8 assignments × 768/8 = 768 programs, 8 steps over H = 2048), down 8 experts × 8
+columns × 256-wide steps, 8 warps (256 programs, 3 steps over I = 768). The layer's GEMVs took 30.6 µs with
+the first tiles of this scheme (8 warps, gate|up 16 × 256), 25.1 with gate|up 8 × 512 and down 8 × 128
+(4 warps); the decode step 2.77 against 3.08–3.11 ms. With down's early loads (2. above) two more sweeps
+and the step at each candidate, alternating processes, chose today's tiles: the step 2.476–2.481 ms
+against 2.517–2.529 with gate|up 8 × 512 and down 8 × 256 at 4 warps, and 2.552–2.559 with down 8 × 128
+(docs/benchmarks.md). Batches of 2–8
 tokens run the same tiles, not swept.
 """
 
@@ -68,8 +72,8 @@ class GemvTiles:
     num_warps: int
 
 
-GATE_UP = GemvTiles(block_n=8, block_k=512, num_warps=4)
-DOWN = GemvTiles(block_n=8, block_k=128, num_warps=4)
+GATE_UP = GemvTiles(block_n=8, block_k=256, num_warps=4)
+DOWN = GemvTiles(block_n=8, block_k=256, num_warps=8)
 
 
 @triton.jit
@@ -153,14 +157,15 @@ def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, N, K, stride_act
 
 
 def gemv_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
-                 weights: torch.Tensor, gate_up_tiles: GemvTiles = GATE_UP,
-                 down_tiles: GemvTiles = DOWN) -> torch.Tensor:
+                 weights: torch.Tensor, gate_up_tiles: GemvTiles | None = None,
+                 down_tiles: GemvTiles | None = None) -> torch.Tensor:
     """``x`` ``[T, H]``; ``gate_up`` ``[E, 2I, H]`` (gate rows first); ``down`` ``[E, H, I]``; expert
     ``ids`` and routing ``weights`` ``[T, top_k]`` → ``Σ_k w_k · expert_k(x)`` ``[T, H]``. Two launches,
     shapes from ``T`` alone."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     inter = gate_up.shape[1] // 2
+    gate_up_tiles, down_tiles = gate_up_tiles or GATE_UP, down_tiles or DOWN
     x, ids, weights = x.contiguous(), ids.contiguous().view(-1), weights.contiguous().view(-1)
     act = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
     pdl = launch.pdl(x)

@@ -56,18 +56,6 @@ class SparseMoeBlock(nn.Module):
     finish_reads_input = True
 
     @property
-    def routing(self) -> tuple[int, bool]:
-        """(top_k, renormalize): what a few-rows layer's router GEMV routes with (``gemv.norm_router``)."""
-        return self.top_k, self.norm_topk_prob
-
-    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The experts for a routing already made: ``finish`` without its routing."""
-        experts = self.experts
-        if enabled("moe"):
-            return moe_kernels.fused_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights)
-        return experts.reference(x, weights, ids)
-
-    @property
     def first(self) -> nn.Linear:
         """The projection the block starts with: the router (``few_rows_layer`` fuses the norm into it)."""
         return self.gate

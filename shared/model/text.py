@@ -83,7 +83,6 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     finish_reads_input = False
-    routing = None  # a MoE block's (top_k, renormalize): its router's GEMV routes as well
 
     @property
     def first(self) -> nn.Linear:
@@ -104,11 +103,6 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-# a MoE layer's routing in its router GEMV's launch (the last program to finish), not a kernel of its own:
-# batch-1 step of Qwen3-VL-30B-A3B on an H200 (docs/benchmarks.md); the benchmarks switch it off
-ROUTE_IN_ROUTER = True
-
-
 def few_rows(x: torch.Tensor) -> bool:
     """Whether ``x``'s rows go through ``shared.kernels.gemv`` (decode at batch 1, on GPU: ``gemv.MAX_ROWS``)."""
     return x.is_cuda and enabled("gemv") and x.shape[0] <= gemv.MAX_ROWS
@@ -117,18 +111,13 @@ def few_rows(x: torch.Tensor) -> bool:
 def few_rows_layer(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, cos, sin, batch, backend):
     """A decoder layer's forward for a few rows: each projection whose weight ``gemv.suits`` a GEMV with the
     RMSNorm before it fused in (``shared.kernels.gemv``), launched back to back with the layer's other
-    Triton kernels (``shared.kernels.launch``); larger ones as in ``DecoderLayer.forward``; a MoE block's
-    routing inside its router's GEMV (``gemv.norm_router``). Same inputs, outputs and rounding points as that."""
+    Triton kernels (``shared.kernels.launch``); larger ones as in ``DecoderLayer.forward``. Same inputs,
+    outputs and rounding points as that."""
     attn, mlp = layer.self_attn, layer.mlp
     qkv, residual, _ = norm_then(layer.input_layernorm, x, residual, attn.qkv_proj)
     out = attn.attend(qkv, cos, sin, batch, backend)
     o = gemv.linear(out, attn.o_proj.weight) if gemv.suits(attn.o_proj.weight) else attn.o_proj(out)
-    norm = layer.post_attention_layernorm
-    if mlp.routing is not None and ROUTE_IN_ROUTER and gemv.suits(mlp.first.weight):  # routed in the router's launch
-        _, residual, h, weights, ids = gemv.norm_router(o, residual, norm.weight, norm.eps, mlp.first.weight,
-                                                        *mlp.routing)
-        return mlp.routed(h, weights, ids), residual
-    first, residual, h = norm_then(norm, o, residual, mlp.first, keep=mlp.finish_reads_input)
+    first, residual, h = norm_then(layer.post_attention_layernorm, o, residual, mlp.first, keep=mlp.finish_reads_input)
     return mlp.finish(h, first), residual
 
 
