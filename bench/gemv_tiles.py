@@ -3,16 +3,18 @@ and of the MoE small path's two GEMVs (``shared.kernels.moe_small``) at batch 1 
 
 For each shape (the decoder projections of Qwen3-VL-30B-A3B and Qwen2.5-VL-7B), one weight per layer
 (so nothing is read from L2 the next time), every layer's product in turn in one CUDA graph, with PDL
-as serving launches them: µs per product and the bandwidth reached, for cuBLAS (``F.linear``) and each
-``(BLOCK_N, BLOCK_K, num_warps)`` of the sweep at 1 and 4 rows.
+as serving launches them: µs per product and the bandwidth reached, for cuBLAS (``F.linear``, no norm) and
+each ``(BLOCK_N, BLOCK_K, num_warps)`` of the sweep at 1 and 4 rows, with the RMSNorm fused in where the
+layer fuses it (q|k|v, the router).
 
-    python bench/gemv_tiles.py --out results/gemv_tiles.json [--moe-only]
+    python bench/gemv_tiles.py --out results/gemv_tiles.json [--moe-only | --shapes qwen3] [--rows 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -25,14 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from shared.kernels import gemv, moe_small  # noqa: E402
 from shared.kernels.moe_routing import route  # noqa: E402
 
-SHAPES = {  # name: (outputs, inputs, layers)
-    "qwen3-30b-a3b q|k|v": (5120, 2048, 48), "qwen3-30b-a3b o": (2048, 4096, 48),
-    "qwen3-30b-a3b router": (128, 2048, 48),
-    "qwen2.5-7b q|k|v": (4608, 3584, 28), "qwen2.5-7b o": (3584, 3584, 28),
-    "qwen2.5-7b gate|up": (37888, 3584, 28), "qwen2.5-7b down": (3584, 18944, 28),
+SHAPES = {  # name: (outputs, inputs, layers, the RMSNorm fused in as the model runs it)
+    "qwen3-30b-a3b q|k|v": (5120, 2048, 48, True), "qwen3-30b-a3b o": (2048, 4096, 48, False),
+    "qwen3-30b-a3b router": (128, 2048, 48, True),
+    "qwen2.5-7b q|k|v": (4608, 3584, 28, True), "qwen2.5-7b o": (3584, 3584, 28, False),
+    "qwen2.5-7b gate|up": (37888, 3584, 28, False), "qwen2.5-7b down": (3584, 18944, 28, False),
 }
 TILES = [(4, 1024, 4), (4, 2048, 8), (8, 512, 4), (8, 1024, 8), (8, 1024, 4), (16, 512, 8), (16, 256, 4),
-         (32, 256, 8)]
+         (32, 256, 8), (8, 256, 4), (8, 256, 8), (4, 512, 4), (4, 256, 4), (2, 1024, 4), (2, 512, 4)]
 
 
 def replay_us(fn, layers: int) -> float:
@@ -93,31 +95,46 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--moe-only", action="store_true")
+    parser.add_argument("--shapes", default="", help="only the shapes whose name contains this")
+    parser.add_argument("--rows", default="1,4")
     args = parser.parse_args()
+    row_counts = [int(r) for r in args.rows.split(",")]
     dev, dtype = torch.device("cuda"), torch.bfloat16
     results = {}
     with torch.inference_mode():
-        results["moe_small"] = moe_sweep(dev, dtype)
-        for name, (n, k, layers) in ({} if args.moe_only else SHAPES).items():
+        if not args.shapes:
+            results["moe_small"] = moe_sweep(dev, dtype)
+        shapes = {name: shape for name, shape in SHAPES.items() if args.shapes in name}
+        for name, (n, k, layers, norm) in ({} if args.moe_only else shapes).items():
             weights = [torch.randn(n, k, device=dev, dtype=dtype) / k ** 0.5 for _ in range(layers)]
             nbytes = n * k * 2
-            row = results[name] = {"MB": nbytes / 1e6}
-            for rows in (1, 4):
-                x = torch.randn(rows, k, device=dev, dtype=dtype)
+            row = results[name] = {"MB": nbytes / 1e6, "norm_fused": norm}
+            norm_weight = torch.randn(k, device=dev, dtype=dtype)
+            for rows in row_counts:
+                x, res = (torch.randn(rows, k, device=dev, dtype=dtype) for _ in range(2))
                 expected = F.linear(x, weights[0])
                 us = replay_us(lambda: [F.linear(x, w) for w in weights], layers)
                 row[f"cublas_r{rows}"] = {"us": us, "TBps": nbytes / us / 1e6}
+
+                def product(w, block):  # as the layer runs it: the norm fused in where it is
+                    if norm:
+                        return gemv.norm_linear(x, res, norm_weight, 1e-6, w, block=block)[0]
+                    return gemv.linear(x, w, block=block)
+
                 for block in TILES:
-                    got = gemv.linear(x, weights[0], block=block)
-                    assert (got.float() - expected.float()).abs().max() < 0.05 * expected.float().abs().max()
-                    us = replay_us(lambda: [gemv.linear(x, w, block=block) for w in weights], layers)
+                    got = product(weights[0], block)
+                    want = product(weights[0], gemv.tiles(n, k, rows)) if norm else expected
+                    assert (got.float() - want.float()).abs().max() < 0.05 * want.float().abs().max()
+                    us = replay_us(lambda: [product(w, block) for w in weights], layers)
                     row["gemv_{}x{}w{}_r{}".format(*block, rows)] = {"us": us, "TBps": nbytes / us / 1e6}
                 row[f"default_tiles_r{rows}"] = list(gemv.tiles(n, k, rows))
-            best = {r: min((v["us"], key) for key, v in row.items() if key.startswith("gemv_") and key.endswith(f"_r{r}"))
-                    for r in (1, 4)}
-            print(f"{name}: {row['MB']:.0f} MB; cuBLAS {row['cublas_r1']['us']:.1f} µs "
-                  f"({row['cublas_r1']['TBps']:.2f} TB/s), best GEMV {best[1][0]:.1f} µs ({best[1][1]}); 4 rows: cuBLAS "
-                  f"{row['cublas_r4']['us']:.1f}, best {best[4][0]:.1f} ({best[4][1]})", flush=True)
+                best = min((v["us"], key) for key, v in row.items() if key.startswith("gemv_") and key.endswith(f"_r{rows}"))
+                default = row.get("gemv_{}x{}w{}_r{}".format(*gemv.tiles(n, k, rows), rows), {}).get("us", math.nan)
+                print(f"{name}, {rows} row(s): {row['MB']:.0f} MB{', norm fused' if norm else ''}; cuBLAS "
+                      f"{row[f'cublas_r{rows}']['us']:.1f} µs (no norm), default tiles {default:.1f} µs, best "
+                      f"{best[0]:.1f} µs ({best[1]}); all: " + ", ".join(
+                          f"{key[5:-3]} {v['us']:.1f}" for key, v in row.items()
+                          if key.startswith("gemv_") and key.endswith(f"_r{rows}")), flush=True)
             del weights
             torch.cuda.empty_cache()
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -62,7 +62,7 @@ def main() -> int:
     gemv_pointers = dict(x_ptr=bf16, res_ptr=bf16, norm_ptr=bf16, w_ptr=bf16, bias_ptr=bf16, out_ptr=bf16,
                          res_out_ptr=bf16, h_out_ptr=bf16)
     for n, k, norm, keep in ((5120, 2048, True, False), (2048, 4096, False, False), (128, 2048, True, True)):
-        block_n, block_k, warps = gemv.tiles(n, k)
+        block_n, block_k, warps = gemv.tiles(n, k, norm=norm)
         compile_for_hopper(gemv._gemv_kernel, gemv_pointers, dict(
             NORM=norm, RESIDUAL=norm, KEEP=keep, HAS_BIAS=False, ROWS_PAD=1, K_PAD=k, BLOCK_N=block_n,
             BLOCK_K=block_k, PDL=True), num_warps=warps, launch_pdl=True)

@@ -181,6 +181,8 @@ def test_gemv_tiles_follow_the_weights_size():
     wider and shorter; more rows, shorter steps."""
     assert tiles(5120, 2048) == (4, 1024, 4) and tiles(37888, 3584) == (8, 512, 4)
     assert tiles(5120, 2048, rows=4) == (4, 256, 4)
+    # with the norm fused in: shorter steps for q|k|v's 5,120 outputs, not for a 128-expert router's
+    assert tiles(5120, 2048, norm=True) == (4, 256, 4) and tiles(128, 2048, norm=True) == (4, 1024, 4)
 
 
 @pytest.mark.parametrize("dim", [16, 20])  # 20: a half width that is not a power of two (the ViT's 80)

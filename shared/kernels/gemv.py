@@ -25,7 +25,10 @@ Chosen by measurement (``bench/gemv_tiles.py``, one H200, every layer's weight i
 graph, PDL on; docs/benchmarks.md): 4 warps; 4 outputs x 1,024 a step for weights up to 64 MB, which
 beat cuBLAS on Qwen3-VL-30B-A3B's q|k|v (7.5 against 7.9 µs), o (5.9 / 8.8) and router (1.6 / 4.8)
 and the 7B's q|k|v and o; 8 x 512 for larger ones (the 7B's gate|up and down: 70.5 / 69.4 and
-36.4 / 36.7 µs, even with cuBLAS). At 4 rows every tiling took about twice cuBLAS's time (the
+36.4 / 36.7 µs, even with cuBLAS). With the norm fused in, every program first reads the whole row for
+its statistic: there 256-wide steps win where the outputs are many (Qwen3-VL-30B-A3B's q|k|v 8.8 against
+9.6 µs, the 7B's 13.5 against 14.6; the step 2.448-2.449 against 2.473-2.474 ms and 4.27 against 4.30 ms),
+not for the router's 128 outputs (3.4 against 2.2 µs). At 4 rows every tiling took about twice cuBLAS's time (the
 accumulator grows with the rows, so the steps shrink), so the layers use these kernels for one row
 only (``MAX_ROWS``); they compute up to ``ROWS_LIMIT``.
 """
@@ -41,6 +44,8 @@ from shared.kernels import launch
 MAX_ROWS = 1  # rows the decoder layers use these kernels for (measured: see above)
 ROWS_LIMIT = 4  # rows the kernels compute
 SMALL_WEIGHT = 64 << 20  # bytes up to which the narrower, longer tiles win
+NORM_BLOCK_K = 256  # their step where the norm is fused in and the outputs are many (measured: see above)
+NORM_MIN_OUTPUTS = 1024  # (the router's 128 outputs, 32 programs, need the longer steps)
 
 
 def suits(weight: torch.Tensor) -> bool:
@@ -51,9 +56,13 @@ def suits(weight: torch.Tensor) -> bool:
     return weight.numel() * weight.element_size() <= SMALL_WEIGHT
 
 
-def tiles(n: int, k: int, rows: int = 1) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for ``n`` outputs over ``k`` inputs of ``rows`` rows (bf16 weights)."""
-    block_n, block_k = (4, 1024) if n * k * 2 <= SMALL_WEIGHT else (8, 512)
+def tiles(n: int, k: int, rows: int = 1, norm: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for ``n`` outputs over ``k`` inputs of ``rows`` rows (bf16 weights);
+    ``norm``: with the RMSNorm fused in (its statistic over the whole row first, in every program)."""
+    if n * k * 2 > SMALL_WEIGHT:
+        block_n, block_k = 8, 512
+    else:  # shorter steps where every program first reads the whole row for the norm, if there are many
+        block_n, block_k = 4, (NORM_BLOCK_K if norm and n >= NORM_MIN_OUTPUTS else 1024)
     return block_n, max(64, block_k // triton.next_power_of_2(rows)), 4  # 32 accumulator values a thread
 
 
@@ -133,7 +142,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, re
     res_out = torch.empty_like(x) if residual is not None else None
     h_out = torch.empty_like(x) if keep else None
     if block is None:  # in the interpreter each program costs ~20 ms whatever its size: few, wide ones
-        block = (min(triton.next_power_of_2(n), 256), 64, 4) if launch.interpreted() else tiles(n, k, rows)
+        block = (min(triton.next_power_of_2(n), 256), 64, 4) if launch.interpreted() else \
+            tiles(n, k, rows, norm is not None)
     block_n, block_k, num_warps = block
     pdl = launch.pdl(x)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
