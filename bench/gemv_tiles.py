@@ -121,20 +121,22 @@ def main() -> None:
                         return gemv.norm_linear(x, res, norm_weight, 1e-6, w, block=block)[0]
                     return gemv.linear(x, w, block=block)
 
+                default_tiles = gemv.tiles(n, k, rows, norm)
+                want = product(weights[0], default_tiles) if norm else expected
                 for block in TILES:
                     got = product(weights[0], block)
-                    want = product(weights[0], gemv.tiles(n, k, rows)) if norm else expected
                     assert (got.float() - want.float()).abs().max() < 0.05 * want.float().abs().max()
                     us = replay_us(lambda: [product(w, block) for w in weights], layers)
                     row["gemv_{}x{}w{}_r{}".format(*block, rows)] = {"us": us, "TBps": nbytes / us / 1e6}
-                row[f"default_tiles_r{rows}"] = list(gemv.tiles(n, k, rows))
-                best = min((v["us"], key) for key, v in row.items() if key.startswith("gemv_") and key.endswith(f"_r{rows}"))
-                default = row.get("gemv_{}x{}w{}_r{}".format(*gemv.tiles(n, k, rows), rows), {}).get("us", math.nan)
+                row[f"default_tiles_r{rows}"] = list(default_tiles)
+                swept = {key[5:-3]: v["us"] for key, v in row.items()
+                         if key.startswith("gemv_") and key.endswith(f"_r{rows}")}
+                best = min((us, tile) for tile, us in swept.items())
+                default = swept.get("{}x{}w{}".format(*default_tiles), math.nan)
                 print(f"{name}, {rows} row(s): {row['MB']:.0f} MB{', norm fused' if norm else ''}; cuBLAS "
                       f"{row[f'cublas_r{rows}']['us']:.1f} µs (no norm), default tiles {default:.1f} µs, best "
-                      f"{best[0]:.1f} µs ({best[1]}); all: " + ", ".join(
-                          f"{key[5:-3]} {v['us']:.1f}" for key, v in row.items()
-                          if key.startswith("gemv_") and key.endswith(f"_r{rows}")), flush=True)
+                      f"{best[0]:.1f} µs ({best[1]}); all: " + ", ".join(f"{t} {us:.1f}" for t, us in swept.items()),
+                      flush=True)
             del weights
             torch.cuda.empty_cache()
     args.out.parent.mkdir(parents=True, exist_ok=True)

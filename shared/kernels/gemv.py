@@ -28,9 +28,9 @@ and the 7B's q|k|v and o; 8 x 512 for larger ones (the 7B's gate|up and down: 70
 36.4 / 36.7 µs, even with cuBLAS). With the norm fused in, every program first reads the whole row for
 its statistic: there 256-wide steps win where the outputs are many (Qwen3-VL-30B-A3B's q|k|v 8.8 against
 9.6 µs, the 7B's 13.5 against 14.6; the step 2.448-2.449 against 2.473-2.474 ms and 4.27 against 4.30 ms),
-not for the router's 128 outputs (3.4 against 2.2 µs). At 4 rows every tiling took about twice cuBLAS's time (the
-accumulator grows with the rows, so the steps shrink), so the layers use these kernels for one row
-only (``MAX_ROWS``); they compute up to ``ROWS_LIMIT``.
+not for the router's 128 outputs (3.4 against 2.2 µs). At 4 rows every tiling took about twice cuBLAS's
+time (the accumulator grows with the rows, so the steps shrink), so the layers use these kernels for one
+row only (``MAX_ROWS``); they compute up to ``ROWS_LIMIT``.
 """
 
 from __future__ import annotations

@@ -45,8 +45,7 @@ the first tiles of this scheme (8 warps, gate|up 16 × 256), 25.1 with gate|up 8
 (4 warps); the decode step 2.77 against 3.08–3.11 ms. With down's early loads (2. above) two more sweeps
 and the step at each candidate, alternating processes, chose today's tiles: the step 2.476–2.481 ms
 against 2.517–2.529 with gate|up 8 × 512 and down 8 × 256 at 4 warps, and 2.552–2.559 with down 8 × 128
-(docs/benchmarks.md). Batches of 2–8
-tokens run the same tiles, not swept.
+(docs/benchmarks.md). Batches of 2–8 tokens run the same tiles, not swept.
 """
 
 from __future__ import annotations
@@ -161,7 +160,7 @@ def gemv_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids
                  down_tiles: GemvTiles | None = None) -> torch.Tensor:
     """``x`` ``[T, H]``; ``gate_up`` ``[E, 2I, H]`` (gate rows first); ``down`` ``[E, H, I]``; expert
     ``ids`` and routing ``weights`` ``[T, top_k]`` → ``Σ_k w_k · expert_k(x)`` ``[T, H]``. Two launches,
-    shapes from ``T`` alone."""
+    shapes from ``T`` alone; tiles ``GATE_UP`` and ``DOWN`` (read at each call) unless given."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     inter = gate_up.shape[1] // 2
