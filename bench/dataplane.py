@@ -16,7 +16,8 @@ a reused receive buffer), and the same socket receiving into a fresh buffer per 
 Transports: ``ucx`` lets UCX choose (it chose TCP over loopback between two processes of one host
 for host memory, cuda_ipc between GPUs);
 ``ucx-tcp`` forces UCX onto TCP (UCX_TLS=tcp: what crosses hosts without RDMA); ``zmq`` is TCP,
-``zmq-ipc`` a Unix socket; ``inproc`` hands the tensor over within one process. GPU runs add
+``zmq-ipc`` a Unix socket, ``zmq-cuda-ipc`` ZMQ's same-GPU path (GPU runs: the consumer maps the holder's
+memory and copies device to device, ``shared.dataplane.cuda_ipc``); ``inproc`` hands the tensor over within one process. GPU runs add
 ``ucx-host`` (the holder sends GPU memory, the consumer lands it in host memory and copies it up: the
 services' default pull) and ``ucx-staged`` (a holder without UCX's CUDA transports copies to host
 first). Every variant's first pull is checked bit for bit against the holder's tensors (same seed).
@@ -61,6 +62,7 @@ VARIANTS = {  # name → (transport, holder's extra environment, data host, cons
     "ucx-staged": ("ucx", {"UCX_TLS": "tcp,sm,self"}, "127.0.0.1", True),
     "zmq": ("zmq", {}, "127.0.0.1", True),
     "zmq-ipc": ("zmq", {}, "ipc://" + tempfile.gettempdir(), True),
+    "zmq-cuda-ipc": ("zmq", {}, "127.0.0.1", False),
 }
 SEED = 1234
 
@@ -231,7 +233,8 @@ async def run_variant(variant: str, args, device, expected) -> dict:
         return await run_inproc(args, device, expected)
     transport, env, _, via_host = VARIANTS[variant]
     holder = Holder(["--serve", variant, "--device", args.holder_device], env)
-    plane = DataPlane("zmq", lease_seconds=600)  # the consumer's own transport does not matter
+    # the consumer's own transport does not matter; it maps a holder's GPU memory only where asked to
+    plane = DataPlane("zmq", lease_seconds=600, cuda_ipc=variant == "zmq-cuda-ipc")
     await plane.start()
     try:
         return {**await measure_all(Consumer(plane, device, via_host, expected), holder.publish, args),

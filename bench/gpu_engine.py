@@ -29,6 +29,9 @@ model) with random bf16 weights (timing does not depend on weight values):
               frames → patches on the GPU, the ViT over one clip and four (patches/s, frames/s), HF's tower
               on the 10 s clip, and the frontend's PyAV decode of the 30 fps source per frame decoded
               (needs PyAV on the GPU machine: carry its wheel)
+  timeline    the batch-1 decode replay (decode1's first context) under torch.profiler: each kernel name's share
+              of the step's critical path (PDL overlaps kernels), duration and gaps a step, and a decoder layer's;
+              raw trace in --out/timeline-trace.json.gz
 
     python bench/gpu_engine.py --out results/ [--sections decode1,hf] [--preset qwen3-vl-30b-a3b] [--tiny]
 
@@ -64,7 +67,7 @@ from shared.model.loader import load_language_model, load_vision_tower  # noqa: 
 from shared.model.presets import PRESETS, materialize_preset  # noqa: E402
 
 SECTIONS = ["ceilings", "check", "decode1", "decode64", "sampling", "prefill", "chunked", "memory", "hf", "vit",
-            "preprocess", "encode_path", "video", "profile"]
+            "preprocess", "encode_path", "video", "profile", "timeline"]
 RESULTS: dict = {}
 
 
@@ -289,6 +292,166 @@ def profile(ctx):
     with torch.inference_mode():
         table("vit_1080p", lambda: tower(patches, [grid]))
     RESULTS["profile"] = tables
+
+
+def timeline(ctx):
+    """Where the batch-1 decode step's time goes, kernel by kernel: ``decode1``'s CUDA-graph replay (its first
+    context; 32 tokens on a tiny model), 20 replays under torch.profiler, the first 2 dropped. A kernel's share is
+    how far its end extends the step's critical path past the kernels before it (under programmatic dependent
+    launch a kernel starts before the one ahead ends, so its duration counts waiting); the same 20 replays timed
+    without the profiler beside it. The raw trace goes to ``--out``/timeline-trace.json.gz."""
+    import gzip
+    import tempfile
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    if ctx["device"].type != "cuda":
+        RESULTS["timeline"] = {"skipped": "no GPU: no CUDA graph to replay"}
+        log("timeline: skipped (no GPU)")
+        return
+    build_lm(ctx)
+    engine, cfg, timer = ctx["engine"], ctx["config"], ctx["timer"]
+    runner = engine.runner
+    if runner.graphs is None:
+        RESULTS["timeline"] = {"skipped": "no CUDA graphs captured"}
+        log("timeline: skipped (no CUDA graphs)")
+        return
+    prompt = (ctx["decode1_contexts"] if ctx["big"] else [32])[0]
+    seq = new_seq("timeline", list(range(100, 100 + prompt)), 10_000)
+    n, drop = 20, 2
+
+    def replays():
+        for _ in range(n):
+            runner.graphs.replay(rows)
+
+    engine.add_prompt(seq)
+    try:
+        engine.step()  # prefill
+        for _ in range(3):
+            engine.step()
+        engine.blocks.may_append(seq)  # room for the token a replay computes
+        rows = runner.stage_decode([seq])
+        for _ in range(10):
+            runner.graphs.replay(rows)
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            replays()
+            torch.cuda.synchronize()
+        replay_ms = timer.ms(replays, repeat=5, warmup=1) / n  # the same back-to-back replays, unprofiled
+    finally:
+        engine.abort("timeline")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        raw = path.read_bytes()
+    if ctx.get("out") is not None:
+        ctx["out"].mkdir(parents=True, exist_ok=True)
+        (ctx["out"] / "timeline-trace.json.gz").write_bytes(gzip.compress(raw))
+    result = _timeline_from_events(json.loads(raw)["traceEvents"], n, drop=drop, layers=cfg.text.num_layers)
+    RESULTS["timeline"] = {"replay_ms": replay_ms, "context": prompt, **result}
+    if result["split"] != "gap":
+        log(f"timeline: replays not separated by gaps > 20 µs; split by {result['split']}")
+    log(f"timeline: replay {replay_ms:.3f} ms unprofiled, profiled span {result['profiled_span_ms']:.3f} ms "
+        f"(start to start {result['profiled_period_ms']:.3f} ms), {result['replays']} replays of "
+        f"{result['kernels_per_step']} kernels, {result['layers']} layers: "
+        f"{result['per_layer_us']:.1f} µs a layer, {result['outside_layers_us']:.1f} µs outside")
+    log(f"  {'kernel':<60} {'n/step':>6} {'path µs':>8} {'dur µs':>8} {'gap µs':>7} {'path/layer':>10}")
+    for k in result["by_kernel"]:
+        per_layer = k.get("contribution_per_layer_us")
+        log(f"  {k['name']:<60} {k['launches']:>6g} {k['contribution_us']:>8.1f} {k['duration_us']:>8.1f} "
+            f"{k['gap_us']:>7.1f} {'' if per_layer is None else f'{per_layer:.2f}':>10}")
+
+
+def _kernel_name(name: str) -> str:
+    """A trace kernel name made short: a Triton kernel's is its function's name already; others (cuBLAS,
+    torch's own) lose ``void ``, their argument list and torch's namespaces, and are cut to 60 characters."""
+    if name.isidentifier():
+        return name
+    name = name.removeprefix("void ")
+    if name.endswith(")"):  # the argument list: from the "(" that closes at the end
+        depth = 0
+        for i in range(len(name) - 1, -1, -1):
+            depth += {")": 1, "(": -1}.get(name[i], 0)
+            if depth == 0:
+                name = name[:i] or name
+                break
+    for noise in ("at::native::", "(anonymous namespace)::"):
+        name = name.replace(noise, "")
+    return name[:60]
+
+
+def _split_replays(kernels: list[dict], replays: int, gap_us: float) -> tuple[list[list[dict]], str]:
+    """``kernels`` (sorted by start) cut into ``replays`` groups of equal count: where the GPU idled more than
+    ``gap_us`` since the latest end; else by the launch each kernel's correlation id names (a graph's kernels
+    share its launch's); else ``replays`` equal consecutive chunks (graph replays run in stream order)."""
+    groups: list[list[dict]] = []
+    latest = -math.inf
+    for k in kernels:
+        if k["ts"] - latest > gap_us:
+            groups.append([])
+        groups[-1].append(k)
+        latest = max(latest, k["ts"] + k["dur"])
+    if len(groups) == replays and len({len(g) for g in groups}) == 1:
+        return groups, "gap"
+    if all("correlation" in k.get("args", {}) for k in kernels):
+        by_launch: dict = {}
+        for k in kernels:
+            by_launch.setdefault(k["args"]["correlation"], []).append(k)
+        groups = sorted(by_launch.values(), key=lambda g: g[0]["ts"])
+        if len(groups) == replays and len({len(g) for g in groups}) == 1:
+            return groups, "correlation"
+    if len(kernels) % replays:
+        raise ValueError(f"{len(kernels)} kernels do not split into {replays} equal replays")
+    size = len(kernels) // replays
+    return [kernels[i:i + size] for i in range(0, len(kernels), size)], "equal chunks"
+
+
+def _timeline_from_events(events: list[dict], replays: int, drop: int = 2, layers: int | None = None,
+                          gap_us: float = 20.0) -> dict:
+    """The ``timeline`` numbers from a Chrome trace's events (``cat`` "kernel": ``ts``, ``dur`` in µs) of
+    ``replays`` consecutive graph replays, the first ``drop`` left out. Per replay, kernel by kernel in start
+    order: its path share (its end past the latest end before it, or the replay's start; these sum to the
+    replay's span), its duration, and its gap (idle time before it starts). Per short name, means a step; with
+    ``layers``, the path share a layer of names launched at least once a layer."""
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: (e["ts"], e["ts"] + e["dur"]))
+    if not kernels:
+        raise ValueError("no kernel events in the trace")
+    groups, split = _split_replays(kernels, replays, gap_us)
+    kept = groups[drop:]
+    if not kept:
+        raise ValueError(f"{len(groups)} replays, all dropped")
+    totals: dict[str, dict] = {}
+    spans = []
+    for group in kept:
+        start = latest = group[0]["ts"]
+        for k in group:
+            end = k["ts"] + k["dur"]
+            row = totals.setdefault(_kernel_name(k["name"]), {"launches": 0, "contribution_us": 0.0,
+                                                               "duration_us": 0.0, "gap_us": 0.0})
+            row["launches"] += 1
+            row["contribution_us"] += max(0.0, end - latest)
+            row["duration_us"] += k["dur"]
+            row["gap_us"] += max(0.0, k["ts"] - latest)
+            latest = max(latest, end)
+        spans.append(latest - start)
+    by_kernel = []
+    for name, row in totals.items():
+        entry = {"name": name, "launches": row["launches"] / len(kept)}
+        entry.update({key: round(row[key] / len(kept), 2) for key in ("contribution_us", "duration_us", "gap_us")})
+        if layers and entry["launches"] >= layers:
+            entry["contribution_per_layer_us"] = round(entry["contribution_us"] / layers, 2)
+        by_kernel.append(entry)
+    by_kernel.sort(key=lambda e: -e["contribution_us"])
+    path_us = sum(row["contribution_us"] for row in totals.values()) / len(kept)
+    in_layers = sum(e["contribution_us"] for e in by_kernel if "contribution_per_layer_us" in e)
+    period = (kept[-1][0]["ts"] - kept[0][0]["ts"]) / (len(kept) - 1) if len(kept) > 1 else None
+    return {"split": split, "replays": len(kept), "kernels_per_step": len(kept[0]),
+            "profiled_span_ms": statistics.mean(spans) / 1e3,
+            "profiled_span_ms_range": [min(spans) / 1e3, max(spans) / 1e3],
+            "profiled_period_ms": period and period / 1e3, "contribution_sum_ms": path_us / 1e3,
+            "layers": layers, "per_layer_us": in_layers / layers if layers else None,
+            "outside_layers_us": path_us - in_layers, "by_kernel": by_kernel}
 
 
 def decode1(ctx):
@@ -1152,7 +1315,8 @@ def main() -> None:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ctx = {"device": dev, "timer": Timer(dev), "big": not args.tiny, "preset": args.preset,
            "dtype": torch.bfloat16 if dev.type == "cuda" else torch.float32,
-           "decode1_contexts": [int(c) for c in args.decode1_contexts.split(",")], "decode1_parts": args.decode1_parts}
+           "decode1_contexts": [int(c) for c in args.decode1_contexts.split(",")], "decode1_parts": args.decode1_parts,
+           "out": Path(args.out)}
     if args.tiny:
         from shared.model.tiny import write_tiny_checkpoint
         import tempfile

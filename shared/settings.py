@@ -40,6 +40,8 @@ class CommonSettings(BaseSettings):
     data_advertise: str = Field("", description="address peers use to reach this data plane; default: data-host; auto: this host's outward IP")
     data_max_mb: int = Field(8192, ge=1, description="bytes this process may hold for peers to pull (MiB)")
     lease_seconds: float = Field(60.0, gt=0, description="a tensor not pulled within this time is freed")
+    data_cuda_ipc: bool = Field(True, description="zmq: a pull between processes on one GPU maps the holder's "
+                                                  "memory (CUDA IPC) instead of copying through host memory")
     drain_seconds: float = Field(30.0, ge=0, description="on SIGTERM, time allowed for in-flight work")
     health_port: int = Field(0, ge=0, le=65535, description="port of the health endpoint (GET /live, GET /ready); "
                                                             "0: off")

@@ -5,6 +5,9 @@
     python -m tests.dataplane_peer pull                   print "ready", read {"warm": [...], "pull": [...]}
                                                           handles from stdin, pull the warm ones (connecting
                                                           to each holder), print "pulling", pull the rest
+    python -m tests.dataplane_peer hold-cuda              (GPU) a ZMQ holder of ``cuda_set()``: each stdin line
+                                                          "publish" prints fresh handles, "stats" the plane's
+                                                          stats and the GPU memory torch holds
 """
 
 from __future__ import annotations
@@ -44,6 +47,18 @@ def tensor_set(seed: int = 7) -> dict[str, torch.Tensor]:
     }
 
 
+def cuda_set(seed: int = 11) -> dict[str, torch.Tensor]:
+    """GPU tensors as producers leave them: a view at an offset into a larger block, one that a kernel
+    still writes when it is published (``pending``: all 50.0 once done), an empty one, 64 MB."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    block = torch.randn(40, 1024, generator=g, device="cuda").bfloat16()
+    return {"bf16": torch.randn(3, 5, 7, generator=g, device="cuda").bfloat16(),
+            "offset_view": block[13:29],  # contiguous, storage offset 13 rows
+            "i64": torch.randint(-(2**62), 2**62, (9,), generator=g, device="cuda"),
+            "empty": torch.empty(0, 4, device="cuda"),
+            "big": torch.randint(0, 256, (64 << 20,), generator=g, device="cuda", dtype=torch.uint8)}
+
+
 def as_json(handle: TensorHandle) -> dict:
     return {f: getattr(handle, f) for f in handle.__struct_fields__}
 
@@ -66,6 +81,29 @@ def _plane(spec: str) -> DataPlane:
     return DataPlane(spec)
 
 
+async def hold_cuda() -> None:
+    plane = DataPlane("zmq")
+    await plane.start()
+    tensors = cuda_set()
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    print(json.dumps({"ready": plane.address}), flush=True)
+    while line := (await asyncio.to_thread(sys.stdin.readline)).strip():
+        if line == "publish":
+            handles = {name: as_json(plane.publish(t.clone())) for name, t in tensors.items()}
+            pending = torch.zeros(32 << 20, device="cuda")  # 128 MB: 50 passes take milliseconds
+            for _ in range(50):
+                pending.add_(1.0)
+            handles["pending"] = as_json(plane.publish(pending))  # no synchronize: the event orders it
+            del pending
+            print(json.dumps(handles), flush=True)
+        elif line == "stats":
+            torch.cuda.synchronize()
+            print(json.dumps({**plane.stats(), "allocated_above_start": torch.cuda.memory_allocated() - baseline}),
+                  flush=True)
+    await plane.stop()
+
+
 async def pull() -> None:
     plane = DataPlane("zmq")
     await plane.start()
@@ -79,4 +117,5 @@ async def pull() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(hold(sys.argv[2]) if sys.argv[1] == "hold" else pull())
+    mode = sys.argv[1]
+    asyncio.run(hold(sys.argv[2]) if mode == "hold" else hold_cuda() if mode == "hold-cuda" else pull())

@@ -216,7 +216,7 @@ class Encoder:
     def _publish(self, embedding: Embedding) -> TensorHandle:
         """A new one-pull handle: the cache keeps the tensor, so every job gets its own handle to it."""
         try:
-            return self.plane.publish(embedding.tensor, consumers=1)
+            return self.plane.publish(embedding.tensor, consumers=1, complete=True)  # the batcher synchronized
         except DataPlaneError as err:  # full: consumers are not pulling; refuse rather than grow
             raise ServiceError(503, f"encoder busy: {err.message}")
 
@@ -253,6 +253,7 @@ class Encoder:
             "queue_depth": b.queued if b else 0,
             "in_flight": sum(e.in_flight for e in self._encode_endpoints),
             "bytes_held": self.plane.store.bytes_held,  # data plane: embeddings waiting for their pull
+            "pulls_mapped": self.plane.store.mapped,  # of them, pulled over CUDA IPC (a consumer on this GPU)
             "cache_hits": c.hits,
             "cache_misses": c.misses,
             "cache_evictions": c.evictions,

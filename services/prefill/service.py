@@ -64,4 +64,4 @@ class PrefillService(Service):
                 "prompts": intake.prompts if intake else 0, "prompt_tokens": intake.prompt_tokens if intake else 0,
                 "prompts_in_flight": sum(e.in_flight for e in self.registration.endpoints) if self.registration else 0,
                 "errors": sum(e.errors for e in self.registration.endpoints) if self.registration else 0,
-                "bytes_held": self.plane.store.bytes_held}
+                "bytes_held": self.plane.store.bytes_held, "pulls_mapped": self.plane.store.mapped}

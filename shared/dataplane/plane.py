@@ -2,7 +2,8 @@
 
 A process serves what it holds over its configured transport (``ucx``, ``zmq`` or ``inproc``) and can
 pull from holders of any transport; clients are made on first use, so a ZMQ deployment never loads
-UCX. A handle this process holds is taken from its own store whatever its transport: no copy.
+UCX. A handle this process holds is taken from its own store whatever its transport: no copy. Over ZMQ,
+holder and consumer on one GPU exchange a CUDA IPC description instead of the bytes (``cuda_ipc``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import torch
 import zmq.asyncio
 
+from shared.dataplane import cuda_ipc
 from shared.dataplane.handle import TRANSPORTS, TensorHandle, dtype_name
 from shared.dataplane.inproc_transport import InprocClient, InprocServer, take
 from shared.dataplane.store import DataPlaneError, TensorStore
@@ -22,7 +24,8 @@ from shared.dataplane.zmq_transport import ZmqClient, ZmqServer
 
 class DataPlane:
     def __init__(self, transport: str = "zmq", host: str = "127.0.0.1", advertise: str = "",
-                 max_bytes: int = 8 << 30, lease_seconds: float = 60.0, pull_timeout: float = 60.0):
+                 max_bytes: int = 8 << 30, lease_seconds: float = 60.0, pull_timeout: float = 60.0,
+                 cuda_ipc: bool = True):
         if transport not in TRANSPORTS:
             raise ValueError(f"data plane transport {transport!r} is not one of {', '.join(TRANSPORTS)}")
         self.transport = transport
@@ -30,6 +33,7 @@ class DataPlane:
         self.advertise = advertise
         self.store = TensorStore(max_bytes, lease_seconds)
         self.pull_timeout = pull_timeout
+        self.cuda_ipc = cuda_ipc and transport != "inproc"  # inproc hands the tensor itself over
         self._context: zmq.asyncio.Context | None = None
         self._server = self._make_server()
         self._clients: dict[str, TransportClient] = {}
@@ -39,7 +43,7 @@ class DataPlane:
     @classmethod
     def from_settings(cls, settings) -> "DataPlane":
         return cls(settings.transport, settings.data_host, settings.data_advertise,
-                   settings.data_max_mb << 20, settings.lease_seconds)
+                   settings.data_max_mb << 20, settings.lease_seconds, cuda_ipc=settings.data_cuda_ipc)
 
     @property
     def address(self) -> str:
@@ -63,9 +67,16 @@ class DataPlane:
         if self._context is not None:
             self._context.term()
 
-    def publish(self, tensor: torch.Tensor, consumers: int | None = 1, lease: float | None = None) -> TensorHandle:
-        """Hold ``tensor`` for ``consumers`` pulls (None: until released or its lease ends)."""
-        key, token, expires_at = self.store.put(tensor, consumers, lease)
+    def publish(self, tensor: torch.Tensor, consumers: int | None = 1, lease: float | None = None,
+                complete: bool = False) -> TensorHandle:
+        """Hold ``tensor`` for ``consumers`` pulls (None: until released or its lease ends). A consumer on
+        the same GPU may map it (``cuda_ipc``) and copies once the work queued before this call on the
+        current stream is done; ``complete``: its producer synchronized already, so nothing queued since
+        (the next batch) delays that copy."""
+        ready = None
+        if self.cuda_ipc and tensor.is_cuda and not complete:
+            ready = cuda_ipc.mark(tensor)
+        key, token, expires_at = self.store.put(tensor, consumers, lease, ready)
         return TensorHandle(transport=self.transport, address=self.address, key=key, token=token,
                             dtype=dtype_name(tensor.dtype), shape=list(tensor.shape),
                             nbytes=tensor.numel() * tensor.element_size(), expires_at=expires_at)
@@ -102,7 +113,7 @@ class DataPlane:
 
     def _make_server(self) -> TransportServer:
         if self.transport == "zmq":
-            return ZmqServer(self.store, self.host, self.advertise, self._zmq_context())
+            return ZmqServer(self.store, self.host, self.advertise, self._zmq_context(), self.cuda_ipc)
         if self.transport == "ucx":
             return UcxServer(self.store, self.host, self.advertise)
         return InprocServer(self.store)
@@ -111,7 +122,7 @@ class DataPlane:
         client = self._clients.get(transport)
         if client is None:
             if transport == "zmq":
-                client = ZmqClient(self._zmq_context())
+                client = ZmqClient(self._zmq_context(), self.cuda_ipc)
             elif transport == "ucx":
                 client = UcxClient()
             else:
@@ -128,3 +139,5 @@ class DataPlane:
         while True:
             await asyncio.sleep(1.0)
             self.store.sweep()
+            if self.store.mapped:  # blocks consumers mapped and have let go of: torch frees them when asked
+                cuda_ipc.collect()

@@ -34,6 +34,7 @@ class _Entry:
     expires_at: float
     remaining: int | None  # pulls left; None: until released or expired
     nbytes: int
+    ready: object = None  # GPU tensors: a CUDA event after the work that produced it (``cuda_ipc.mark``)
 
 
 LAPSED_KEYS = 4096  # expired keys remembered, so a late consumer hears "expired", not "not found"
@@ -51,6 +52,7 @@ class TensorStore:
         self.pulls = 0
         self.expired = 0
         self.refused = 0  # publishes turned away because the store was full
+        self.mapped = 0  # pulls answered with a CUDA IPC description instead of bytes (same GPU)
         self.on_empty = lambda: None  # called (any thread, lock released) when the last tensor is freed
 
     @property
@@ -60,9 +62,11 @@ class TensorStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, tensor: torch.Tensor, consumers: int | None = 1, lease: float | None = None) -> tuple[str, str, float]:
+    def put(self, tensor: torch.Tensor, consumers: int | None = 1, lease: float | None = None,
+            ready=None) -> tuple[str, str, float]:
         """Hold ``tensor`` for ``consumers`` pulls (None: until released or expired); returns (key, token,
-        expires_at). Raises DataPlaneError("full") rather than exceed ``max_bytes``."""
+        expires_at). ``ready``: a GPU tensor's CUDA event (``cuda_ipc.mark``). Raises DataPlaneError("full") rather
+        than exceed ``max_bytes``."""
         if consumers is not None and consumers < 1:
             raise ValueError("a tensor is published for at least one consumer (or None: until released)")
         nbytes = tensor.numel() * tensor.element_size()
@@ -74,7 +78,7 @@ class TensorStore:
                 self.refused += 1
                 raise DataPlaneError("full", f"data plane full: {self._bytes + nbytes} bytes would exceed "
                                              f"the limit of {self.max_bytes}")
-            self._entries[key] = _Entry(tensor.contiguous(), token, expires_at, consumers, nbytes)
+            self._entries[key] = _Entry(tensor.contiguous(), token, expires_at, consumers, nbytes, ready)
             self._bytes += nbytes
         return key, token, expires_at
 
@@ -93,6 +97,11 @@ class TensorStore:
                 raise DataPlaneError("expired", "the tensor's lease expired before it was pulled")
             self.served += 1
             return entry.tensor
+
+    def ready(self, key: str):
+        """The CUDA event a GPU tensor was published with (None: none, or no longer held)."""
+        entry = self._entries.get(key)
+        return entry.ready if entry is not None else None
 
     def done(self, key: str) -> None:
         """One consumer finished pulling ``key``; free it after the last."""
@@ -121,7 +130,7 @@ class TensorStore:
 
     def stats(self) -> dict:
         return {"bytes_held": self._bytes, "tensors": len(self._entries), "served": self.served,
-                "pulls": self.pulls, "expired": self.expired, "refused": self.refused}
+                "pulls": self.pulls, "expired": self.expired, "refused": self.refused, "mapped": self.mapped}
 
     def sweep(self) -> int:
         with self._lock:

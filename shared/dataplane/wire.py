@@ -1,7 +1,8 @@
 """What the network transports say to each other, and how a tensor becomes bytes and back.
 
 A pull is three messages: the consumer's ``PullRequest``, the holder's ``PullReply`` followed by the raw
-tensor bytes, and the consumer's ``PullAck`` once it holds them. The holder counts a pull as done only
+tensor bytes (or, holder and consumer on one GPU, a CUDA IPC description instead: ``cuda_ipc``), and
+the consumer's ``PullAck`` once it holds them. The holder counts a pull as done only
 on the ack, so a consumer that dies mid-transfer leaves the tensor to its lease, never half-counted.
 Control messages are small msgspec structs (MessagePack); nothing is ever unpickled.
 """
@@ -14,6 +15,7 @@ import warnings
 import msgspec
 import torch
 
+from shared.dataplane.cuda_ipc import CudaIpc
 from shared.dataplane.handle import ELEMENT_SIZES, TensorHandle
 from shared.dataplane.store import DataPlaneError, TensorStore
 
@@ -28,6 +30,7 @@ class PullRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="
     nbytes: int  # what the consumer's handle says; a holder whose tensor differs refuses
     id: int = 0  # matches the reply to the request when many are in flight on one connection
     to_device: bool = False  # the consumer receives into GPU memory (UCX): GPU tensors go as they are
+    gpu: str = ""  # the GPU the consumer receives on (ZMQ): a holder of the tensor on it answers with ``ipc``
 
 
 class PullAck(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="ack"):
@@ -35,10 +38,11 @@ class PullAck(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="ack"
     token: str
 
 
-class PullReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class PullReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     ok: bool
     code: str = ""
     message: str = ""
+    ipc: CudaIpc | None = None  # same GPU: map the holder's memory, no payload follows (``cuda_ipc``)
 
 
 ConsumerMessage = PullRequest | PullAck

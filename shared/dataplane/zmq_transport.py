@@ -4,7 +4,9 @@ Wire: the consumer sends ``[request_id, PullRequest]``; the holder answers ``[re
 payload]`` with the tensor's raw bytes sent without a copy; the consumer then sends ``[request_id,
 PullAck]``. Many pulls share one connection, matched by request id. Requests are size-capped and
 schema-checked; nothing is unpickled. TCP across hosts; ``ipc://DIR`` as the data host for a Unix socket
-between processes of one host.
+between processes of one host. A consumer that receives on a GPU names it in its request; a holder of the
+tensor on that same GPU replies with a CUDA IPC description and an empty payload, and the consumer acks
+once its device-to-device copy is done (``cuda_ipc``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from shared.dataplane import wire
+from shared.dataplane import cuda_ipc, wire
 from shared.dataplane.handle import TensorHandle
 from shared.dataplane.net import resolve_advertise, url_host
 from shared.dataplane.store import DataPlaneError, TensorStore
@@ -29,8 +31,10 @@ log = get_logger(__name__)
 
 
 class ZmqServer:
-    def __init__(self, store: TensorStore, host: str, advertise: str, context: zmq.asyncio.Context):
+    def __init__(self, store: TensorStore, host: str, advertise: str, context: zmq.asyncio.Context,
+                 mappable: bool = False):
         self.store = store
+        self.mappable = mappable  # GPU tensors may be answered with a CUDA IPC description
         self.host = host
         self.advertise = "" if host.startswith("ipc://") else resolve_advertise(advertise, host)
         self.context = context
@@ -91,6 +95,10 @@ class ZmqServer:
             return await self._refuse(sock, identity, request_id, reply.code, reply.message)
         if tensor.device.type == "cpu":
             return await self._send(sock, identity, request_id, wire.host_bytes(tensor))
+        if self.mappable and message.gpu and message.nbytes and message.gpu == cuda_ipc.gpu_id(tensor.device.index):
+            ipc = cuda_ipc.export(tensor, self.store.ready(message.key))
+            self.store.mapped += 1
+            return await sock.send_multipart([identity, request_id, wire.encode(wire.PullReply(True, ipc=ipc)), b""])
         task = asyncio.create_task(self._stage_and_send(sock, identity, request_id, tensor))
         self._staging.add(task)
         task.add_done_callback(self._staging.discard)
@@ -127,6 +135,7 @@ class _Peer:
         self.socket.connect(address)
         self.dead = False
         self.closed = False
+        self.mappable = True  # until mapping this holder's GPU memory fails once
         self.gone = asyncio.Event()
         # request id → (waiter, handle); an entry outlives a caller that gave up, so its late reply is
         # still acknowledged (the holder frees the tensor then, not at lease expiry).
@@ -135,14 +144,16 @@ class _Peer:
         self.reader = asyncio.create_task(self._read(), name=f"zmq-peer-{address}")
         self.watcher = asyncio.create_task(self._watch(), name=f"zmq-peer-monitor-{address}")
 
-    async def pull(self, handle: TensorHandle, timeout: float) -> torch.Tensor:
+    async def pull(self, handle: TensorHandle, timeout: float, gpu: str = "") -> torch.Tensor | cuda_ipc.CudaIpc:
+        """The tensor's bytes, or (``gpu`` named and the holder's tensor on it) its CUDA IPC description,
+        which the caller copies from and then ``ack``s."""
         if self.dead or self.closed:
             raise DataPlaneError("unreachable", "the holder is gone")
         self._forget_expired()
         request_id = next(self.ids).to_bytes(8, "little")
         future = asyncio.get_running_loop().create_future()
         self.pending[request_id] = (future, handle)
-        request = [request_id, wire.encode(wire.PullRequest(handle.key, handle.token, handle.nbytes))]
+        request = [request_id, wire.encode(wire.PullRequest(handle.key, handle.token, handle.nbytes, gpu=gpu))]
         try:
             await self._send(request, timeout)
             return await asyncio.wait_for(future, timeout)
@@ -183,7 +194,11 @@ class _Peer:
             except DataPlaneError as err:
                 result = err
             else:
-                self._ack(request_id.bytes, handle)
+                if not isinstance(result, cuda_ipc.CudaIpc):
+                    self.ack(handle)
+                elif future.done():  # a mapping nobody will make: the holder may free its block
+                    cuda_ipc.release(result)
+                    self.ack(handle)
             if future.done():
                 continue  # the puller gave up (timeout or cancel)
             if isinstance(result, DataPlaneError):
@@ -191,9 +206,11 @@ class _Peer:
             else:
                 future.set_result(result)
 
-    def _ack(self, request_id: bytes, handle: TensorHandle) -> None:
-        """Best effort, never blocking the reader: a holder that misses it frees the tensor at its lease."""
-        sent = self.socket.send_multipart([request_id, wire.encode(wire.PullAck(handle.key, handle.token))],
+    def ack(self, handle: TensorHandle) -> None:
+        """Best effort, never blocking: a holder that misses it frees the tensor at its lease."""
+        if self.closed:
+            return
+        sent = self.socket.send_multipart([b"ack", wire.encode(wire.PullAck(handle.key, handle.token))],
                                           flags=zmq.NOBLOCK)
         sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # zmq.Again: not sent, and that is fine
 
@@ -212,13 +229,15 @@ class _Peer:
                 return frames
 
     @staticmethod
-    def _result(header: bytes, payload, handle: TensorHandle) -> torch.Tensor:
+    def _result(header: bytes, payload, handle: TensorHandle) -> torch.Tensor | cuda_ipc.CudaIpc:
         try:
             reply = wire.reply_decoder.decode(header)
         except (msgspec.DecodeError, msgspec.ValidationError):
             raise DataPlaneError("bad_request", "malformed reply from holder") from None
         if not reply.ok:
             raise DataPlaneError(reply.code, reply.message)
+        if reply.ipc is not None:
+            return reply.ipc
         if len(payload) != handle.nbytes:
             raise DataPlaneError("bad_request", "payload size does not match the handle")
         return wire.tensor_from_buffer(payload.buffer, handle)
@@ -243,9 +262,14 @@ class _Peer:
         self.socket.close(0)
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 class ZmqClient:
-    def __init__(self, context: zmq.asyncio.Context):
+    def __init__(self, context: zmq.asyncio.Context, mapping: bool = False):
         self.context = context
+        self.mapping = mapping  # pulls onto a GPU ask holders on it for CUDA IPC
         self._peers: dict[str, _Peer] = {}
 
     async def pull(self, handle: TensorHandle, timeout: float, device: torch.device | None,
@@ -261,8 +285,35 @@ class ZmqClient:
             peer = self._peers.get(handle.address)  # another pull may have made the new one meanwhile
         if peer is None:
             peer = self._peers[handle.address] = _Peer(self.context, handle.address)
+        target = out.device if out is not None else device
+        if self.mapping and peer.mappable and target is not None and target.type == "cuda":
+            got = await peer.pull(handle, timeout, cuda_ipc.gpu_id(_index(target)))
+            if isinstance(got, cuda_ipc.CudaIpc):
+                try:
+                    return await self._copy(peer, got, handle, target, out)
+                except cuda_ipc.Unavailable as err:
+                    peer.mappable = False
+                    log.warning("dataplane.cuda_ipc_unavailable", holder=handle.address, error=str(err)[:200])
+            else:  # another GPU, or a holder that does not map: the bytes came
+                return wire.deliver(wire.flat_bytes(got), handle, device, out)
         tensor = await peer.pull(handle, timeout)  # lands in ZMQ's own buffer: one copy into ``out``
         return wire.deliver(wire.flat_bytes(tensor), handle, device, out)
+
+    @staticmethod
+    async def _copy(peer: _Peer, ipc: cuda_ipc.CudaIpc, handle: TensorHandle, target: torch.device,
+                    out: torch.Tensor | None) -> torch.Tensor:
+        """Device to device from the holder's mapped memory, then the ack (also when the caller gives up:
+        the copy's thread still unmaps, and the holder need not wait for the lease)."""
+        flat_out = wire.check_out(out, handle) if out is not None else None
+        try:
+            flat = await asyncio.to_thread(cuda_ipc.copy, ipc, handle.nbytes, target, flat_out)
+        except cuda_ipc.Unavailable:
+            raise
+        except BaseException:
+            peer.ack(handle)
+            raise
+        peer.ack(handle)
+        return wire.deliver(flat, handle, None, out)
 
     async def close(self) -> None:
         for peer in self._peers.values():
