@@ -515,26 +515,22 @@ def _decode_variants(ctx, seq: Sequence) -> dict:
     """The batch-1 graph replay with one part switched off, on the same staged inputs (a graph of bucket 1
     captured for each): the few-rows layer (``shared.kernels.gemv``: norms fused into GEMVs),
     programmatic dependent launch (``shared.kernels.launch``), both; the MoE down GEMV's loads before its
-    wait (``moe_small.EARLY_DOWN``); the fused norms' single pass (``gemv.ONE_PASS``: two passes, the
-    statistic over the whole row first in every program)."""
-    import shared.kernels.gemv as gemv  # the module itself (``from shared.kernels import gemv``: maybe its handle)
+    wait (``moe_small.EARLY_DOWN``)."""
     from shared.kernels import ENABLED, launch, moe_small
 
     runner, timer = ctx["engine"].runner, ctx["timer"]
     graphs, inputs = runner.graphs, runner.inputs
-    before = ENABLED["gemv"], launch.ENABLED, moe_small.EARLY_DOWN, gemv.ONE_PASS
+    before = ENABLED["gemv"], launch.ENABLED, moe_small.EARLY_DOWN
     out = {}
-    for name, switches in (("without_pdl", (True, False, True, True)), ("without_gemv", (False, True, True, True)),
-                           ("without_gemv_and_pdl", (False, False, True, True)),
-                           ("without_early_down", (True, True, False, True)),
-                           ("without_one_pass_norm", (True, True, True, False))):
-        ENABLED["gemv"], launch.ENABLED, moe_small.EARLY_DOWN, gemv.ONE_PASS = switches
+    for name, switches in (("without_pdl", (True, False, True)), ("without_gemv", (False, True, True)),
+                           ("without_gemv_and_pdl", (False, False, True)), ("without_early_down", (True, True, False))):
+        ENABLED["gemv"], launch.ENABLED, moe_small.EARLY_DOWN = switches
         try:
             runner.capture_graphs(1, ctx["max_len"])
             rows = runner.stage_decode([seq])
             out[name] = timer.ms(lambda: runner.graphs.replay(rows), repeat=200, warmup=10)
         finally:
-            ENABLED["gemv"], launch.ENABLED, moe_small.EARLY_DOWN, gemv.ONE_PASS = before
+            ENABLED["gemv"], launch.ENABLED, moe_small.EARLY_DOWN = before
             runner.graphs, runner.inputs = graphs, inputs
             torch.cuda.empty_cache()
         log(f"decode b1 {name}: graph replay {out[name]:.3f} ms")

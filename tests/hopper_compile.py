@@ -61,14 +61,11 @@ def main() -> int:
     # the decode step's chain at batch 1 of Qwen3-VL-30B-A3B, launched with PDL
     gemv_pointers = dict(x_ptr=bf16, res_ptr=bf16, norm_ptr=bf16, w_ptr=bf16, bias_ptr=bf16, out_ptr=bf16,
                          res_out_ptr=bf16, h_out_ptr=bf16)
-    # (q|k|v and the router with the norm fused in: one pass and two, ``gemv.ONE_PASS``)
-    for n, k, norm, keep, one_pass in ((5120, 2048, True, False, True), (5120, 2048, True, False, False),
-                                       (2048, 4096, False, False, True), (128, 2048, True, True, True),
-                                       (128, 2048, True, True, False)):
+    for n, k, norm, keep in ((5120, 2048, True, False), (2048, 4096, False, False), (128, 2048, True, True)):
         block_n, block_k, warps = gemv.tiles(n, k, norm=norm)
         compile_for_hopper(gemv._gemv_kernel, gemv_pointers, dict(
-            NORM=norm, RESIDUAL=norm, KEEP=keep, HAS_BIAS=False, ONE_PASS=one_pass, ROWS_PAD=1, K_PAD=k,
-            BLOCK_N=block_n, BLOCK_K=block_k, PDL=True), num_warps=warps, launch_pdl=True)
+            NORM=norm, RESIDUAL=norm, KEEP=keep, HAS_BIAS=False, ROWS_PAD=1, K_PAD=k, BLOCK_N=block_n,
+            BLOCK_K=block_k, PDL=True), num_warps=warps, launch_pdl=True)
     compile_for_hopper(fused._rope_store_kernel, dict(
         q_ptr=bf16, k_ptr=bf16, v_ptr=bf16, cos_ptr=bf16, sin_ptr=bf16, k_cache=bf16, v_cache=bf16, slots="*i64",
         q_norm=bf16, k_norm=bf16), dict(NUM_HEADS=32, NUM_KV_HEADS=4, HALF=64, HALF_PAD=64, HEADS_PAD=32, KV_PAD=4,

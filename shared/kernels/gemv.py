@@ -2,32 +2,20 @@
 
 At batch 1 a decoder layer's projections are matrix-vector products bound by reading the weights, and
 the norms between them are launches of their own: residual add + RMSNorm, then cuBLAS's GEMV. Here one
-kernel does both, in one pass over the row (``ONE_PASS``): the norm's statistic rstd is one number a
-row, so Σ_k W[n,k]·(w_norm[k]·h[k]·rstd) = rstd · Σ_k W[n,k]·(w_norm[k]·h[k]) with h = x + residual.
-Every program streams its block of weight rows against w_norm·h (the row, a few KB, read from L2 by
-each program), sums the row's squares in the same loop, and scales its sums by rstd after it. One
-program also writes the new residual (each step's part as it passes) and, where the next kernel needs
-it (the MoE experts read the normalized rows), the normalized rows themselves, in a second pass over the
-row after its loop; they go to new tensors, never in place: the other programs are still reading the
-old residual. ``ONE_PASS = False`` (read at launch, for benchmarks): every program first reads the whole
-row for the statistic, then streams its weights against the normalized row (two passes).
+kernel does both: every program computes the norm statistic of the rows it needs (x + residual: a few
+KB, read from L2 by each program) and streams its block of weight rows against the normalized rows.
+One program also writes the new residual and, where the next kernel needs it (the MoE experts read
+the normalized rows), the normalized rows themselves; they go to new tensors, never in place: the
+other programs are still reading the old residual.
 
 The kernels launch with programmatic dependent launch where the device has it
 (``shared.kernels.launch``): each program loads its first block of weights before it waits for the
 previous kernel, so the weight stream starts while that kernel finishes.
 
-Numerics: the new residual x + residual is rounded to the model's dtype (the residual stream's) and
-the statistic summed from it in float32. The normalized rows program 0 writes are those of
-``fused.add_rms_norm`` bit for bit: the statistic summed over the whole row at once, the normalized row
-rounded, times the norm's weight, rounded. In one pass the product does not go through them: it takes
-w_norm·h in float32 (neither h·rstd nor its product with w_norm rounded), sums the products in float32,
-multiplies the sums by rstd (its squares summed step by step: another order of the float32 additions),
-rounds the output once, then adds the bias and rounds again, as F.linear does. Two roundings fewer than
-the unfused path (norm kernel, then cuBLAS): at least as close to a float32 reference, though no
-longer equal to the unfused path's products of the rounded normalized rows but for the order of
-additions. The two-pass path (``ONE_PASS = False``) rounds as the unfused path does: the normalized row
-rounded, times the norm's weight rounded; products summed in float32, the output rounded once; only the
-order of the float32 additions differs from cuBLAS's.
+Numerics are those of ``fused.add_rms_norm`` followed by a matrix product: the sum rounded to the
+model's dtype (the residual stream's), the normalized row rounded, times the norm's weight rounded;
+products summed in float32, the output rounded once (plus the bias, rounded, where there is one).
+Only the order of the float32 additions differs from cuBLAS's.
 
 Tiles: a program computes ``BLOCK_N`` outputs for every row, streaming ``BLOCK_K`` of the reduction a
 step in 16-byte vectors along the contiguous K, with the next step's weights loaded before the
@@ -37,16 +25,12 @@ Chosen by measurement (``bench/gemv_tiles.py``, one H200, every layer's weight i
 graph, PDL on; docs/benchmarks.md): 4 warps; 4 outputs x 1,024 a step for weights up to 64 MB, which
 beat cuBLAS on Qwen3-VL-30B-A3B's q|k|v (7.5 against 7.9 µs), o (5.9 / 8.8) and router (1.6 / 4.8)
 and the 7B's q|k|v and o; 8 x 512 for larger ones (the 7B's gate|up and down: 70.5 / 69.4 and
-36.4 / 36.7 µs, even with cuBLAS). With the norm fused in two passes (every program first reading
-the whole row for its statistic), 256-wide steps won where the outputs are many (Qwen3-VL-30B-A3B's
-q|k|v 8.8 against 9.6 µs, the 7B's 13.5 against 14.6; the step 2.448-2.449 against 2.473-2.474 ms and
-4.27 against 4.30 ms), not for the router's 128 outputs (3.4 against 2.2 µs). In one pass (one H200,
-the same way, both paths in one process) 256-wide steps still win for q|k|v: 8.0 µs against 8.8 in
-two passes, while the 1,024-wide ones lose more (10.4 against 9.5: every step now waits for its part
-of the row from L2); the router with the normalized rows kept, 4 x 1,024, 2.4 against 2.3 µs. At 4
-rows every tiling took about twice cuBLAS's time (the accumulator grows with the rows, so the steps
-shrink), so the layers use these kernels for one row only (``MAX_ROWS``); they compute up to
-``ROWS_LIMIT``.
+36.4 / 36.7 µs, even with cuBLAS). With the norm fused in, every program first reads the whole row for
+its statistic: there 256-wide steps win where the outputs are many (Qwen3-VL-30B-A3B's q|k|v 8.8 against
+9.6 µs, the 7B's 13.5 against 14.6; the step 2.448-2.449 against 2.473-2.474 ms and 4.27 against 4.30 ms),
+not for the router's 128 outputs (3.4 against 2.2 µs). At 4 rows every tiling took about twice cuBLAS's
+time (the accumulator grows with the rows, so the steps shrink), so the layers use these kernels for one
+row only (``MAX_ROWS``); they compute up to ``ROWS_LIMIT``.
 """
 
 from __future__ import annotations
@@ -57,7 +41,6 @@ import triton.language as tl
 
 from shared.kernels import launch
 
-ONE_PASS = True  # the norm's statistic summed in the products' loop (False: a pass over the row first); read at launch
 MAX_ROWS = 1  # rows the decoder layers use these kernels for (measured: see above)
 ROWS_LIMIT = 4  # rows the kernels compute
 SMALL_WEIGHT = 64 << 20  # bytes up to which the narrower, longer tiles win
@@ -75,51 +58,23 @@ def suits(weight: torch.Tensor) -> bool:
 
 def tiles(n: int, k: int, rows: int = 1, norm: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for ``n`` outputs over ``k`` inputs of ``rows`` rows (bf16 weights);
-    ``norm``: with the RMSNorm fused in (measured in two passes and in one: the same choice)."""
+    ``norm``: with the RMSNorm fused in (its statistic over the whole row first, in every program)."""
     if n * k * 2 > SMALL_WEIGHT:
         block_n, block_k = 8, 512
-    else:  # shorter steps where the norm is fused in and the outputs are many
+    else:  # shorter steps where every program first reads the whole row for the norm, if there are many
         block_n, block_k = 4, (NORM_BLOCK_K if norm and n >= NORM_MIN_OUTPUTS else 1024)
     return block_n, max(64, block_k // triton.next_power_of_2(rows)), 4  # 32 accumulator values a thread
-
-
-@triton.jit
-def _whole_rows(x_ptr, res_ptr, norm_ptr, res_out_ptr, h_out_ptr, r, r_ok, K, eps, stride_x, stride_r, writes,
-                RESIDUAL: tl.constexpr, KEEP: tl.constexpr, WRITE_RESIDUAL: tl.constexpr, K_PAD: tl.constexpr):
-    """The rows' RMS statistic over the whole width at once (as ``fused.add_rms_norm`` sums it) → rstd; and
-    where ``writes`` (program 0), x + res to res_out (WRITE_RESIDUAL) and the normalized rows to h_out (KEEP)."""
-    kk = tl.arange(0, K_PAD)
-    whole = r_ok[:, None] & (kk < K)[None, :]
-    dtype = x_ptr.dtype.element_ty
-    xs = tl.load(x_ptr + r[:, None] * stride_x + kk[None, :], mask=whole, other=0.0)
-    if RESIDUAL:  # the residual stream is kept in the model's dtype
-        xs = (xs.to(tl.float32) + tl.load(res_ptr + r[:, None] * stride_r + kk[None, :], mask=whole,
-                                          other=0.0).to(tl.float32)).to(dtype)
-    xf = xs.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, 1) / K + eps)
-    if WRITE_RESIDUAL:
-        if writes:
-            tl.store(res_out_ptr + r[:, None] * stride_x + kk[None, :], xs, mask=whole)
-    if KEEP:
-        if writes:
-            weight = tl.load(norm_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-            normed = (xf * rstd[:, None]).to(dtype).to(tl.float32)
-            tl.store(h_out_ptr + r[:, None] * stride_x + kk[None, :], (weight[None, :] * normed).to(dtype),
-                     mask=whole)
-    return rstd
 
 
 @triton.jit(do_not_specialize=["rows"])
 def _gemv_kernel(x_ptr, res_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr, h_out_ptr,
                  rows, N, K, eps, stride_x, stride_r, stride_w, stride_o,
                  NORM: tl.constexpr, RESIDUAL: tl.constexpr, KEEP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 ONE_PASS: tl.constexpr, ROWS_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                 ROWS_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr):
     """out[r, cols] = h[r] · W[cols]ᵀ (+ bias): h = x, or with NORM the RMSNorm of x (+ res with RESIDUAL).
     Program 0 writes x + res to res_out (RESIDUAL) and h to h_out (KEEP). Rows are contiguous in K; the
-    res_out and h_out rows have x's stride. ONE_PASS (with NORM): the rows' statistic summed in the same
-    loop as the products, which take the unnormalized rows times the norm's weight, and scale the sums
-    after it; else every program computes the statistic over the whole row first (two passes)."""
+    res_out and h_out rows have x's stride."""
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -132,24 +87,30 @@ def _gemv_kernel(x_ptr, res_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr
     r_ok = r < rows
     dtype = x_ptr.dtype.element_ty
     rstd = tl.zeros((ROWS_PAD,), tl.float32)
-    if NORM and not ONE_PASS:  # the rows' statistics (and program 0's writes) over the whole width first
-        rstd = _whole_rows(x_ptr, res_ptr, norm_ptr, res_out_ptr, h_out_ptr, r, r_ok, K, eps, stride_x, stride_r,
-                           pid == 0, RESIDUAL, KEEP, RESIDUAL, K_PAD)
+    if NORM:  # the rows' statistics (and program 0's writes) over the whole width first
+        kk = tl.arange(0, K_PAD)
+        whole = r_ok[:, None] & (kk < K)[None, :]
+        xs = tl.load(x_ptr + r[:, None] * stride_x + kk[None, :], mask=whole, other=0.0)
+        if RESIDUAL:  # the residual stream is kept in the model's dtype
+            xs = (xs.to(tl.float32) + tl.load(res_ptr + r[:, None] * stride_r + kk[None, :], mask=whole,
+                                              other=0.0).to(tl.float32)).to(dtype)
+        xf = xs.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xf * xf, 1) / K + eps)
+        if pid == 0:
+            if RESIDUAL:
+                tl.store(res_out_ptr + r[:, None] * stride_x + kk[None, :], xs, mask=whole)
+            if KEEP:
+                weight = tl.load(norm_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+                normed = (xf * rstd[:, None]).to(dtype).to(tl.float32)
+                tl.store(h_out_ptr + r[:, None] * stride_x + kk[None, :], (weight[None, :] * normed).to(dtype),
+                         mask=whole)
 
     # products summed elementwise in registers, reduced across the threads along K once at the end (a
-    # reduction every step costs shuffles and a barrier per step: 1.5x cuBLAS's time on the 7B's gate|up);
-    # in one pass the squares of the rows likewise
+    # reduction every step costs shuffles and a barrier per step: 1.5x cuBLAS's time on the 7B's gate|up)
     acc = tl.zeros((ROWS_PAD, BLOCK_N, BLOCK_K), tl.float32)
-    squares = tl.zeros((ROWS_PAD, BLOCK_K), tl.float32)
     x_ptrs = x_ptr + r[:, None] * stride_x + ks[None, :]
     res_ptrs = res_ptr + r[:, None] * stride_r + ks[None, :]
-    res_out_ptrs = res_out_ptr + r[:, None] * stride_x + ks[None, :]
     for k0 in range(0, K, BLOCK_K):
-        w_next_ok = col_ok[:, None] & (ks < K - k0 - BLOCK_K)[None, :]
-        if NORM and ONE_PASS:  # the next step's weights first: issued after this step's row, they waited for it
-            # (from L2) and program 0's store of it (one H100, q|k|v: 4 x 256 tiles 10.0 µs a layer, 9.4 with
-            # them first; 4 x 1,024 12.6 and 11.7)
-            w_next = tl.load(w_ptrs + BLOCK_K, mask=w_next_ok, other=0.0)
         k_ok = ks < K - k0
         x_ok = r_ok[:, None] & k_ok[None, :]
         h = tl.load(x_ptrs, mask=x_ok, other=0.0)
@@ -157,36 +118,19 @@ def _gemv_kernel(x_ptr, res_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr
             if RESIDUAL:
                 h = (h.to(tl.float32) + tl.load(res_ptrs, mask=x_ok, other=0.0).to(tl.float32)).to(dtype)
             weight = tl.load(norm_ptr + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-            if ONE_PASS:  # rstd is one number a row: it scales the sums after the loop
-                hf = h.to(tl.float32)
-                squares += hf * hf
-                if RESIDUAL:
-                    if pid == 0:  # the new residual, this step's part
-                        tl.store(res_out_ptrs, h, mask=x_ok)
-                h = weight[None, :] * hf
-            else:
-                h = (weight[None, :] * (h.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype)
-        if not (NORM and ONE_PASS):  # two passes (the row from L1) or no norm: where they were measured
-            w_next = tl.load(w_ptrs + BLOCK_K, mask=w_next_ok, other=0.0)
+            h = (weight[None, :] * (h.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype)
+        w_next = tl.load(w_ptrs + BLOCK_K, mask=col_ok[:, None] & (ks < K - k0 - BLOCK_K)[None, :], other=0.0)
         acc += w.to(tl.float32)[None, :, :] * h.to(tl.float32)[:, None, :]
         w = w_next
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         res_ptrs += BLOCK_K
-        res_out_ptrs += BLOCK_K
     acc = tl.sum(acc, 2)
-    if NORM and ONE_PASS:
-        acc = acc * tl.rsqrt(tl.sum(squares, 1) / K + eps)[:, None]
     out_type = out_ptr.dtype.element_ty
     if HAS_BIAS:  # as F.linear rounds: the product, then the sum with the bias
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         acc = acc.to(out_type).to(tl.float32) + bias[None, :]
     tl.store(out_ptr + r[:, None] * stride_o + cols[None, :], acc.to(out_type), mask=r_ok[:, None] & col_ok[None, :])
-    if NORM and ONE_PASS and KEEP:
-        if pid == 0:  # the normalized rows: a second pass over the row (in L1/L2), in this program only, with
-            # the statistic summed as the two-pass path and the unfused norm sum it (the same bits)
-            _whole_rows(x_ptr, res_ptr, norm_ptr, res_out_ptr, h_out_ptr, r, r_ok, K, eps, stride_x, stride_r,
-                        True, RESIDUAL, True, False, K_PAD)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
@@ -208,8 +152,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, re
         h_out if h_out is not None else out, rows, n, k, eps, x.stride(0),
         residual.stride(0) if residual is not None else 0, weight.stride(0), out.stride(0),
         NORM=norm is not None, RESIDUAL=residual is not None, KEEP=keep, HAS_BIAS=bias is not None,
-        ONE_PASS=bool(ONE_PASS), ROWS_PAD=triton.next_power_of_2(rows), K_PAD=triton.next_power_of_2(k),
-        BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=num_warps, **launch.options(pdl))
+        ROWS_PAD=triton.next_power_of_2(rows), K_PAD=triton.next_power_of_2(k), BLOCK_N=block_n, BLOCK_K=block_k,
+        PDL=pdl, num_warps=num_warps, **launch.options(pdl))
     return out, res_out, h_out
 
 
