@@ -6,6 +6,7 @@ checked is that a consumer naming a GPU still gets the bytes of a host tensor.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -69,6 +70,16 @@ def expected() -> dict[str, torch.Tensor]:
     return cuda_set() | {"pending": torch.full((32 << 20,), 50.0, device="cuda")}
 
 
+@contextlib.asynccontextmanager
+async def consumer(cuda_ipc: bool = True):
+    plane = DataPlane("zmq", cuda_ipc=cuda_ipc)
+    await plane.start()
+    try:
+        yield plane
+    finally:
+        await plane.stop()
+
+
 async def settled(holder: Holder, timeout: float = 10.0) -> dict:
     """The holder's stats once it holds nothing and its GPU memory is back where it started (acks arrive,
     then consumers' unmaps let torch free the blocks at the holder's next collect)."""
@@ -83,9 +94,7 @@ async def settled(holder: Holder, timeout: float = 10.0) -> dict:
 @needs_gpu
 async def test_same_gpu_pulls_map_the_holders_memory(holder):
     want = expected()
-    plane = DataPlane("zmq")
-    await plane.start()
-    try:
+    async with consumer() as plane:
         before = holder.stats()
         handles = holder.publish()
         got = await asyncio.gather(*(plane.pull(h, device="cuda") for h in handles.values()))
@@ -97,16 +106,12 @@ async def test_same_gpu_pulls_map_the_holders_memory(holder):
         assert stats["mapped"] - before["mapped"] == mappable
         assert stats["pulls"] - before["pulls"] == len(handles)  # every pull acked
         assert stats["bytes_held"] == 0 and stats["allocated_above_start"] <= 0, stats  # blocks freed
-    finally:
-        await plane.stop()
 
 
 @needs_gpu
 async def test_pulls_into_a_reused_gpu_buffer(holder):
     want = expected()
-    plane = DataPlane("zmq")
-    await plane.start()
-    try:
+    async with consumer() as plane:
         before = holder.stats()
         for _ in range(3):
             handles = holder.publish()
@@ -114,24 +119,16 @@ async def test_pulls_into_a_reused_gpu_buffer(holder):
             out = torch.full(handle.shape, -1.0, dtype=torch.bfloat16, device="cuda")
             pulled = await plane.pull(handle, out=out)
             assert pulled.data_ptr() == out.data_ptr() and same_bits(out, want["offset_view"])
-            for other in handles.values():
-                if other is not handle:
-                    plane_other = await plane.pull(other, device="cuda")
-                    del plane_other
+            await asyncio.gather(*(plane.pull(h, device="cuda") for h in handles.values() if h is not handle))
         stats = await settled(holder)
         assert stats["mapped"] - before["mapped"] == 3 * sum(1 for h in handles.values() if h.nbytes)
         assert stats["allocated_above_start"] <= 0, stats
-    finally:
-        await plane.stop()
 
 
 @needs_gpu
 async def test_pulls_to_host_or_without_ipc_carry_bytes(holder):
     want = expected()
-    host, no_ipc = DataPlane("zmq"), DataPlane("zmq", cuda_ipc=False)
-    await host.start()
-    await no_ipc.start()
-    try:
+    async with consumer() as host, consumer(cuda_ipc=False) as no_ipc:
         before = holder.stats()
         handles = holder.publish()
         to_host = await asyncio.gather(*(host.pull(h) for h in handles.values()))
@@ -141,9 +138,6 @@ async def test_pulls_to_host_or_without_ipc_carry_bytes(holder):
         assert all(t.device.type == "cuda" and same_bits(t, want[n]) for n, t in zip(handles, to_gpu))
         stats = await settled(holder)
         assert stats["mapped"] == before["mapped"] and stats["pulls"] - before["pulls"] == 2 * len(handles)
-    finally:
-        await host.stop()
-        await no_ipc.stop()
 
 
 @needs_gpu
@@ -151,8 +145,6 @@ async def test_an_unmappable_description_falls_back_to_bytes(holder, monkeypatch
     """A consumer that cannot map (simulated: the mapping call refuses) gets the bytes, releases the
     holder's reference, and stops asking that holder."""
     want = expected()
-    plane = DataPlane("zmq")
-    await plane.start()
     calls = []
 
     def refuse(*args):
@@ -160,7 +152,7 @@ async def test_an_unmappable_description_falls_back_to_bytes(holder, monkeypatch
         raise RuntimeError("cudaIpcOpenMemHandle: invalid argument")
 
     monkeypatch.setattr(torch.UntypedStorage, "_new_shared_cuda", refuse)
-    try:
+    async with consumer() as plane:
         before = holder.stats()
         handles = holder.publish()
         big = await plane.pull(handles["big"], device="cuda")
@@ -171,8 +163,6 @@ async def test_an_unmappable_description_falls_back_to_bytes(holder, monkeypatch
         stats = await settled(holder)
         assert stats["mapped"] - before["mapped"] == 1
         assert stats["allocated_above_start"] <= 0, stats  # the refused mapping's block was released too
-    finally:
-        await plane.stop()
 
 
 async def test_a_consumer_naming_a_gpu_gets_a_host_tensors_bytes():

@@ -96,9 +96,13 @@ class ZmqServer:
         if tensor.device.type == "cpu":
             return await self._send(sock, identity, request_id, wire.host_bytes(tensor))
         if self.mappable and message.gpu and message.nbytes and message.gpu == cuda_ipc.gpu_id(tensor.device.index):
-            ipc = cuda_ipc.export(tensor, self.store.ready(message.key))
-            self.store.mapped += 1
-            return await sock.send_multipart([identity, request_id, wire.encode(wire.PullReply(True, ipc=ipc)), b""])
+            try:
+                ipc = cuda_ipc.export(tensor, self.store.ready(message.key))
+            except (RuntimeError, TypeError, ValueError):  # an allocation torch cannot share: the bytes go
+                log.warning("dataplane.cuda_ipc_export_failed", exc_info=True)
+            else:
+                self.store.mapped += 1
+                return await self._send(sock, identity, request_id, b"", wire.PullReply(True, ipc=ipc))
         task = asyncio.create_task(self._stage_and_send(sock, identity, request_id, tensor))
         self._staging.add(task)
         task.add_done_callback(self._staging.discard)
@@ -110,9 +114,9 @@ class ZmqServer:
         except Exception:
             log.exception("dataplane.stage_failed")
 
-    async def _send(self, sock, identity: bytes, request_id: bytes, payload) -> None:
-        header = wire.encode(wire.PullReply(True))
-        await sock.send_multipart([identity, request_id, header, payload], copy=False)
+    async def _send(self, sock, identity: bytes, request_id: bytes, payload,
+                    reply: wire.PullReply = wire.PullReply(True)) -> None:
+        await sock.send_multipart([identity, request_id, wire.encode(reply), payload], copy=False)
 
     async def _refuse(self, sock, identity: bytes, request_id: bytes, code: str, message: str) -> None:
         await sock.send_multipart([identity, request_id, wire.encode(wire.refusal(code, message)), b""])
@@ -308,8 +312,8 @@ class ZmqClient:
         try:
             flat = await asyncio.to_thread(cuda_ipc.copy, ipc, handle.nbytes, target, flat_out)
         except cuda_ipc.Unavailable:
-            raise
-        except BaseException:
+            raise  # no ack: the bytes are pulled next, and that pull acks
+        except BaseException:  # cancelled or failed: the holder need not keep the tensor for us
             peer.ack(handle)
             raise
         peer.ack(handle)
