@@ -13,6 +13,9 @@ model) with random bf16 weights (timing does not depend on weight values):
               batch touches) + KV bytes / bandwidth
   prefill     prefill of the four-1080p-image prompt (10,903 tokens), against FLOPs (active parameters)
               / matmul rate
+  prefill_sizes  prefills of text prompts of --prefill-lengths tokens (chat-sized to image-sized): each against
+              both floors (FLOPs / matmul rate; bytes of the weights it reads — MoE: the experts its tokens
+              touched, counted — / bandwidth) and its kernels' time by kernel name (torch.profiler)
   chunked     that prefill at several step budgets (chunked prefill) against unchunked; a mixed step
               (64 decode rows at 2k context + a prompt chunk) against a pure decode step and the chunk
               alone; the repeated prompt served by the prefix cache; prefill attention after a prefix:
@@ -54,7 +57,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.roofline import TouchedExperts, decode_bytes, expert_bytes, prefill_flops, vit_flops  # noqa: E402
+from bench.roofline import (TouchedExperts, decode_bytes, expert_bytes, prefill_flops,  # noqa: E402
+                            shared_weight_bytes, vit_flops)
 
 from shared.engine.engine import Engine  # noqa: E402
 from shared.engine.kv_cache import KVCache  # noqa: E402
@@ -66,7 +70,7 @@ from shared.model.geometry import ImageGeometry  # noqa: E402
 from shared.model.loader import load_language_model, load_vision_tower  # noqa: E402
 from shared.model.presets import PRESETS, materialize_preset  # noqa: E402
 
-SECTIONS = ["ceilings", "check", "decode1", "decode64", "sampling", "prefill", "chunked", "memory", "hf", "vit",
+SECTIONS = ["ceilings", "check", "decode1", "decode64", "sampling", "prefill", "prefill_sizes", "chunked", "memory", "hf", "vit",
             "preprocess", "encode_path", "video", "profile", "timeline"]
 RESULTS: dict = {}
 
@@ -474,9 +478,33 @@ def _decode1_replay(ctx, context: int) -> float | None:
     engine.blocks.may_append(seq)
     rows = runner.stage_decode([seq])
     replay = ctx["timer"].ms(lambda: runner.graphs.replay(rows), repeat=200, warmup=10) if runner.graphs else None
-    engine.abort("b1")
     log(f"decode b1 at a {context}-token context: graph replay {replay and round(replay, 3)} ms")
+    if runner.graphs is not None:
+        for blocks in ctx["min_blocks_ab"]:
+            ms = _replay_with_min_blocks(ctx, seq, blocks)
+            RESULTS.setdefault("decode1_min_blocks", {}).setdefault(str(blocks), {})[context] = ms
+            log(f"decode b1 at a {context}-token context, decode attention MIN_BLOCKS={blocks}: graph replay "
+                f"{ms:.3f} ms")
+    engine.abort("b1")
     return replay
+
+
+def _replay_with_min_blocks(ctx, seq: Sequence, blocks: int) -> float:
+    """The batch-1 replay with a graph captured for the decode attention's ``MIN_BLOCKS`` = ``blocks`` (the
+    fewest KV blocks a split of the context takes: fewer splits, so less to merge, on short contexts)."""
+    from shared.kernels import decode_attention
+
+    runner = ctx["engine"].runner
+    graphs, inputs, before = runner.graphs, runner.inputs, decode_attention.MIN_BLOCKS
+    decode_attention.MIN_BLOCKS = blocks
+    try:
+        runner.capture_graphs(1, ctx["max_len"])
+        rows = runner.stage_decode([seq])
+        return ctx["timer"].ms(lambda: runner.graphs.replay(rows), repeat=200, warmup=10)
+    finally:
+        decode_attention.MIN_BLOCKS = before
+        runner.graphs, runner.inputs = graphs, inputs
+        torch.cuda.empty_cache()
 
 
 def _decode1_at(ctx, prompt: int) -> None:
@@ -790,6 +818,49 @@ def prefill(ctx):
     RESULTS["prefill"] = {"tokens": t, "ms": ms, "TFLOP": flops / 1e12, "compute_floor_ms": floor,
                           "ratio_to_floor": ms / floor if floor else None}
     log(f"prefill {t} tokens: {ms:.1f} ms, {flops / 1e12:.0f} TFLOP, floor {floor:.1f} ms ({ms / max(floor, 1e-9):.2f}x)")
+
+
+def prefill_sizes(ctx):
+    """Text prefills from chat-sized to image-sized prompts: time, both floors, kernels by name."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    build_lm(ctx)
+    engine, cfg, timer, lm = ctx["engine"], ctx["config"], ctx["timer"], ctx["lm"]
+    lengths = ctx["prefill_lengths"] if ctx["big"] else [24, 96]
+    rows = []
+    for length in lengths:
+        tokens = [100 + (i * 7919) % (ctx["vocab"] - 100) for i in range(length)]  # spread over the vocabulary
+        ms = timer.ms(lambda: _run_prefill(engine, tokens, []), repeat=5, warmup=2)
+        with TouchedExperts(lm) as touched:
+            _run_prefill(engine, tokens, [])
+        experts = touched.per_step()
+        read = shared_weight_bytes(lm) + experts * expert_bytes(lm)
+        bytes_ms = read / ctx.get("bandwidth", math.inf) * 1e3
+        flop_ms = prefill_flops(cfg, length) / ctx.get("matmul_rate", math.inf) * 1e3
+        kernels: dict[str, list[float]] = {}
+        if ctx["device"].type == "cuda":
+            torch.cuda.synchronize()
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                _run_prefill(engine, tokens, [])
+                torch.cuda.synchronize()
+            for event in prof.events():
+                if event.device_type.name == "CUDA":
+                    row = kernels.setdefault(_kernel_name(event.name), [0, 0.0])
+                    row[0] += 1
+                    row[1] += event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
+        top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:14]
+        row = {"tokens": length, "ms": ms, "floor_flops_ms": flop_ms, "floor_bytes_ms": bytes_ms,
+               "experts_touched": experts, "GB_read": read / 1e9,
+               "ratio_to_floor": ms / max(flop_ms, bytes_ms, 1e-9),
+               "kernels": [{"name": n, "launches": c, "us": round(t, 1)} for n, (c, t) in top],
+               "kernel_us_total": round(sum(t for _, t in kernels.values()), 1)}
+        rows.append(row)
+        log(f"prefill_sizes {length} tokens: {ms:.1f} ms; floors: FLOPs {flop_ms:.1f} ms, bytes {bytes_ms:.1f} ms "
+            f"({read / 1e9:.1f} GB, {experts} experts) -> {row['ratio_to_floor']:.2f}x; kernels {row['kernel_us_total'] / 1e3:.1f} ms")
+        for k in row["kernels"]:
+            log(f"    {k['name']:<60} {k['launches']:>5} {k['us']:>10.1f} us")
+    RESULTS["prefill_sizes"] = rows
 
 
 def _engine_like(ctx, **options) -> Engine:
@@ -1309,6 +1380,11 @@ def main() -> None:
     parser.add_argument("--decode1-contexts", default="128",
                         help="decode1: context lengths, comma-separated; the first is measured in full, the others "
                              "as the graph replay alone")
+    parser.add_argument("--min-blocks", default="",
+                        help="decode1: at each of --decode1-contexts but the first, also the replay with the decode "
+                             "attention's MIN_BLOCKS set to each of these (comma-separated)")
+    parser.add_argument("--prefill-lengths", default="152,512,2132,8192",
+                        help="prefill_sizes: prompt lengths in tokens, comma-separated")
     parser.add_argument("--no-decode1-parts", dest="decode1_parts", action="store_false",
                         help="decode1: skip the replays without each part and the MoE / projection paths")
     args = parser.parse_args()
@@ -1316,6 +1392,8 @@ def main() -> None:
     ctx = {"device": dev, "timer": Timer(dev), "big": not args.tiny, "preset": args.preset,
            "dtype": torch.bfloat16 if dev.type == "cuda" else torch.float32,
            "decode1_contexts": [int(c) for c in args.decode1_contexts.split(",")], "decode1_parts": args.decode1_parts,
+           "prefill_lengths": [int(n) for n in args.prefill_lengths.split(",")],
+           "min_blocks_ab": [int(n) for n in args.min_blocks.split(",") if n],
            "out": Path(args.out)}
     if args.tiny:
         from shared.model.tiny import write_tiny_checkpoint

@@ -208,14 +208,16 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
                      slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, num_splits: int,
                      qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-                     out: torch.Tensor | None = None, min_blocks: int = MIN_BLOCKS,
+                     out: torch.Tensor | None = None, min_blocks: int | None = None,
                      num_warps: int = NUM_WARPS) -> torch.Tensor:
     """Decode rows' attention. ``q`` ``[B, heads, D]``, ``k``, ``v`` ``[B, kv_heads, D]`` before rotary (left
     unchanged); ``cos``/``sin`` ``[B, D]``; ``slots`` ``[B]``: each row's new token's cache slot; caches
     ``[blocks, block_size, kv_heads, D]``; ``block_tables`` ``[B, width]`` int32; ``context_lens`` ``[B]``
     int32, the new token included; ``qk_norm``: (q's weight, k's weight, eps); ``min_blocks``: blocks a
-    split takes at least (tests: 1, for many splits on short contexts); ``num_warps``: the first kernel's
-    (benchmarks). Returns ``[B, heads, D]``."""
+    split takes at least (tests: 1, for many splits on short contexts; by default ``MIN_BLOCKS``, read at
+    each call so that a benchmark can set it); ``num_warps``: the first kernel's (benchmarks). Returns
+    ``[B, heads, D]``."""
+    min_blocks = MIN_BLOCKS if min_blocks is None else min_blocks
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
