@@ -860,7 +860,59 @@ def prefill_sizes(ctx):
             f"({read / 1e9:.1f} GB, {experts} experts) -> {row['ratio_to_floor']:.2f}x; kernels {row['kernel_us_total'] / 1e3:.1f} ms")
         for k in row["kernels"]:
             log(f"    {k['name']:<60} {k['launches']:>5} {k['us']:>10.1f} us")
-    RESULTS["prefill_sizes"] = rows
+    RESULTS["prefill_sizes"] = {"prompts": rows, "moe_tiles": _moe_tiles(ctx, lengths)}
+
+
+MOE_TILES = [(16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (32, 64, 128, 4, 4),
+             (32, 128, 64, 4, 4), (64, 64, 64, 4, 4), (64, 128, 64, 8, 3), (128, 128, 64, 8, 3)]
+
+
+def _moe_tiles(ctx, lengths: list[int]) -> list[dict]:
+    """The sorted path's experts (``fused_experts``: align, gate|up, down, top-k sum) for ``T`` random rows
+    through every MoE layer's weights in turn, per tile shape of ``MOE_TILES`` (block_m, block_n, block_k,
+    warps, stages), in µs a layer, against the layer's floors (the touched experts' bytes / bandwidth; the
+    active FLOPs / matmul rate); ``kernel_config``'s pick marked."""
+    from shared.kernels import moe as moe_kernels
+    from shared.model.moe import SparseMoeBlock
+
+    blocks = [m for m in ctx["lm"].modules() if isinstance(m, SparseMoeBlock)]
+    if not blocks or ctx["device"].type != "cuda":
+        return []
+    out = []
+    hidden = ctx["config"].text.hidden_size
+    for length in lengths:
+        with torch.inference_mode():
+            x = torch.randn(length, hidden, dtype=ctx["dtype"], device=ctx["device"],
+                            generator=torch.Generator(ctx["device"]).manual_seed(length))
+            routed = [block.route(block.gate(x)) for block in blocks]
+            touched = statistics.mean(ids.unique().numel() for _, ids in routed)
+            experts0 = blocks[0].experts
+            per_expert = (experts0.gate_up_proj[0].numel() + experts0.down_proj[0].numel()) * x.element_size()
+            floor_bytes_us = touched * per_expert / ctx["bandwidth"] * 1e6
+            floor_flops_us = 2 * length * blocks[0].top_k * 3 * hidden * experts0.intermediate / ctx["matmul_rate"] * 1e6
+            picked = moe_kernels.kernel_config(length * blocks[0].top_k, experts0.gate_up_proj.shape[0])
+            row = {"tokens": length, "experts_touched": touched, "floor_bytes_us": floor_bytes_us,
+                   "floor_flops_us": floor_flops_us, "picked": [picked.block_m, picked.block_n, picked.block_k,
+                                                                picked.num_warps, picked.num_stages], "tiles": {}}
+            for tile in MOE_TILES:
+                config = moe_kernels.KernelConfig(*tile)
+
+                def layers(config=config):
+                    for block, (weights, ids) in zip(blocks, routed):
+                        moe_kernels.fused_experts(x, block.experts.gate_up_proj, block.experts.down_proj, ids,
+                                                  weights, config=config, path="sorted")
+                try:
+                    us = ctx["timer"].ms(layers, repeat=5, warmup=1) * 1e3 / len(blocks)
+                except Exception as err:  # a tile that does not fit (shared memory) is skipped
+                    log(f"moe tiles {length} tokens {tile}: {type(err).__name__}: {err}")
+                    continue
+                row["tiles"]["x".join(map(str, tile))] = round(us, 1)
+            out.append(row)
+            best = min(row["tiles"].items(), key=lambda kv: kv[1])
+            log(f"moe tiles {length} tokens ({touched:.0f} experts; floors: bytes {floor_bytes_us:.0f} µs, FLOPs "
+                f"{floor_flops_us:.0f} µs; picked {row['picked']}): " + ", ".join(f"{k} {v}" for k, v in row["tiles"].items())
+                + f"; best {best[0]} {best[1]} µs")
+    return out
 
 
 def _engine_like(ctx, **options) -> Engine:
