@@ -152,6 +152,13 @@ def build_lm(ctx):
                            max_batched_tokens=16384, prefix_caching=False)  # repeated prompts compute each time
     if dev.type == "cuda":
         runner.capture_graphs(ctx["max_batch"], ctx["max_len"])
+        if ctx["prefill_graph_tokens"]:  # as a serving worker does (EngineSettings.prefill_graph_tokens)
+            before, started = torch.cuda.memory_reserved(dev), time.perf_counter()
+            runner.capture_prefill_graphs(ctx["prefill_graph_tokens"])
+            RESULTS["prefill_graphs"] = {"max_tokens": ctx["prefill_graph_tokens"],
+                                         "seconds": round(time.perf_counter() - started, 1),
+                                         "reserved_MB": (torch.cuda.memory_reserved(dev) - before) / 2**20}
+            log(f"prefill graphs: {RESULTS['prefill_graphs']}")
     started = time.perf_counter()  # what a worker's engine thread does before serving (this thread steps here)
     RESULTS["warm_thread"] = {"attention_plans": ctx["engine"].warm_thread(),
                               "ms": round((time.perf_counter() - started) * 1e3, 1)}
@@ -832,8 +839,25 @@ def prefill_sizes(ctx):
     for length in lengths:
         tokens = [100 + (i * 7919) % (ctx["vocab"] - 100) for i in range(length)]  # spread over the vocabulary
         ms = timer.ms(lambda: _run_prefill(engine, tokens, []), repeat=5, warmup=2)
-        with TouchedExperts(lm) as touched:
-            _run_prefill(engine, tokens, [])
+        pieces, eager_ms, agreement = lm.pieces, None, None
+        if pieces is not None:  # the same prefill without the graphs, and how far apart their logits are
+            with_pieces = _forced_logits(engine, tokens, [])[0]
+            lm.pieces = None
+            try:
+                eager_ms = timer.ms(lambda: _run_prefill(engine, tokens, []), repeat=5, warmup=2)
+                eager = _forced_logits(engine, tokens, [])[0]
+            finally:
+                lm.pieces = pieces
+            agreement = {"same_argmax": bool(with_pieces.argmax() == eager.argmax()),
+                         "max_abs_diff": float((with_pieces - eager).abs().max()),
+                         "logit_scale": float(eager.abs().max())}
+        pieces = lm.pieces
+        lm.pieces = None  # counted in the eager forward: graph replays do not call back into Python
+        try:
+            with TouchedExperts(lm) as touched:
+                _run_prefill(engine, tokens, [])
+        finally:
+            lm.pieces = pieces
         experts = touched.per_step()
         read = shared_weight_bytes(lm) + experts * expert_bytes(lm)
         bytes_ms = read / ctx.get("bandwidth", math.inf) * 1e3
@@ -849,18 +873,47 @@ def prefill_sizes(ctx):
                     row = kernels.setdefault(_kernel_name(event.name), [0, 0.0])
                     row[0] += 1
                     row[1] += event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
+        if length == lengths[0]:  # where the host's time goes: the step waits on the launches, not the GPU
+            _host_profile(ctx, lambda: _run_prefill(engine, tokens, []), f"prefill_{length}")
         top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:14]
-        row = {"tokens": length, "ms": ms, "floor_flops_ms": flop_ms, "floor_bytes_ms": bytes_ms,
+        row = {"tokens": length, "ms": ms, "eager_ms": eager_ms, "graphs_vs_eager_logits": agreement,
+               "floor_flops_ms": flop_ms, "floor_bytes_ms": bytes_ms,
                "experts_touched": experts, "GB_read": read / 1e9,
                "ratio_to_floor": ms / max(flop_ms, bytes_ms, 1e-9),
                "kernels": [{"name": n, "launches": c, "us": round(t, 1)} for n, (c, t) in top],
                "kernel_us_total": round(sum(t for _, t in kernels.values()), 1)}
         rows.append(row)
+        if eager_ms is not None:
+            log(f"prefill_sizes {length} tokens: eager (no prefill graphs) {eager_ms:.1f} ms; logits {agreement}")
         log(f"prefill_sizes {length} tokens: {ms:.1f} ms; floors: FLOPs {flop_ms:.1f} ms, bytes {bytes_ms:.1f} ms "
             f"({read / 1e9:.1f} GB, {experts} experts) -> {row['ratio_to_floor']:.2f}x; kernels {row['kernel_us_total'] / 1e3:.1f} ms")
         for k in row["kernels"]:
             log(f"    {k['name']:<60} {k['launches']:>5} {k['us']:>10.1f} us")
     RESULTS["prefill_sizes"] = {"prompts": rows, "moe_tiles": _moe_tiles(ctx, lengths)}
+
+
+def _host_profile(ctx, fn, name: str, rows: int = 40) -> None:
+    """``fn`` once under cProfile (after a warm run): the Python functions its host time goes to, by own time
+    and by cumulative time, into the log and RESULTS["host_profile"][name]."""
+    import cProfile
+    import io
+    import pstats
+
+    fn()
+    if ctx["device"].type == "cuda":
+        torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    fn()
+    if ctx["device"].type == "cuda":
+        torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(rows)
+    stats.sort_stats("cumulative").print_stats(rows)
+    RESULTS.setdefault("host_profile", {})[name] = text.getvalue()
+    log(f"--- host profile {name}\n{text.getvalue()}")
 
 
 MOE_TILES = [(16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (32, 64, 128, 4, 4),
@@ -1432,6 +1485,9 @@ def main() -> None:
     parser.add_argument("--decode1-contexts", default="128",
                         help="decode1: context lengths, comma-separated; the first is measured in full, the others "
                              "as the graph replay alone")
+    parser.add_argument("--prefill-graph-tokens", type=int, default=4096,
+                        help="capture prefill steps of up to this many tokens piece by piece (0: eager), as "
+                             "EPD_PREFILL_GRAPH_TOKENS does in a worker")
     parser.add_argument("--min-blocks", default="",
                         help="decode1: at each of --decode1-contexts but the first, also the replay with the decode "
                              "attention's MIN_BLOCKS set to each of these (comma-separated)")
@@ -1446,6 +1502,7 @@ def main() -> None:
            "decode1_contexts": [int(c) for c in args.decode1_contexts.split(",")], "decode1_parts": args.decode1_parts,
            "prefill_lengths": [int(n) for n in args.prefill_lengths.split(",")],
            "min_blocks_ab": [int(n) for n in args.min_blocks.split(",") if n],
+           "prefill_graph_tokens": args.prefill_graph_tokens,
            "out": Path(args.out)}
     if args.tiny:
         from shared.model.tiny import write_tiny_checkpoint

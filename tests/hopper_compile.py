@@ -34,7 +34,8 @@ def main() -> int:
     gemm = dict(a_ptr=bf16, b_ptr=bf16, c_ptr=bf16, weights_ptr=bf16, sorted_ids=i32, block_experts=i32,
                 num_padded=i32)
     f32 = {name: "*fp32" if kind == bf16 else kind for name, kind in gemm.items()}  # float32 weights (checks)
-    for pointers, tiles in ((gemm, moe.SMALL), (gemm, moe.LARGE), (f32, moe.kernel_config(8, 128, 4)),
+    for pointers, tiles in ((gemm, moe.SMALL), (gemm, moe.MIDDLE), (gemm, moe.LARGE),
+                            (f32, moe.kernel_config(8, 128, 4)), (f32, moe.kernel_config(512 * 8, 128, 4)),
                             (f32, moe.kernel_config(10_000 * 8, 128, 4))):
         for gated in (True, False):
             compile_for_hopper(moe._grouped_gemm_kernel, pointers, dict(

@@ -397,3 +397,23 @@ def test_the_aggregated_engine_hands_off_to_the_prompt_whose_images_its_gap_enco
     else:
         assert handoffs == 0
         assert after_gap[0] == ["r0", "r3"] and "r9" not in after_gap[0]  # P's step first, R after it
+
+
+def test_prefill_steps_in_pieces_generate_hf_tokens(model_parts, requests_with_reference):
+    """Qwen2.5-VL (q|k|v with a bias) through ``shared.engine.pieces``, run eagerly: prompts joining while
+    others decode, image prompts split into chunks by the step budget, steps padded up to a bucket — every
+    output HF's (the Qwen3-VL dense and MoE models: tests/test_qwen3.py)."""
+    from shared.engine.pieces import Pieces
+
+    _, lm, _ = model_parts
+    engine = make_engine(model_parts, max_batched_tokens=96)
+    pieces = Pieces(lm, 64)
+    seqs = [sequence(i, r) for i, r in enumerate(requests_with_reference)]
+    lm.pieces = pieces
+    try:
+        run_to_completion(engine, joiners={2 * i: [seq] for i, seq in enumerate(seqs)})
+    finally:
+        lm.pieces = None
+    for seq, request in zip(seqs, requests_with_reference):
+        assert seq.output_ids == request[3], seq.request_id
+    assert engine.blocks.num_free == engine.blocks.num_blocks

@@ -205,6 +205,38 @@ def test_the_gpu_path_kernels_generate_hf_tokens(qwen3, requests_with_reference,
     assert {1, 2} <= set(taken)
 
 
+def test_prefill_steps_in_pieces_generate_hf_tokens(qwen3, requests_with_reference):
+    """Prefill and mixed steps through ``shared.engine.pieces`` (each step's rows padded up to a bucket; the
+    pieces run eagerly here, on a GPU each is a CUDA graph): prompts joining while others decode, a step
+    budget that splits the image prompts into chunks (an image cut between two chunks, its deepstack rows
+    with it) — every output HF's. Steps larger than the largest bucket run the plain forward."""
+    from shared.engine.pieces import Pieces
+
+    _, _, config, _, lm, _ = qwen3
+    cache = KVCache(config.text, 128, 16, torch.float32, "cpu")
+    runner = ModelRunner(lm, cache, config.vision.merge_size)
+    engine = Engine(runner, config.eos_token_ids, max_model_len=127 * 16, max_batched_tokens=96)
+    pieces = Pieces(lm, 64)
+    used: list[int] = []
+    forward = pieces.forward
+    pieces.forward = lambda embeds, *args: used.append(embeds.shape[0]) or forward(embeds, *args)
+    seqs = [sequence(i, r) for i, r in enumerate(requests_with_reference)]
+    lm.pieces = pieces
+    try:
+        for step in range(200):
+            if step < len(seqs):
+                engine.add_prompt(seqs[step])
+            if not engine.has_work():
+                break
+            engine.step()
+    finally:
+        lm.pieces = None
+    for seq, request in zip(seqs, requests_with_reference):
+        assert seq.output_ids == request[3], seq.request_id
+    assert used and any(t not in pieces.buckets for t in used)  # padded steps among them
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
 def test_prefill_to_decode_hand_off(qwen3, requests_with_reference):
     """KV streamed layer by layer from a prefill engine into a decode engine's reservation."""
     prefill, decode = make_engine(qwen3, role="prefill"), make_engine(qwen3, role="decode")

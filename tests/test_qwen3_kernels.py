@@ -182,10 +182,11 @@ def test_few_assignments_take_the_small_path_and_more_the_sorted_one():
 def test_tile_choice_follows_rows_per_expert():
     assert kernel_config(8, 128).block_m == 16  # decode, batch 1, Qwen3-VL-30B-A3B
     assert kernel_config(64 * 8, 128).block_m == 16  # decode, batch 64
-    assert kernel_config(10_000 * 8, 128).block_m == 64  # a 10k-token prefill
+    assert kernel_config(512 * 8, 128).block_m == 64  # a 512-token prefill: 32 rows an expert
+    assert kernel_config(10_000 * 8, 128).block_m == 128  # a 10k-token prefill
     # float32 weights (the GPU check's reference copy): fewer stages, within the H200's shared memory
     wide = kernel_config(10_000 * 8, 128, itemsize=4)
-    assert wide.block_m == 64 and wide.num_stages < kernel_config(10_000 * 8, 128).num_stages
+    assert wide.block_m == 128 and wide.num_stages < kernel_config(10_000 * 8, 128).num_stages
 
 
 @pytest.mark.parametrize("path", ["small", "sorted"])
@@ -249,4 +250,4 @@ def test_kernels_compile_for_hopper():
     done = subprocess.run([sys.executable, "-m", "tests.hopper_compile"], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count(" ok") == 22  # 8 grouped GEMMs, 14 others (the decode attention pair twice)
+    assert done.stdout.count(" ok") == 26  # 12 grouped GEMMs, 14 others (the decode attention pair twice)

@@ -59,4 +59,6 @@ def build_engine(settings: EngineSettings, role: str) -> tuple[Engine, ModelConf
                     decode_step_tokens=settings.decode_step_tokens)
     if device.type == "cuda" and role != "prefill" and not settings.enforce_eager:
         runner.capture_graphs(settings.max_num_seqs, max_len)
+    if device.type == "cuda" and role != "decode" and not settings.enforce_eager and settings.prefill_graph_tokens:
+        runner.capture_prefill_graphs(min(settings.prefill_graph_tokens, settings.step_token_budget(device)))
     return engine, config

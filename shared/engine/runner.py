@@ -39,6 +39,15 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.backend, self.inputs)
         self.graphs.capture()
 
+    def capture_prefill_graphs(self, max_tokens: int) -> None:
+        """Capture prefill and mixed steps of up to ``max_tokens`` tokens piece by piece (``shared.engine.pieces``;
+        CUDA only); the model's forward runs them from now on."""
+        from shared.engine.pieces import Pieces
+
+        pieces = Pieces(self.model, max_tokens)
+        pieces.capture()
+        self.model.pieces = pieces
+
     # -- prefill: prompt chunks, decode rows riding along ----------------------------------------------
     def prepare_prefill(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch,
                                                             deepstack.Deepstack | None]:

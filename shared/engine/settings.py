@@ -37,7 +37,11 @@ class EngineSettings(CommonSettings):
     kv_cache_mb: int = Field(0, ge=0, description="KV pool size in MiB; 0: from --gpu-memory-utilization "
                                                   "on GPU, 256 MiB on CPU")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="share of GPU memory this process may use")
-    enforce_eager: bool = Field(False, description="never capture CUDA graphs for decode (debugging)")
+    enforce_eager: bool = Field(False, description="never capture CUDA graphs, for decode or prefill (debugging)")
+    prefill_graph_tokens: int = Field(4096, ge=0, description="prefill and mixed steps of up to this many tokens "
+                                                              "run as CUDA graphs between their attentions, padded "
+                                                              "to a bucket (the host launches ~25 kernels a layer: "
+                                                              "short prompts waited on it); 0: eager")
     pdl: bool = Field(True, description="launch the decode step's Triton kernels with programmatic dependent "
                                         "launch on GPUs that have it (compute capability 9+: each starts while the "
                                         "previous finishes; −0.25 ms a batch-1 step of Qwen3-VL-30B-A3B on an H200); "

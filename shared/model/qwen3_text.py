@@ -72,6 +72,8 @@ class Qwen3LanguageModel(text.LanguageModel):
         """``embeds`` ``[T, hidden]``, ``positions`` ``[3, T]`` → final hidden states ``[T, hidden]``.
         ``deepstack``: level ``i`` is added to the image rows after decoder layer ``i``."""
         cos, sin = self.rotary(positions, embeds.dtype)
+        if self.in_pieces(embeds, batch):
+            return self.pieces.forward(embeds, cos, sin, batch, backend, deepstack)
         x, residual = embeds, None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, cos, sin, batch, backend)
