@@ -205,6 +205,41 @@ def test_the_gpu_path_kernels_generate_hf_tokens(qwen3, requests_with_reference,
     assert {1, 2} <= set(taken)
 
 
+def test_the_gpu_path_kernels_in_pieces_generate_hf_tokens(qwen3, requests_with_reference):
+    """The Triton attention backend (Triton's interpreter) between the pieces of ``shared.engine.pieces``:
+    its rotary + cache-write kernel rotating q and k in the pieces' shared q|k|v buffer, and a mixed step
+    (the second prompt, one image, joining while the first decodes: the decode row through the decode
+    attention kernel, the prompt through the paged prefill kernel) padded up to a bucket — each output a
+    prefix of HF's greedy one."""
+    pytest.importorskip("triton")
+    from shared.engine.attention import TritonAttention
+    from shared.engine.pieces import Pieces
+
+    _, _, config, _, lm, _ = qwen3
+    cache = KVCache(config.text, 128, 16, torch.float32, "cpu")
+    engine = Engine(ModelRunner(lm, cache, config.vision.merge_size,
+                                backend=TritonAttention(cache, config.text.head_dim ** -0.5)),
+                    config.eos_token_ids, max_model_len=127 * 16)
+    seqs = [sequence(i, (ids, images, 4, expected)) for i, (ids, images, _, expected)
+            in enumerate(requests_with_reference[:2])]
+    pieces = Pieces(lm, 256)
+    steps: list[tuple[int, int]] = []  # (tokens, decode rows) of each step through the pieces
+    forward = pieces.forward
+    pieces.forward = lambda embeds, cos, sin, batch, *a: (steps.append((embeds.shape[0], batch.num_decode))
+                                                           or forward(embeds, cos, sin, batch, *a))
+    lm.pieces = pieces
+    try:
+        engine.add_prompt(seqs[0])
+        engine.step()
+        engine.add_prompt(seqs[1])
+        run_to_completion(engine)
+    finally:
+        lm.pieces = None
+    for seq, request in zip(seqs, requests_with_reference):
+        assert seq.output_ids == request[3][:4]
+    assert any(rows == 1 for _, rows in steps)  # the mixed step went through the pieces
+
+
 def test_prefill_steps_in_pieces_generate_hf_tokens(qwen3, requests_with_reference):
     """Prefill and mixed steps through ``shared.engine.pieces`` (each step's rows padded up to a bucket; the
     pieces run eagerly here, on a GPU each is a CUDA graph): prompts joining while others decode, a step

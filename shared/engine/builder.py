@@ -6,6 +6,7 @@ import torch
 
 from shared.engine.engine import Engine
 from shared.engine.grammar import Grammars
+from shared.engine import pieces
 from shared.engine.kv_cache import KVCache
 from shared.engine.runner import ModelRunner
 from shared.engine.sampling import Sampler
@@ -44,6 +45,9 @@ def build_engine(settings: EngineSettings, role: str) -> tuple[Engine, ModelConf
             launch.ENABLED = settings.pdl
     model = load_language_model(path, config, device, dtype, settings.load_format)
     max_len = min(settings.max_model_len or config.text.max_position_embeddings, config.text.max_position_embeddings)
+    if device.type == "cuda" and role != "decode" and not settings.enforce_eager and settings.prefill_graph_tokens:
+        # before the KV pool is sized from what this process holds: the graphs' buffers and pool count in it
+        pieces.capture(model, min(settings.prefill_graph_tokens, settings.step_token_budget(device)))
     blocks = kv_pool_blocks(settings, config, device, dtype)
     cache = KVCache(config.text, blocks, settings.block_size, dtype, device)
     log.info("engine.kv_pool", role=role, blocks=blocks, block_size=settings.block_size,
@@ -59,6 +63,4 @@ def build_engine(settings: EngineSettings, role: str) -> tuple[Engine, ModelConf
                     decode_step_tokens=settings.decode_step_tokens)
     if device.type == "cuda" and role != "prefill" and not settings.enforce_eager:
         runner.capture_graphs(settings.max_num_seqs, max_len)
-    if device.type == "cuda" and role != "decode" and not settings.enforce_eager and settings.prefill_graph_tokens:
-        runner.capture_prefill_graphs(min(settings.prefill_graph_tokens, settings.step_token_budget(device)))
     return engine, config

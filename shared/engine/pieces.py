@@ -136,6 +136,16 @@ class Pieces:
                  seconds=round(time.perf_counter() - started, 1))
 
 
+def capture(model: nn.Module, max_tokens: int) -> Pieces:
+    """Capture ``model``'s pieces for steps of up to ``max_tokens`` tokens and hand them to its forward. They
+    need the weights alone (no KV): a worker captures them before sizing its KV pool, which so leaves their
+    memory to them."""
+    pieces = Pieces(model, max_tokens)
+    pieces.capture()
+    model.pieces = pieces
+    return pieces
+
+
 def _add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """``residual += x`` in place (the buffer the next piece reads) and the norm of it."""
     h, summed = norm.add_forward(x, residual)

@@ -42,11 +42,9 @@ class ModelRunner:
     def capture_prefill_graphs(self, max_tokens: int) -> None:
         """Capture prefill and mixed steps of up to ``max_tokens`` tokens piece by piece (``shared.engine.pieces``;
         CUDA only); the model's forward runs them from now on."""
-        from shared.engine.pieces import Pieces
+        from shared.engine import pieces
 
-        pieces = Pieces(self.model, max_tokens)
-        pieces.capture()
-        self.model.pieces = pieces
+        pieces.capture(self.model, max_tokens)
 
     # -- prefill: prompt chunks, decode rows riding along ----------------------------------------------
     def prepare_prefill(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch,
