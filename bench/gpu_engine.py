@@ -26,6 +26,8 @@ model) with random bf16 weights (timing does not depend on weight values):
   sampling    decode step at batch 64 (2,048-token contexts): every row greedy, then one row with every sampling
               option (penalties, bias, top-k/p, min-p, seed, logprobs), one row under a JSON-schema grammar, every
               row with every option: what one request's options cost the others' steps
+  vit_graphs  the vision tower through CUDA graphs between its attentions (--vit-graph-patches, as
+              EPD_VIT_GRAPH_PATCHES) against eager: 1, 4, 10 x 448x448, 1 and 2 x 1080p
   preprocess  one 1080p image to patches: HF's PIL processor on one CPU thread against the torch path on
               the GPU (pixels copied over included), and how far apart their patches are
   video       10 s and 30 s 720p clips (2 sampled frames a second, the video processor's token budget):
@@ -71,7 +73,7 @@ from shared.model.loader import load_language_model, load_vision_tower  # noqa: 
 from shared.model.presets import PRESETS, materialize_preset  # noqa: E402
 
 SECTIONS = ["ceilings", "check", "decode1", "decode64", "sampling", "prefill", "prefill_sizes", "chunked", "memory", "hf", "vit",
-            "preprocess", "encode_path", "video", "profile", "timeline"]
+            "vit_graphs", "preprocess", "encode_path", "video", "profile", "timeline"]
 RESULTS: dict = {}
 
 
@@ -1250,6 +1252,46 @@ def vit(ctx):
     RESULTS["vit"] = out
 
 
+def vit_graphs(ctx):
+    """The vision tower through ``shared.model.pieces`` (``EPD_VIT_GRAPH_PATCHES``) against eager, on the
+    shapes an encoder's batch takes: 1, 4 and 10 images of 448x448 (Dynamo's shape), one and two 1080p
+    images; with each forward's largest difference from eager (max abs, and the eager output's scale)."""
+    from shared.model import pieces
+
+    dev, cfg, timer = ctx["device"], ctx["config"], ctx["timer"]
+    tower = load_vision_tower(None, cfg, dev, ctx["dtype"], load_format="dummy")
+    geometry = ctx["geometry"]
+    small, large = geometry.grid(448, 448), ctx["grid_1080p"]
+    shapes = [("448x448", small, 1), ("448x448", small, 4), ("448x448", small, 10), ("1080p", large, 1),
+              ("1080p", large, 2)] if ctx["big"] else [("tiny", (1, 8, 12), 1), ("tiny", (1, 8, 12), 3)]
+    limit = ctx["vit_graph_patches"]
+    started = time.perf_counter()
+    made = pieces.vision_pieces(tower, limit)
+    if dev.type == "cuda":
+        made.capture()
+    capture_s = time.perf_counter() - started
+    rows = []
+    for label, grid, images in shapes:
+        patches = torch.randn(images * grid[1] * grid[2], cfg.vision.patch_dim, dtype=ctx["dtype"], device=dev)
+        grids = [grid] * images
+        with torch.inference_mode():
+            tower.pieces = None
+            eager_ms = timer.ms(lambda: tower(patches, grids), repeat=5 if ctx["big"] else 2, warmup=2)
+            eager = tower(patches, grids).float()
+            tower.pieces = made
+            graphs_ms = timer.ms(lambda: tower(patches, grids), repeat=5 if ctx["big"] else 2, warmup=2)
+            pieced = tower(patches, grids).float()
+            tower.pieces = None
+        covered = made.bucket(patches.shape[0]) is not None
+        row = {"shape": f"{images} x {label}", "patches": patches.shape[0], "covered": covered, "eager_ms": eager_ms,
+               "graphs_ms": graphs_ms, "max_abs_diff": float((pieced - eager).abs().max()),
+               "scale": float(eager.abs().max())}
+        rows.append(row)
+        log(f"vit graphs {row['shape']} ({row['patches']} patches{'' if covered else ', above the limit: eager'}): "
+            f"eager {eager_ms:.2f} ms, graphs {graphs_ms:.2f} ms; max diff {row['max_abs_diff']:.3g} of {row['scale']:.3g}")
+    RESULTS["vit_graphs"] = {"max_patches": limit, "capture_s": round(capture_s, 1), "shapes": rows}
+
+
 def preprocess(ctx):
     import numpy as np
 
@@ -1488,6 +1530,8 @@ def main() -> None:
     parser.add_argument("--prefill-graph-tokens", type=int, default=4096,
                         help="capture prefill steps of up to this many tokens piece by piece (0: eager), as "
                              "EPD_PREFILL_GRAPH_TOKENS does in a worker")
+    parser.add_argument("--vit-graph-patches", type=int, default=16384,
+                        help="vit_graphs: the largest forward (patches) captured")
     parser.add_argument("--min-blocks", default="",
                         help="decode1: at each of --decode1-contexts but the first, also the replay with the decode "
                              "attention's MIN_BLOCKS set to each of these (comma-separated)")
@@ -1502,7 +1546,7 @@ def main() -> None:
            "decode1_contexts": [int(c) for c in args.decode1_contexts.split(",")], "decode1_parts": args.decode1_parts,
            "prefill_lengths": [int(n) for n in args.prefill_lengths.split(",")],
            "min_blocks_ab": [int(n) for n in args.min_blocks.split(",") if n],
-           "prefill_graph_tokens": args.prefill_graph_tokens,
+           "prefill_graph_tokens": args.prefill_graph_tokens, "vit_graph_patches": args.vit_graph_patches,
            "out": Path(args.out)}
     if args.tiny:
         from shared.model.tiny import write_tiny_checkpoint
@@ -1513,6 +1557,7 @@ def main() -> None:
     else:
         ctx["config"] = preset_config(args.preset)
     geometry = ImageGeometry.from_checkpoint(ctx["tiny_path"] if args.tiny else materialize_preset(args.preset))
+    ctx["geometry"] = geometry
     ctx["grid_1080p"] = geometry.grid(1080, 1920)  # (1, 78, 138) for Qwen2.5-VL, (1, 68, 120) for Qwen3-VL
     ctx["vocab"] = min(1000, ctx["config"].text.vocab_size)
     per_block = KVCache.bytes_per_block(ctx["config"].text, 16, ctx["dtype"])

@@ -400,14 +400,14 @@ def test_the_aggregated_engine_hands_off_to_the_prompt_whose_images_its_gap_enco
 
 
 def test_prefill_steps_in_pieces_generate_hf_tokens(model_parts, requests_with_reference):
-    """Qwen2.5-VL (q|k|v with a bias) through ``shared.engine.pieces``, run eagerly: prompts joining while
+    """Qwen2.5-VL (q|k|v with a bias) through ``shared.model.pieces``, run eagerly: prompts joining while
     others decode, image prompts split into chunks by the step budget, steps padded up to a bucket — every
     output HF's (the Qwen3-VL dense and MoE models: tests/test_qwen3.py)."""
-    from shared.engine.pieces import Pieces
+    from shared.model.pieces import language_pieces
 
     _, lm, _ = model_parts
     engine = make_engine(model_parts, max_batched_tokens=96)
-    pieces = Pieces(lm, 64)
+    pieces = language_pieces(lm, 64)
     seqs = [sequence(i, r) for i, r in enumerate(requests_with_reference)]
     lm.pieces = pieces
     try:
@@ -417,3 +417,23 @@ def test_prefill_steps_in_pieces_generate_hf_tokens(model_parts, requests_with_r
     for seq, request in zip(seqs, requests_with_reference):
         assert seq.output_ids == request[3], seq.request_id
     assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("grids", [[(1, 8, 12), (1, 16, 16), (1, 4, 4)], [(2, 8, 8)]])
+def test_vision_tower_in_pieces_matches_its_plain_forward(model_parts, grids):
+    """Qwen2.5-VL's tower (window attention, RMSNorm with the residual add fused) through
+    ``shared.model.pieces``, run eagerly, padded up to a bucket: images of three sizes in one forward, and
+    a two-frame clip — the same embeddings as its plain forward (itself checked against HF's tower)."""
+    from shared.model.pieces import vision_pieces
+
+    config, _, tower = model_parts
+    patches = torch.randn(sum(t * h * w for t, h, w in grids), config.vision.patch_dim,
+                          generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = tower(patches, grids)
+        tower.pieces = vision_pieces(tower, 1024)
+        try:
+            pieced = tower(patches, grids)
+        finally:
+            tower.pieces = None
+    torch.testing.assert_close(pieced, plain, rtol=1e-5, atol=1e-5)

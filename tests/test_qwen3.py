@@ -156,6 +156,27 @@ def test_vision_tower_with_deepstack_matches_hf(qwen3):
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
 
 
+def test_vision_tower_in_pieces_matches_its_plain_forward(qwen3):
+    """Qwen3-VL's tower (LayerNorm, x + attn(norm(x))) through ``shared.model.pieces``, run eagerly and padded
+    up to a bucket, with the deepstack levels merged out between pieces: images of three sizes in one
+    forward — the same embeddings and levels as its plain forward (itself checked against HF's tower)."""
+    from shared.model.pieces import vision_pieces
+
+    _, _, config, _, _, tower = qwen3
+    grids = [(1, 8, 12), (1, 16, 16), (1, 4, 4)]
+    patches = torch.randn(sum(t * h * w for t, h, w in grids), config.vision.patch_dim,
+                          generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = tower(patches, grids)
+        tower.pieces = vision_pieces(tower, 1024)
+        try:
+            pieced = tower(patches, grids)
+        finally:
+            tower.pieces = None
+    assert config.vision.deepstack_layers and pieced.shape == plain.shape
+    torch.testing.assert_close(pieced, plain, rtol=1e-5, atol=1e-5)
+
+
 # -- engine level: greedy output equals HF generate() --------------------------------------------------
 def test_each_request_alone(qwen3, requests_with_reference):
     for i, request in enumerate(requests_with_reference):
@@ -206,14 +227,14 @@ def test_the_gpu_path_kernels_generate_hf_tokens(qwen3, requests_with_reference,
 
 
 def test_the_gpu_path_kernels_in_pieces_generate_hf_tokens(qwen3, requests_with_reference):
-    """The Triton attention backend (Triton's interpreter) between the pieces of ``shared.engine.pieces``:
+    """The Triton attention backend (Triton's interpreter) between the pieces of ``shared.model.pieces``:
     its rotary + cache-write kernel rotating q and k in the pieces' shared q|k|v buffer, and a mixed step
     (the second prompt, one image, joining while the first decodes: the decode row through the decode
     attention kernel, the prompt through the paged prefill kernel) padded up to a bucket — each output a
     prefix of HF's greedy one."""
     pytest.importorskip("triton")
     from shared.engine.attention import TritonAttention
-    from shared.engine.pieces import Pieces
+    from shared.model.pieces import language_pieces
 
     _, _, config, _, lm, _ = qwen3
     cache = KVCache(config.text, 128, 16, torch.float32, "cpu")
@@ -222,12 +243,10 @@ def test_the_gpu_path_kernels_in_pieces_generate_hf_tokens(qwen3, requests_with_
                     config.eos_token_ids, max_model_len=127 * 16)
     seqs = [sequence(i, (ids, images, 4, expected)) for i, (ids, images, _, expected)
             in enumerate(requests_with_reference[:2])]
-    pieces = Pieces(lm, 256)
-    steps: list[tuple[int, int]] = []  # (tokens, decode rows) of each step through the pieces
-    forward = pieces.forward
-    pieces.forward = lambda embeds, cos, sin, batch, *a: (steps.append((embeds.shape[0], batch.num_decode))
-                                                           or forward(embeds, cos, sin, batch, *a))
-    lm.pieces = pieces
+    steps: list[int] = []  # decode rows of each step through the pieces
+    chosen = lm.in_pieces
+    lm.in_pieces = lambda embeds, batch: chosen(embeds, batch) and not steps.append(batch.num_decode)
+    lm.pieces = language_pieces(lm, 256)
     try:
         engine.add_prompt(seqs[0])
         engine.step()
@@ -235,26 +254,27 @@ def test_the_gpu_path_kernels_in_pieces_generate_hf_tokens(qwen3, requests_with_
         run_to_completion(engine)
     finally:
         lm.pieces = None
+        del lm.in_pieces
     for seq, request in zip(seqs, requests_with_reference):
         assert seq.output_ids == request[3][:4]
-    assert any(rows == 1 for _, rows in steps)  # the mixed step went through the pieces
+    assert 1 in steps  # the mixed step went through the pieces
 
 
 def test_prefill_steps_in_pieces_generate_hf_tokens(qwen3, requests_with_reference):
-    """Prefill and mixed steps through ``shared.engine.pieces`` (each step's rows padded up to a bucket; the
+    """Prefill and mixed steps through ``shared.model.pieces`` (each step's rows padded up to a bucket; the
     pieces run eagerly here, on a GPU each is a CUDA graph): prompts joining while others decode, a step
     budget that splits the image prompts into chunks (an image cut between two chunks, its deepstack rows
     with it) — every output HF's. Steps larger than the largest bucket run the plain forward."""
-    from shared.engine.pieces import Pieces
+    from shared.model.pieces import language_pieces
 
     _, _, config, _, lm, _ = qwen3
     cache = KVCache(config.text, 128, 16, torch.float32, "cpu")
     runner = ModelRunner(lm, cache, config.vision.merge_size)
     engine = Engine(runner, config.eos_token_ids, max_model_len=127 * 16, max_batched_tokens=96)
-    pieces = Pieces(lm, 64)
+    pieces = language_pieces(lm, 64)
     used: list[int] = []
-    forward = pieces.forward
-    pieces.forward = lambda embeds, *args: used.append(embeds.shape[0]) or forward(embeds, *args)
+    run = pieces.run
+    pieces.run = lambda first, *args: used.append(first.shape[0]) or run(first, *args)
     seqs = [sequence(i, r) for i, r in enumerate(requests_with_reference)]
     lm.pieces = pieces
     try:

@@ -41,6 +41,7 @@ from shared.logging import get_logger
 from shared.messages import pack, unpack
 from shared.messages.encode import EmbeddingFetch, EmbeddingLoan, EncodeJob, EncodeResult, VideoTiming
 from shared.model.config import ModelConfig
+from shared.model import pieces
 from shared.model.loader import load_vision_tower
 from shared.model.processor import ImagePreprocessor, TorchImagePreprocessor, preprocess_mode
 from shared.model.video_processor import VideoPreprocessor
@@ -83,6 +84,8 @@ class Encoder:
             kernels.log_compiles(log)
         tower = await asyncio.to_thread(load_vision_tower, path, config, s.torch_device(), s.torch_dtype(),
                                         s.load_format)
+        if s.torch_device().type == "cuda" and s.vit_graph_patches:
+            await asyncio.to_thread(pieces.capture, tower, min(s.vit_graph_patches, s.max_batch_patches))
         self.preprocess_mode = preprocess_mode(s.preprocess, s.torch_device())
         self.video = VideoPreprocessor.from_checkpoint(path, s.torch_dtype())
         if self.preprocess_mode == "torch":

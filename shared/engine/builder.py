@@ -6,12 +6,12 @@ import torch
 
 from shared.engine.engine import Engine
 from shared.engine.grammar import Grammars
-from shared.engine import pieces
 from shared.engine.kv_cache import KVCache
 from shared.engine.runner import ModelRunner
 from shared.engine.sampling import Sampler
 from shared.logging import get_logger
 from shared.model.config import ModelConfig
+from shared.model import pieces
 from shared.model.loader import load_language_model
 from shared.model.processor import load_tokenizer
 from shared.engine.settings import EngineSettings

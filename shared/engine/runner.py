@@ -40,9 +40,9 @@ class ModelRunner:
         self.graphs.capture()
 
     def capture_prefill_graphs(self, max_tokens: int) -> None:
-        """Capture prefill and mixed steps of up to ``max_tokens`` tokens piece by piece (``shared.engine.pieces``;
+        """Capture prefill and mixed steps of up to ``max_tokens`` tokens piece by piece (``shared.model.pieces``;
         CUDA only); the model's forward runs them from now on."""
-        from shared.engine import pieces
+        from shared.model import pieces
 
         pieces.capture(self.model, max_tokens)
 

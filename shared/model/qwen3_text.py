@@ -73,7 +73,9 @@ class Qwen3LanguageModel(text.LanguageModel):
         ``deepstack``: level ``i`` is added to the image rows after decoder layer ``i``."""
         cos, sin = self.rotary(positions, embeds.dtype)
         if self.in_pieces(embeds, batch):
-            return self.pieces.forward(embeds, cos, sin, batch, backend, deepstack)
+            between = {i: lambda hidden, i=i: deepstack.add(hidden, i) for i in range(deepstack.num_levels)} \
+                if deepstack is not None else None
+            return self.through_pieces(embeds, cos, sin, batch, backend, between)
         x, residual = embeds, None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, cos, sin, batch, backend)

@@ -24,7 +24,7 @@ from torch import nn
 from shared.model.config import VisionConfig
 from shared.model.geometry import Grid
 from shared.model.rope import VisionRotaryEmbedding
-from shared.model.vision import SegmentAttention, VisionAttention
+from shared.model.vision import SegmentAttention, VisionAttention, in_pieces
 
 
 class PatchEmbed(nn.Module):
@@ -128,6 +128,8 @@ def _axis_taps(index: torch.Tensor, size: int, side: int):
 
 
 class Qwen3VisionTower(nn.Module):
+    pieces = None  # shared.model.pieces.Pieces once captured: forwards of up to their patches run there
+
     def __init__(self, config: VisionConfig):
         super().__init__()
         self.config = config
@@ -153,8 +155,15 @@ class Qwen3VisionTower(nn.Module):
             cu.extend(first + h * w * (i + 1) for i in range(t))
         attend = SegmentAttention(cu, device, grouped, recurring=all(t == 1 for t, _, _ in grids))  # video: flash
         levels = []
-        for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, attend)
-            if i in self.config.deepstack_layers:
-                levels.append(self.deepstack_merger_list[self.config.deepstack_layers.index(i)](x))
+        layers = self.config.deepstack_layers
+        if in_pieces(self, x):
+            between = {i: lambda hidden, i=i: levels.append(self.deepstack_merger_list[layers.index(i)](hidden))
+                       for i in layers}
+            x, residual = self.pieces.run(x, lambda i, qkv: self.blocks[i].attn.attend(qkv, cos, sin, attend), between)
+            x = residual + x
+        else:
+            for i, block in enumerate(self.blocks):
+                x = block(x, cos, sin, attend)
+                if i in layers:
+                    levels.append(self.deepstack_merger_list[layers.index(i)](x))
         return torch.cat([self.merger(x), *levels], dim=-1)

@@ -163,7 +163,7 @@ class LanguageModel(nn.Module):
     Subclasses change the layers (``decoder_layer``) and the rotary embedding (``make_rotary``)."""
 
     decoder_layer = DecoderLayer
-    pieces = None  # shared.engine.pieces.Pieces once the runner made them: prefill steps up to their size go there
+    pieces = None  # shared.model.pieces.Pieces once captured: prefill steps up to their size run there
 
     def __init__(self, config: TextConfig):
         super().__init__()
@@ -186,7 +186,7 @@ class LanguageModel(nn.Module):
         """``embeds`` ``[T, hidden]``, ``positions`` ``[3, T]`` → final hidden states ``[T, hidden]``."""
         cos, sin = self.rotary(positions, embeds.dtype)
         if self.in_pieces(embeds, batch):
-            return self.pieces.forward(embeds, cos, sin, batch, backend)
+            return self.through_pieces(embeds, cos, sin, batch, backend)
         x, residual = embeds, None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, batch, backend)
@@ -196,6 +196,12 @@ class LanguageModel(nn.Module):
         """Whether this forward runs through ``pieces``: prefill and mixed steps they have a bucket for
         (decode steps have graphs of their own, captured through the plain forward)."""
         return self.pieces is not None and batch.is_prefill and self.pieces.bucket(embeds.shape[0]) is not None
+
+    def through_pieces(self, embeds, cos, sin, batch, backend, between=None) -> torch.Tensor:
+        """``forward`` through ``pieces``: each layer's attention eager, the rest CUDA graphs."""
+        x, residual = self.pieces.run(
+            embeds, lambda i, qkv: self.layers[i].self_attn.attend(qkv, cos, sin, batch, backend), between)
+        return self.norm.add_forward(x, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

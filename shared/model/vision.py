@@ -49,13 +49,17 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(config.width, config.width, bias=True)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: "SegmentAttention") -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
-        if x.is_cuda and enabled("fused"):
+        return self.proj(self.attend(self.qkv(x), cos, sin, attend))
+
+    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: "SegmentAttention") -> torch.Tensor:
+        """The q|k|v projection's output ``[n, 3 · width]`` → attention's ``[n, width]``, before ``proj``."""
+        n = qkv.shape[0]
+        q, k, v = qkv.view(n, 3, self.num_heads, self.head_dim).unbind(1)
+        if qkv.is_cuda and enabled("fused"):
             fused.rope_store(q, k, v, cos, sin, None, None, None)  # in place, float32 inside
         else:
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        return self.proj(attend(q, k, v).reshape(n, -1))
+        return attend(q, k, v).reshape(n, -1)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -182,6 +186,11 @@ def _add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None):
     return norm(residual), residual
 
 
+def in_pieces(tower: nn.Module, x: torch.Tensor) -> bool:
+    """Whether a tower's forward over ``x`` (its patches' hidden states) runs through its ``pieces``."""
+    return tower.pieces is not None and tower.pieces.bucket(x.shape[0]) is not None
+
+
 class PatchMerger(nn.Module):
     """Concatenates each 2×2 block of patch features and projects it into the language model's width."""
 
@@ -250,6 +259,8 @@ def packed_layout(grids: Sequence[Grid], config: VisionConfig) -> PackedLayout:
 
 
 class VisionTower(nn.Module):
+    pieces = None  # shared.model.pieces.Pieces once captured: forwards of up to their patches run there
+
     def __init__(self, config: VisionConfig):
         super().__init__()
         self.config = config
@@ -271,9 +282,13 @@ class VisionTower(nn.Module):
         full = SegmentAttention(layout.cu_images, device, grouped, images)
         windowed = SegmentAttention(layout.cu_windows, device, grouped, images) \
             if layout.cu_windows != layout.cu_images else full
-        residual = None
-        for i, block in enumerate(self.blocks):
-            x, residual = block(x, residual, cos, sin, full if i in self.config.fullatt_blocks else windowed)
+        if in_pieces(self, x):
+            x, residual = self.pieces.run(x, lambda i, qkv: self.blocks[i].attn.attend(
+                qkv, cos, sin, full if i in self.config.fullatt_blocks else windowed))
+        else:
+            residual = None
+            for i, block in enumerate(self.blocks):
+                x, residual = block(x, residual, cos, sin, full if i in self.config.fullatt_blocks else windowed)
         return self.merger(x + residual)[layout.restore.to(device)]
 
     @staticmethod

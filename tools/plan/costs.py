@@ -91,6 +91,10 @@ class VisionProbe:
         self.device, self.dtype = settings.torch_device(), settings.torch_dtype()
         self.config, self.path, self.mode = config, path, mode
         self.tower = load_vision_tower(path, config, self.device, self.dtype, settings.load_format)
+        if self.device.type == "cuda" and getattr(settings, "vit_graph_patches", 0):  # as the encoders run it
+            from shared.model import pieces
+
+            pieces.capture(self.tower, settings.vit_graph_patches)
         self.timer = Timer(self.device)
         self._video = None
 
