@@ -47,6 +47,7 @@ family is ``--tiny-family`` (qwen3_vl_moe for the MoE sections' paths).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -69,6 +70,7 @@ from shared.engine.sampling import SamplingParams  # noqa: E402
 from shared.engine.sequence import ImageInput, Sequence  # noqa: E402
 from shared.model.config import QWEN3_FAMILIES, ModelConfig  # noqa: E402
 from shared.model.geometry import ImageGeometry  # noqa: E402
+from shared.model import pieces  # noqa: E402
 from shared.model.loader import load_language_model, load_vision_tower  # noqa: E402
 from shared.model.presets import PRESETS, materialize_preset  # noqa: E402
 
@@ -156,7 +158,7 @@ def build_lm(ctx):
         runner.capture_graphs(ctx["max_batch"], ctx["max_len"])
         if ctx["prefill_graph_tokens"]:  # as a serving worker does (EngineSettings.prefill_graph_tokens)
             before, started = torch.cuda.memory_reserved(dev), time.perf_counter()
-            runner.capture_prefill_graphs(ctx["prefill_graph_tokens"])
+            pieces.capture(lm, ctx["prefill_graph_tokens"])
             RESULTS["prefill_graphs"] = {"max_tokens": ctx["prefill_graph_tokens"],
                                          "seconds": round(time.perf_counter() - started, 1),
                                          "reserved_MB": (torch.cuda.memory_reserved(dev) - before) / 2**20}
@@ -829,6 +831,16 @@ def prefill(ctx):
     log(f"prefill {t} tokens: {ms:.1f} ms, {flops / 1e12:.0f} TFLOP, floor {floor:.1f} ms ({ms / max(floor, 1e-9):.2f}x)")
 
 
+@contextlib.contextmanager
+def _without_pieces(model):
+    """``model`` (a language model or a tower) runs its plain forward inside the block."""
+    held, model.pieces = model.pieces, None
+    try:
+        yield
+    finally:
+        model.pieces = held
+
+
 def prefill_sizes(ctx):
     """Text prefills from chat-sized to image-sized prompts: time, both floors, kernels by name."""
     from torch.profiler import ProfilerActivity
@@ -841,25 +853,17 @@ def prefill_sizes(ctx):
     for length in lengths:
         tokens = [100 + (i * 7919) % (ctx["vocab"] - 100) for i in range(length)]  # spread over the vocabulary
         ms = timer.ms(lambda: _run_prefill(engine, tokens, []), repeat=5, warmup=2)
-        pieces, eager_ms, agreement = lm.pieces, None, None
-        if pieces is not None:  # the same prefill without the graphs, and how far apart their logits are
+        eager_ms, agreement = None, None
+        if lm.pieces is not None:  # the same prefill without the graphs, and how far apart their logits are
             with_pieces = _forced_logits(engine, tokens, [])[0]
-            lm.pieces = None
-            try:
+            with _without_pieces(lm):
                 eager_ms = timer.ms(lambda: _run_prefill(engine, tokens, []), repeat=5, warmup=2)
                 eager = _forced_logits(engine, tokens, [])[0]
-            finally:
-                lm.pieces = pieces
             agreement = {"same_argmax": bool(with_pieces.argmax() == eager.argmax()),
                          "max_abs_diff": float((with_pieces - eager).abs().max()),
                          "logit_scale": float(eager.abs().max())}
-        pieces = lm.pieces
-        lm.pieces = None  # counted in the eager forward: graph replays do not call back into Python
-        try:
-            with TouchedExperts(lm) as touched:
-                _run_prefill(engine, tokens, [])
-        finally:
-            lm.pieces = pieces
+        with _without_pieces(lm), TouchedExperts(lm) as touched:  # graph replays do not call back into Python
+            _run_prefill(engine, tokens, [])
         experts = touched.per_step()
         read = shared_weight_bytes(lm) + experts * expert_bytes(lm)
         bytes_ms = read / ctx.get("bandwidth", math.inf) * 1e3
@@ -1256,8 +1260,6 @@ def vit_graphs(ctx):
     """The vision tower through ``shared.model.pieces`` (``EPD_VIT_GRAPH_PATCHES``) against eager, on the
     shapes an encoder's batch takes: 1, 4 and 10 images of 448x448 (Dynamo's shape), one and two 1080p
     images; with each forward's largest difference from eager (max abs, and the eager output's scale)."""
-    from shared.model import pieces
-
     dev, cfg, timer = ctx["device"], ctx["config"], ctx["timer"]
     tower = load_vision_tower(None, cfg, dev, ctx["dtype"], load_format="dummy")
     geometry = ctx["geometry"]
@@ -1266,23 +1268,22 @@ def vit_graphs(ctx):
               ("1080p", large, 2)] if ctx["big"] else [("tiny", (1, 8, 12), 1), ("tiny", (1, 8, 12), 3)]
     limit = ctx["vit_graph_patches"]
     started = time.perf_counter()
-    made = pieces.vision_pieces(tower, limit)
     if dev.type == "cuda":
-        made.capture()
+        pieces.capture(tower, limit)
+    else:  # the same pieces, eagerly
+        tower.pieces = pieces.vision_pieces(tower, limit)
     capture_s = time.perf_counter() - started
     rows = []
     for label, grid, images in shapes:
         patches = torch.randn(images * grid[1] * grid[2], cfg.vision.patch_dim, dtype=ctx["dtype"], device=dev)
         grids = [grid] * images
         with torch.inference_mode():
-            tower.pieces = None
-            eager_ms = timer.ms(lambda: tower(patches, grids), repeat=5 if ctx["big"] else 2, warmup=2)
-            eager = tower(patches, grids).float()
-            tower.pieces = made
+            with _without_pieces(tower):
+                eager_ms = timer.ms(lambda: tower(patches, grids), repeat=5 if ctx["big"] else 2, warmup=2)
+                eager = tower(patches, grids).float()
             graphs_ms = timer.ms(lambda: tower(patches, grids), repeat=5 if ctx["big"] else 2, warmup=2)
             pieced = tower(patches, grids).float()
-            tower.pieces = None
-        covered = made.bucket(patches.shape[0]) is not None
+        covered = tower.pieces.bucket(patches.shape[0]) is not None
         row = {"shape": f"{images} x {label}", "patches": patches.shape[0], "covered": covered, "eager_ms": eager_ms,
                "graphs_ms": graphs_ms, "max_abs_diff": float((pieced - eager).abs().max()),
                "scale": float(eager.abs().max())}

@@ -24,6 +24,21 @@ def make_image(seed: int, height: int, width: int) -> Image.Image:
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
+def tower_plain_and_in_pieces(tower, patch_dim: int, grids) -> tuple[torch.Tensor, torch.Tensor]:
+    """A vision tower's output for random patches of ``grids``: its plain forward, and through
+    ``shared.model.pieces`` run eagerly (up to 1,024 patches, so the forward is padded to a bucket)."""
+    from shared.model.pieces import vision_pieces
+
+    patches = torch.randn(sum(t * h * w for t, h, w in grids), patch_dim, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = tower(patches, grids)
+        tower.pieces = vision_pieces(tower, 1024)
+        try:
+            return plain, tower(patches, grids)
+        finally:
+            tower.pieces = None
+
+
 def data_url(image: Image.Image, fmt: str = "PNG") -> str:
     buf = io.BytesIO()
     image.save(buf, format=fmt)

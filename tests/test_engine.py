@@ -9,7 +9,7 @@ from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import Sequence
 from tests.engine_support import (make_engine, model_parts, requests_with_reference, run_to_completion,  # noqa: F401
                                   sequence)
-from tests.support import make_image
+from tests.support import make_image, tower_plain_and_in_pieces
 
 
 def test_single_request(model_parts, requests_with_reference):
@@ -424,16 +424,6 @@ def test_vision_tower_in_pieces_matches_its_plain_forward(model_parts, grids):
     """Qwen2.5-VL's tower (window attention, RMSNorm with the residual add fused) through
     ``shared.model.pieces``, run eagerly, padded up to a bucket: images of three sizes in one forward, and
     a two-frame clip — the same embeddings as its plain forward (itself checked against HF's tower)."""
-    from shared.model.pieces import vision_pieces
-
     config, _, tower = model_parts
-    patches = torch.randn(sum(t * h * w for t, h, w in grids), config.vision.patch_dim,
-                          generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        plain = tower(patches, grids)
-        tower.pieces = vision_pieces(tower, 1024)
-        try:
-            pieced = tower(patches, grids)
-        finally:
-            tower.pieces = None
+    plain, pieced = tower_plain_and_in_pieces(tower, config.vision.patch_dim, grids)
     torch.testing.assert_close(pieced, plain, rtol=1e-5, atol=1e-5)

@@ -22,7 +22,7 @@ from shared.model.geometry import ImageGeometry
 from shared.model.loader import load_language_model, load_vision_tower, read_role_tensors
 from shared.model.processor import ImagePreprocessor, TorchImagePreprocessor
 from shared.model.tiny import write_tiny_checkpoint
-from tests.support import Reference, make_image
+from tests.support import Reference, make_image, tower_plain_and_in_pieces
 
 FAMILIES = ("qwen3_vl", "qwen3_vl_moe")
 
@@ -160,19 +160,8 @@ def test_vision_tower_in_pieces_matches_its_plain_forward(qwen3):
     """Qwen3-VL's tower (LayerNorm, x + attn(norm(x))) through ``shared.model.pieces``, run eagerly and padded
     up to a bucket, with the deepstack levels merged out between pieces: images of three sizes in one
     forward — the same embeddings and levels as its plain forward (itself checked against HF's tower)."""
-    from shared.model.pieces import vision_pieces
-
     _, _, config, _, _, tower = qwen3
-    grids = [(1, 8, 12), (1, 16, 16), (1, 4, 4)]
-    patches = torch.randn(sum(t * h * w for t, h, w in grids), config.vision.patch_dim,
-                          generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        plain = tower(patches, grids)
-        tower.pieces = vision_pieces(tower, 1024)
-        try:
-            pieced = tower(patches, grids)
-        finally:
-            tower.pieces = None
+    plain, pieced = tower_plain_and_in_pieces(tower, config.vision.patch_dim, [(1, 8, 12), (1, 16, 16), (1, 4, 4)])
     assert config.vision.deepstack_layers and pieced.shape == plain.shape
     torch.testing.assert_close(pieced, plain, rtol=1e-5, atol=1e-5)
 

@@ -39,13 +39,6 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.backend, self.inputs)
         self.graphs.capture()
 
-    def capture_prefill_graphs(self, max_tokens: int) -> None:
-        """Capture prefill and mixed steps of up to ``max_tokens`` tokens piece by piece (``shared.model.pieces``;
-        CUDA only); the model's forward runs them from now on."""
-        from shared.model import pieces
-
-        pieces.capture(self.model, max_tokens)
-
     # -- prefill: prompt chunks, decode rows riding along ----------------------------------------------
     def prepare_prefill(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch,
                                                             deepstack.Deepstack | None]:

@@ -83,18 +83,19 @@ def measure_clip_media(data: bytes, geometry: VideoGeometry) -> tuple[float, "De
 
 class VisionProbe:
     """The vision tower, loaded once, timed on batches of images of any size, preprocessed as the
-    encoders do (``mode`` torch: on the device, inside the timed forward; pil: on CPU, timed apart)."""
+    encoders do (``mode`` torch: on the device, inside the timed forward; pil: on CPU, timed apart);
+    ``graph_patches``: forwards of up to that many patches as CUDA graphs (``EPD_VIT_GRAPH_PATCHES``)."""
 
-    def __init__(self, settings, config, path, mode: str):
+    def __init__(self, settings, config, path, mode: str, graph_patches: int = 0):
         from shared.model.loader import load_vision_tower
 
         self.device, self.dtype = settings.torch_device(), settings.torch_dtype()
         self.config, self.path, self.mode = config, path, mode
         self.tower = load_vision_tower(path, config, self.device, self.dtype, settings.load_format)
-        if self.device.type == "cuda" and getattr(settings, "vit_graph_patches", 0):  # as the encoders run it
+        if self.device.type == "cuda" and graph_patches:  # as encoders with EPD_VIT_GRAPH_PATCHES run it
             from shared.model import pieces
 
-            pieces.capture(self.tower, settings.vit_graph_patches)
+            pieces.capture(self.tower, graph_patches)
         self.timer = Timer(self.device)
         self._video = None
 

@@ -122,7 +122,7 @@ def _vision(settings, path, config, mode, shapes) -> tuple[VisionProbe, dict]:
     """The tower, and per resolution (tokens per image, preprocess ms, {images: ViT ms}, grid)."""
     from tools.plan.costs import VisionProbe
 
-    vision = VisionProbe(settings, config, path, mode)
+    vision = VisionProbe(settings, config, path, mode, settings.vit_graph_patches)
     seen: dict[str, tuple] = {}
     for (resolution, _), counts in shapes.items():
         width, height = parse_resolution(resolution)
