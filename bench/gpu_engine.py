@@ -551,25 +551,49 @@ def _decode1_at(ctx, prompt: int) -> None:
 
 
 def _decode_variants(ctx, seq: Sequence) -> dict:
-    """The batch-1 graph replay with one part switched off, on the same staged inputs (a graph of bucket 1
-    captured for each): the few-rows layer (``shared.kernels.gemv``: norms fused into GEMVs),
-    programmatic dependent launch (``shared.kernels.launch``), both; the MoE down GEMV's loads before its
-    wait (``moe_small.EARLY_DOWN``)."""
-    from shared.kernels import ENABLED, launch, moe_small
+    """The batch-1 graph replay with one part switched, on the same staged inputs (a graph of bucket 1
+    captured for each): off, the few-rows layer (``shared.kernels.gemv``: norms fused into GEMVs),
+    programmatic dependent launch (``shared.kernels.launch``), both, and the MoE down GEMV's loads before
+    its wait (``moe_small.EARLY_DOWN``); on, each kernel letting the next launch from its start
+    (``launch.TRIGGER_FIRST``) and one-row GEMVs loading all their weights before their wait
+    (``gemv.PRELOAD_BYTES``: 16 KB a program covers q|k|v and the router, 32 KB o too)."""
+    from shared.kernels import ENABLED, gemv, launch, moe_small
 
     runner, timer = ctx["engine"].runner, ctx["timer"]
     graphs, inputs = runner.graphs, runner.inputs
-    before = ENABLED["gemv"], launch.ENABLED, moe_small.EARLY_DOWN
+    switches = {"gemv": (ENABLED, "gemv"), "pdl": (launch, "ENABLED"), "early_down": (moe_small, "EARLY_DOWN"),
+                "trigger_first": (launch, "TRIGGER_FIRST"), "preload": (gemv, "PRELOAD_BYTES")}
+    variants = {"without_pdl": {"pdl": False}, "without_gemv": {"gemv": False},
+                "without_gemv_and_pdl": {"gemv": False, "pdl": False}, "without_early_down": {"early_down": False},
+                "trigger_first": {"trigger_first": True}, "preload_16k": {"preload": 16 << 10},
+                "preload_32k": {"preload": 32 << 10}, "trigger_first_preload_32k": {"trigger_first": True,
+                                                                                    "preload": 32 << 10}}
+
+    def setting(key):
+        owner, name = switches[key]
+        return owner[name] if isinstance(owner, dict) else getattr(owner, name)
+
+    def put(key, value):
+        owner, name = switches[key]
+        if isinstance(owner, dict):
+            owner[name] = value
+        else:
+            setattr(owner, name, value)
+
+    before = {key: setting(key) for key in switches}
     out = {}
-    for name, switches in (("without_pdl", (True, False, True)), ("without_gemv", (False, True, True)),
-                           ("without_gemv_and_pdl", (False, False, True)), ("without_early_down", (True, True, False))):
-        ENABLED["gemv"], launch.ENABLED, moe_small.EARLY_DOWN = switches
+    for name, changes in variants.items():
+        if all(setting(key) == value for key, value in changes.items()):
+            continue  # today's default: the main figure
+        for key, value in changes.items():
+            put(key, value)
         try:
             runner.capture_graphs(1, ctx["max_len"])
             rows = runner.stage_decode([seq])
             out[name] = timer.ms(lambda: runner.graphs.replay(rows), repeat=200, warmup=10)
         finally:
-            ENABLED["gemv"], launch.ENABLED, moe_small.EARLY_DOWN = before
+            for key, value in before.items():
+                put(key, value)
             runner.graphs, runner.inputs = graphs, inputs
             torch.cuda.empty_cache()
         log(f"decode b1 {name}: graph replay {out[name]:.3f} ms")
@@ -843,9 +867,6 @@ def _without_pieces(model):
 
 def prefill_sizes(ctx):
     """Text prefills from chat-sized to image-sized prompts: time, both floors, kernels by name."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
     build_lm(ctx)
     engine, cfg, timer, lm = ctx["engine"], ctx["config"], ctx["timer"], ctx["lm"]
     lengths = ctx["prefill_lengths"] if ctx["big"] else [24, 96]
@@ -868,26 +889,14 @@ def prefill_sizes(ctx):
         read = shared_weight_bytes(lm) + experts * expert_bytes(lm)
         bytes_ms = read / ctx.get("bandwidth", math.inf) * 1e3
         flop_ms = prefill_flops(cfg, length) / ctx.get("matmul_rate", math.inf) * 1e3
-        kernels: dict[str, list[float]] = {}
-        if ctx["device"].type == "cuda":
-            torch.cuda.synchronize()
-            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-                _run_prefill(engine, tokens, [])
-                torch.cuda.synchronize()
-            for event in prof.events():
-                if event.device_type.name == "CUDA":
-                    row = kernels.setdefault(_kernel_name(event.name), [0, 0.0])
-                    row[0] += 1
-                    row[1] += event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
+        table, kernel_us = _kernel_table(ctx, lambda: _run_prefill(engine, tokens, []))
         if length == lengths[0]:  # where the host's time goes: the step waits on the launches, not the GPU
             _host_profile(ctx, lambda: _run_prefill(engine, tokens, []), f"prefill_{length}")
-        top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:14]
         row = {"tokens": length, "ms": ms, "eager_ms": eager_ms, "graphs_vs_eager_logits": agreement,
                "floor_flops_ms": flop_ms, "floor_bytes_ms": bytes_ms,
                "experts_touched": experts, "GB_read": read / 1e9,
                "ratio_to_floor": ms / max(flop_ms, bytes_ms, 1e-9),
-               "kernels": [{"name": n, "launches": c, "us": round(t, 1)} for n, (c, t) in top],
-               "kernel_us_total": round(sum(t for _, t in kernels.values()), 1)}
+               "kernels": table, "kernel_us_total": kernel_us}
         rows.append(row)
         if eager_ms is not None:
             log(f"prefill_sizes {length} tokens: eager (no prefill graphs) {eager_ms:.1f} ms; logits {agreement}")
@@ -896,6 +905,29 @@ def prefill_sizes(ctx):
         for k in row["kernels"]:
             log(f"    {k['name']:<60} {k['launches']:>5} {k['us']:>10.1f} us")
     RESULTS["prefill_sizes"] = {"prompts": rows, "moe_tiles": _moe_tiles(ctx, lengths)}
+
+
+def _kernel_table(ctx, fn, rows: int = 14) -> tuple[list[dict], float]:
+    """The GPU kernels of one call of ``fn`` (torch.profiler), by name: the ``rows`` longest (launches, µs)
+    and the total µs of all of them; empty off CUDA."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    kernels: dict[str, list[float]] = {}
+    if ctx["device"].type != "cuda":
+        return [], 0.0
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    for event in prof.events():
+        if event.device_type.name == "CUDA":
+            row = kernels.setdefault(_kernel_name(event.name), [0, 0.0])
+            row[0] += 1
+            row[1] += event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:rows]
+    return ([{"name": n, "launches": c, "us": round(t, 1)} for n, (c, t) in top],
+            round(sum(t for _, t in kernels.values()), 1))
 
 
 def _host_profile(ctx, fn, name: str, rows: int = 40) -> None:
@@ -1283,13 +1315,25 @@ def vit_graphs(ctx):
                 eager = tower(patches, grids).float()
             graphs_ms = timer.ms(lambda: tower(patches, grids), repeat=5 if ctx["big"] else 2, warmup=2)
             pieced = tower(patches, grids).float()
+            with _without_pieces(tower):  # where each path's GPU time goes, kernel by kernel
+                eager_kernels, eager_us = _kernel_table(ctx, lambda: tower(patches, grids))
+            graph_kernels, graph_us = _kernel_table(ctx, lambda: tower(patches, grids))
         covered = tower.pieces.bucket(patches.shape[0]) is not None
+        # full attention in every block (Qwen2-VL, Qwen3-VL): the FLOPs are exact; windowed towers do fewer
+        floor = vit_flops(cfg.vision, grid[1] * grid[2], images) / ctx.get("matmul_rate", math.inf) * 1e3 \
+            if cfg.vision.window_size == 0 else None
         row = {"shape": f"{images} x {label}", "patches": patches.shape[0], "covered": covered, "eager_ms": eager_ms,
-               "graphs_ms": graphs_ms, "max_abs_diff": float((pieced - eager).abs().max()),
-               "scale": float(eager.abs().max())}
+               "graphs_ms": graphs_ms, "compute_floor_ms": floor, "max_abs_diff": float((pieced - eager).abs().max()),
+               "scale": float(eager.abs().max()), "eager_kernel_us": eager_us, "graphs_kernel_us": graph_us,
+               "eager_kernels": eager_kernels, "graphs_kernels": graph_kernels}
         rows.append(row)
         log(f"vit graphs {row['shape']} ({row['patches']} patches{'' if covered else ', above the limit: eager'}): "
-            f"eager {eager_ms:.2f} ms, graphs {graphs_ms:.2f} ms; max diff {row['max_abs_diff']:.3g} of {row['scale']:.3g}")
+            f"eager {eager_ms:.2f} ms ({eager_us / 1e3:.2f} ms of kernels), graphs {graphs_ms:.2f} ms "
+            f"({graph_us / 1e3:.2f}); compute floor {floor and round(floor, 2)} ms; "
+            f"max diff {row['max_abs_diff']:.3g} of {row['scale']:.3g}")
+        for name, table in (("eager", eager_kernels), ("graphs", graph_kernels)):
+            for k in table[:8]:
+                log(f"    {name:<6} {k['name']:<60} {k['launches']:>5} {k['us']:>10.1f} us")
     RESULTS["vit_graphs"] = {"max_patches": limit, "capture_s": round(capture_s, 1), "shapes": rows}
 
 
@@ -1540,7 +1584,16 @@ def main() -> None:
                         help="prefill_sizes: prompt lengths in tokens, comma-separated")
     parser.add_argument("--no-decode1-parts", dest="decode1_parts", action="store_false",
                         help="decode1: skip the replays without each part and the MoE / projection paths")
+    parser.add_argument("--trigger-first", action="store_true",
+                        help="every section with shared.kernels.launch.TRIGGER_FIRST on (check: its accuracy)")
+    parser.add_argument("--gemv-preload-bytes", type=int, default=None,
+                        help="every section with shared.kernels.gemv.PRELOAD_BYTES set to this")
     args = parser.parse_args()
+    if args.trigger_first or args.gemv_preload_bytes is not None:
+        from shared.kernels import gemv, launch
+
+        launch.TRIGGER_FIRST = args.trigger_first or launch.TRIGGER_FIRST
+        gemv.PRELOAD_BYTES = gemv.PRELOAD_BYTES if args.gemv_preload_bytes is None else args.gemv_preload_bytes
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ctx = {"device": dev, "timer": Timer(dev), "big": not args.tiny, "preset": args.preset,
            "dtype": torch.bfloat16 if dev.type == "cuda" else torch.float32,

@@ -176,6 +176,29 @@ def test_norm_linear_rounds_where_the_unfused_path_rounds_in_bf16():
     assert (out.float() - expected.float()).abs().max() <= 2 ** -7 * expected.float().abs().max()
 
 
+@pytest.mark.parametrize("with_norm,bias", [(True, False), (False, True)])
+def test_gemv_whole_row_preload_equals_the_stepped_products(monkeypatch, with_norm, bias):
+    """``PRELOAD_BYTES``: one row's program loads all its weights before its wait and takes the products in
+    one step; the same outputs (float32 sums in another order), residual and normalized row."""
+    from shared.kernels import gemv
+
+    torch.manual_seed(7)
+    hidden, outputs = 40, 37  # K not a power of two: the padded tail is masked
+    x, res = torch.randn(1, hidden, device=DEVICE), torch.randn(1, hidden, device=DEVICE)
+    norm = RMSNorm(hidden, 1e-6).to(DEVICE)
+    norm.weight.data.normal_()
+    proj = torch.nn.Linear(hidden, outputs, bias=bias).to(DEVICE)
+    run = (lambda: norm_linear(x, res, norm.weight, 1e-6, proj.weight, proj.bias, keep=True, block=(8, 16, 4))) \
+        if with_norm else (lambda: (linear(x, proj.weight, proj.bias, block=(8, 16, 4)), None, None))
+    stepped = run()
+    monkeypatch.setattr(gemv, "PRELOAD_BYTES", 1 << 20)
+    whole = run()
+    close(whole[0], stepped[0], 1e-6)
+    close(whole[0], proj(norm(x + res)) if with_norm else proj(x))
+    if with_norm:
+        assert torch.equal(whole[1], stepped[1]) and torch.equal(whole[2], stepped[2])
+
+
 def test_gemv_tiles_follow_the_weights_size():
     """The measured choice: Qwen3-VL-30B-A3B's q|k|v (21 MB) narrow and long; the 7B's gate|up (272 MB)
     wider and shorter; more rows, shorter steps."""

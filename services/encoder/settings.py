@@ -13,10 +13,12 @@ class EncoderSettings(CommonSettings):
     max_batch_images: int = Field(32, ge=1, description="images in one ViT forward at most")
     max_batch_patches: int = Field(65536, ge=1, description="patches in one ViT forward at most (1080p: 10,764)")
     max_concurrent_jobs: int = Field(256, ge=1, description="encode jobs admitted at once; more wait in NATS")
-    vit_graph_patches: int = Field(0, ge=0, description="ViT forwards of up to this many patches run as CUDA graphs "
-                                                        "between their attentions, padded to a bucket (a 448x448 "
-                                                        "image: 784 patches; ten: 7,840); 0: eager (the default "
-                                                        "until measured on a GPU)")
+    vit_graph_patches: int = Field(8192, ge=0, description="ViT forwards of up to this many patches run as CUDA "
+                                   "graphs between their attentions, padded to a bucket (a 448x448 image: 784 "
+                                   "patches; ten: 7,840; Qwen3-VL's 1080p: 8,160); 0: eager. Measured "
+                                   "(docs/benchmarks.md): forwards bound by their launches (one to four 448x448 "
+                                   "images, one 1080p image) take 20-45 % less time; those bound by their "
+                                   "kernels (ten 448x448 images) within 10 % either way")
     vit_sibling_wait_ms: float = Field(5.0, ge=0, le=1000, description="a ViT forward waits up to this long for "
                                        "the rest of a request's images this encoder has received (their pixels "
                                        "still being pulled or prepared), so a request's images ride one forward; "

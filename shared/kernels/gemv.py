@@ -46,6 +46,7 @@ ROWS_LIMIT = 4  # rows the kernels compute
 SMALL_WEIGHT = 64 << 20  # bytes up to which the narrower, longer tiles win
 NORM_BLOCK_K = 256  # their step where the norm is fused in and the outputs are many (measured: see above)
 NORM_MIN_OUTPUTS = 1024  # (the router's 128 outputs, 32 programs, need the longer steps)
+PRELOAD_BYTES = 0  # one row: a program whose weights fit loads all of them before its wait (0: the first step)
 
 
 def suits(weight: torch.Tensor) -> bool:
@@ -71,14 +72,18 @@ def _gemv_kernel(x_ptr, res_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr
                  rows, N, K, eps, stride_x, stride_r, stride_w, stride_o,
                  NORM: tl.constexpr, RESIDUAL: tl.constexpr, KEEP: tl.constexpr, HAS_BIAS: tl.constexpr,
                  ROWS_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PDL: tl.constexpr):
+                 PDL: tl.constexpr, WHOLE: tl.constexpr = False):
     """out[r, cols] = h[r] · W[cols]ᵀ (+ bias): h = x, or with NORM the RMSNorm of x (+ res with RESIDUAL).
     Program 0 writes x + res to res_out (RESIDUAL) and h to h_out (KEEP). Rows are contiguous in K; the
-    res_out and h_out rows have x's stride."""
+    res_out and h_out rows have x's stride. WHOLE: the program's weights ``[BLOCK_N, K_PAD]`` are all
+    loaded before the wait, and the products taken in one step after it."""
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    ks = tl.arange(0, BLOCK_K)
+    if WHOLE:
+        ks = tl.arange(0, K_PAD)
+    else:
+        ks = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_w + ks[None, :]
     w = tl.load(w_ptrs, mask=col_ok[:, None] & (ks < K)[None, :], other=0.0)  # weights: no kernel writes them
     launch.wait_for_inputs(PDL)
@@ -105,32 +110,44 @@ def _gemv_kernel(x_ptr, res_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr
                 tl.store(h_out_ptr + r[:, None] * stride_x + kk[None, :], (weight[None, :] * normed).to(dtype),
                          mask=whole)
 
-    # products summed elementwise in registers, reduced across the threads along K once at the end (a
-    # reduction every step costs shuffles and a barrier per step: 1.5x cuBLAS's time on the 7B's gate|up)
-    acc = tl.zeros((ROWS_PAD, BLOCK_N, BLOCK_K), tl.float32)
     x_ptrs = x_ptr + r[:, None] * stride_x + ks[None, :]
     res_ptrs = res_ptr + r[:, None] * stride_r + ks[None, :]
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = ks < K - k0
-        x_ok = r_ok[:, None] & k_ok[None, :]
-        h = tl.load(x_ptrs, mask=x_ok, other=0.0)
-        if NORM:
-            if RESIDUAL:
-                h = (h.to(tl.float32) + tl.load(res_ptrs, mask=x_ok, other=0.0).to(tl.float32)).to(dtype)
-            weight = tl.load(norm_ptr + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-            h = (weight[None, :] * (h.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype)
-        w_next = tl.load(w_ptrs + BLOCK_K, mask=col_ok[:, None] & (ks < K - k0 - BLOCK_K)[None, :], other=0.0)
-        acc += w.to(tl.float32)[None, :, :] * h.to(tl.float32)[:, None, :]
-        w = w_next
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-        res_ptrs += BLOCK_K
-    acc = tl.sum(acc, 2)
+    if WHOLE:  # the whole row against the weights already loaded
+        h = _rows(x_ptrs, res_ptrs, norm_ptr, rstd, ks, r_ok[:, None] & (ks < K)[None, :], ks < K, NORM, RESIDUAL)
+        acc = tl.sum(w.to(tl.float32)[None, :, :] * h.to(tl.float32)[:, None, :], 2)
+    else:
+        # products summed elementwise in registers, reduced across the threads along K once at the end (a
+        # reduction every step costs shuffles and a barrier per step: 1.5x cuBLAS's time on the 7B's gate|up)
+        acc = tl.zeros((ROWS_PAD, BLOCK_N, BLOCK_K), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = ks < K - k0
+            h = _rows(x_ptrs, res_ptrs, norm_ptr + k0, rstd, ks, r_ok[:, None] & k_ok[None, :], k_ok, NORM, RESIDUAL)
+            w_next = tl.load(w_ptrs + BLOCK_K, mask=col_ok[:, None] & (ks < K - k0 - BLOCK_K)[None, :], other=0.0)
+            acc += w.to(tl.float32)[None, :, :] * h.to(tl.float32)[:, None, :]
+            w = w_next
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+            res_ptrs += BLOCK_K
+        acc = tl.sum(acc, 2)
     out_type = out_ptr.dtype.element_ty
     if HAS_BIAS:  # as F.linear rounds: the product, then the sum with the bias
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         acc = acc.to(out_type).to(tl.float32) + bias[None, :]
     tl.store(out_ptr + r[:, None] * stride_o + cols[None, :], acc.to(out_type), mask=r_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _rows(x_ptrs, res_ptrs, norm_ptr, rstd, ks, x_ok, k_ok, NORM: tl.constexpr, RESIDUAL: tl.constexpr):
+    """The rows' inputs at ``ks``: x, or with NORM the RMSNorm (statistic ``rstd``) of x (+ res), rounded
+    where ``fused.add_rms_norm`` rounds."""
+    h = tl.load(x_ptrs, mask=x_ok, other=0.0)
+    if NORM:
+        dtype = h.dtype
+        if RESIDUAL:
+            h = (h.to(tl.float32) + tl.load(res_ptrs, mask=x_ok, other=0.0).to(tl.float32)).to(dtype)
+        weight = tl.load(norm_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+        h = (weight[None, :] * (h.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype)
+    return h
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
@@ -145,6 +162,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, re
         block = (min(triton.next_power_of_2(n), 256), 64, 4) if launch.interpreted() else \
             tiles(n, k, rows, norm is not None)
     block_n, block_k, num_warps = block
+    k_pad = triton.next_power_of_2(k)
+    whole = rows == 1 and block_n * k_pad * weight.element_size() <= PRELOAD_BYTES
     pdl = launch.pdl(x)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x, norm if norm is not None else weight, weight,
@@ -152,8 +171,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, re
         h_out if h_out is not None else out, rows, n, k, eps, x.stride(0),
         residual.stride(0) if residual is not None else 0, weight.stride(0), out.stride(0),
         NORM=norm is not None, RESIDUAL=residual is not None, KEEP=keep, HAS_BIAS=bias is not None,
-        ROWS_PAD=triton.next_power_of_2(rows), K_PAD=triton.next_power_of_2(k), BLOCK_N=block_n, BLOCK_K=block_k,
-        PDL=pdl, num_warps=num_warps, **launch.options(pdl))
+        ROWS_PAD=triton.next_power_of_2(rows), K_PAD=k_pad, BLOCK_N=block_n, BLOCK_K=block_k,
+        PDL=pdl, WHOLE=whole, num_warps=num_warps, **launch.options(pdl))
     return out, res_out, h_out
 
 

@@ -15,6 +15,12 @@ Kernels launched without it (cuBLAS, torch) wait for the previous kernel to fini
 
 ``ENABLED`` (on by default on devices of compute capability 9 and up; never in Triton's interpreter)
 is switched off by the benchmarks to measure what it gives.
+
+``TRIGGER_FIRST`` lets the next kernel launch when this one starts instead of after its wait, so it loads
+its weights over two kernels' time instead of one. Still safe: the next kernel's wait returns only once
+this one has ended, which it does only after its own wait. A kernel whose successor reads outputs of the
+kernel *before* it ahead of its own wait (``moe_small``'s down GEMV reads the routing's ids) must keep
+the old order: it is launched with ``after_wait``'s mode.
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ import triton
 import triton.language as tl
 
 ENABLED = True
+TRIGGER_FIRST = False  # off until measured (bench/gpu_engine.py --sections decode1: replay_ms_variants)
+
+AFTER_WAIT, AT_START = 1, 2  # the PDL modes: when the next kernel may launch
 
 
 @functools.cache
@@ -39,19 +48,30 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def pdl(t: torch.Tensor) -> bool:
-    """Whether kernels over ``t``'s device launch with PDL."""
-    return ENABLED and t.is_cuda and not interpreted() and _capable(t.device.index or 0)
+def pdl(t: torch.Tensor) -> int:
+    """How kernels over ``t``'s device launch: 0 without PDL, else its mode (``AFTER_WAIT``, ``AT_START``)."""
+    if not (ENABLED and t.is_cuda and not interpreted() and _capable(t.device.index or 0)):
+        return 0
+    return AT_START if TRIGGER_FIRST else AFTER_WAIT
 
 
-def options(enabled: bool) -> dict:
+def after_wait(mode: int) -> int:
+    """``mode`` for a kernel whose successor reads its predecessor's outputs before the successor's wait."""
+    return min(mode, AFTER_WAIT)
+
+
+def options(enabled: int) -> dict:
     """Launch options of a kernel launched with (or without) PDL."""
     return {"launch_pdl": True} if enabled else {}
 
 
 @triton.jit
 def wait_for_inputs(PDL: tl.constexpr):
-    """Wait for the previous kernel (its writes visible), then let the next kernel launch."""
-    if PDL:
+    """Wait for the previous kernel (its writes visible); the next kernel may launch from then on, or
+    (``AT_START``, 2) from before the wait."""
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    elif PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
