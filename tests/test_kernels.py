@@ -190,6 +190,7 @@ def test_gemv_whole_row_preload_equals_the_stepped_products(monkeypatch, with_no
     proj = torch.nn.Linear(hidden, outputs, bias=bias).to(DEVICE)
     run = (lambda: norm_linear(x, res, norm.weight, 1e-6, proj.weight, proj.bias, keep=True, block=(8, 16, 4))) \
         if with_norm else (lambda: (linear(x, proj.weight, proj.bias, block=(8, 16, 4)), None, None))
+    monkeypatch.setattr(gemv, "PRELOAD_BYTES", 0)
     stepped = run()
     monkeypatch.setattr(gemv, "PRELOAD_BYTES", 1 << 20)
     whole = run()

@@ -31,6 +31,13 @@ its statistic: there 256-wide steps win where the outputs are many (Qwen3-VL-30B
 not for the router's 128 outputs (3.4 against 2.2 µs). At 4 rows every tiling took about twice cuBLAS's
 time (the accumulator grows with the rows, so the steps shrink), so the layers use these kernels for one
 row only (``MAX_ROWS``); they compute up to ``ROWS_LIMIT``.
+
+At one row a program whose weights take at most ``PRELOAD_BYTES`` (16 KB: Qwen3-VL-30B-A3B's q|k|v and
+router programs, 4 outputs × 2,048) loads all of them before its wait, not only the first step, and
+takes the products in one step after it: the batch-1 step 2.446 → 2.395 ms (one H200, same process and
+inputs). At 32 KB o's programs do so too and the step took 2.471 ms: their 168 registers a thread leave
+room for three programs an SM, so fewer of them load before the wait (docs/benchmarks.md, "Batch-1
+decode: weights before the wait").
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ ROWS_LIMIT = 4  # rows the kernels compute
 SMALL_WEIGHT = 64 << 20  # bytes up to which the narrower, longer tiles win
 NORM_BLOCK_K = 256  # their step where the norm is fused in and the outputs are many (measured: see above)
 NORM_MIN_OUTPUTS = 1024  # (the router's 128 outputs, 32 programs, need the longer steps)
-PRELOAD_BYTES = 0  # one row: a program whose weights fit loads all of them before its wait (0: the first step)
+PRELOAD_BYTES = 16 << 10  # one row: a program whose weights fit loads all of them before its wait (see above)
 
 
 def suits(weight: torch.Tensor) -> bool:
