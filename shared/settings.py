@@ -47,6 +47,10 @@ class CommonSettings(BaseSettings):
                                                             "0: off")
     health_host: str = Field("127.0.0.1", description="interface of the health endpoint; pods set 0.0.0.0 so "
                                                       "the kubelet can probe it")
+    switch_interval_ms: float = Field(5.0, gt=0, le=100, description="how often the interpreter hands the GIL "
+                                      "between threads that want it (sys.setswitchinterval; CPython's default 5): "
+                                      "a shorter one lets the event loop answer while an engine thread runs Python "
+                                      "(bench/gil_handoff.py)")
 
     @field_validator("subject_prefix")
     @classmethod
