@@ -886,6 +886,8 @@ def prefill_sizes(ctx):
         with _without_pieces(lm), TouchedExperts(lm) as touched:  # graph replays do not call back into Python
             _run_prefill(engine, tokens, [])
         experts = touched.per_step()
+        if expert_bytes(lm) and not experts:  # a MoE forward that no layer counted: the floor would omit experts
+            log(f"prefill_sizes {length} tokens: no MoE layer counted its experts; the bytes floor leaves them out")
         read = shared_weight_bytes(lm) + experts * expert_bytes(lm)
         bytes_ms = read / ctx.get("bandwidth", math.inf) * 1e3
         flop_ms = prefill_flops(cfg, length) / ctx.get("matmul_rate", math.inf) * 1e3
