@@ -7,7 +7,9 @@ split over calls (merged as `--report-from` merges them: the first one's floor).
 topology's measured and predicted mean TTFT (calibrated from its own unloaded requests, as the sweep
 predicts) and their ratio, the plan's pick and whether it is the measured best (within the sweep's
 TIE). `--stages`: each topology's frontend stages (media / encode / to first token), measured against
-the model's own terms. `--replay`: the point's own requests (arrival times, image counts) through
+the model's own terms, and its encode stage split by the encoder's own means (per image): the ViT
+queue and forward, `settle` (from the forward's end to the job resuming on the event loop: job_encode −
+queue − forward) and `rest` (encode stage − queue − forward − pull: NATS, replies, the last image). `--replay`: the point's own requests (arrival times, image counts) through
 `tools.plan.simulate`, with the same costs and calibration: what a model that had the scheduling
 exactly right would have said of this sample (a point of 8-40 requests is one draw; image-heavy
 points of that size scatter by ~30 % around the process's mean). Totals: points whose measured best is
@@ -89,7 +91,8 @@ def describe(entry: dict, stages: bool, parts: int = 0) -> list[str]:
         cells.append(f"{label} {measured:.0f}/{predicted:.0f} ({ratio(predicted, measured):.2f}){replayed}")
         if stages:
             lines.append(f"      {label:<10} stages measured {stage_text(run['stages_ms'])}  "
-                         f"model {stage_text(entry['predictions'][label].get('stages_ms', {}))}")
+                         f"model {stage_text(entry['predictions'][label].get('stages_ms', {}))}"
+                         f"{encode_split(run['stages_ms'], run.get('encoder_ms') or {})}")
     right = "-" if "pick_right" not in entry else "yes" if entry["pick_right"] else "NO"
     error = entry.get("prediction_error")
     best = f"best {entry['measured_best']} {'' if error is None else f'{error:+.0%}'}"
@@ -99,6 +102,17 @@ def describe(entry: dict, stages: bool, parts: int = 0) -> list[str]:
 
 def stage_text(stages: dict) -> str:
     return " / ".join(f"{stages[k]:.0f}" if k in stages else "-" for k in ("media", "encode", "first_token"))
+
+
+def encode_split(stages: dict, encoder: dict) -> str:
+    """The encode stage by the encoder's per-image means (``--stages``); empty where they were not kept."""
+    parts = ("vit_queue", "vit_forward", "job_pull", "job_encode")
+    if "encode" not in stages or not all(k in encoder for k in parts):
+        return ""
+    queue, forward = encoder["vit_queue"], encoder["vit_forward"]
+    settle = encoder["job_encode"] - queue - forward
+    rest = stages["encode"] - queue - forward - encoder["job_pull"]
+    return f"  encode: queue {queue:.1f} + forward {forward:.1f}, settle {settle:.1f}, rest {rest:.1f}"
 
 
 def totals(plan: list[dict]) -> dict[str, tuple[int, int]]:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
+from services.encoder.settings import EncoderSettings
 from shared.engine.settings import EngineSettings
 from shared.settings import parse_settings
 from tools.bench.settings import VideoWorkload, Workload, parse_resolution
@@ -56,7 +57,7 @@ class FloorSettings(EngineSettings):
     media_threads: int = Field(4, ge=1, description="the frontend's image-decoding threads")
     image_format: Literal["png", "jpeg"] = Field("jpeg", description="how clients send images")
     corun_seconds: float = Field(1.0, ge=0, description="seconds of each co-run measurement (0: skip them)")
-    vit_graph_patches: int = Field(8192, ge=0, description="the encoders' EPD_VIT_GRAPH_PATCHES: the measured tower's "
+    vit_graph_patches: int = Field(EncoderSettings.model_fields["vit_graph_patches"].default, ge=0, description="the encoders' EPD_VIT_GRAPH_PATCHES: the measured tower's "
                                                         "forwards of up to this many patches as CUDA graphs")
 
 
