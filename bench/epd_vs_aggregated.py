@@ -656,7 +656,7 @@ def unloaded_row(topology: str, w: dict, unloaded: list[dict]) -> dict | None:
         if having:
             means[stage] = sum(share[k] * v for k, v in having.items()) / sum(share[k] for k in having)
     media = records.get(media_kind(w), {}).get("encoder_ms", {})
-    encoder = {k: media[k] for k in scrape.ENCODER_STAGES if k in media}
+    encoder = {k: media[k] for k in (*scrape.ENCODER_STAGES, *scrape.ENCODER_COUNTS) if k in media}
     parts = next(iter(records.values()))["floor_ms"]
     floor = {k: sum(share[kind] * r["floor_ms"][k] for kind, r in records.items()) for k in parts}
     return {"topology": topology, "request_rate": None, "summary": summary,

@@ -7,7 +7,9 @@
   (the forward its batch took), ``job_pull`` (pulling its pixels), ``job_encode`` (preprocessing + ViT
   as its job saw it), and in the aggregated process ``vit_handoff`` (its engine thread waiting for the
   prompt of a request whose images it had just encoded; per wait, not per image) — as
-  ``<stage>_seconds_total`` / ``<stage>_count`` summed over instances.
+  ``<stage>_seconds_total`` / ``<stage>_count`` summed over instances; and their counters ``batches``
+  (ViT forwards) and ``batches_waited`` (forwards that waited for a request's other images), summed
+  over instances: how many over a measurement, beside the stages' means.
 
 The gauges are the frontend's copy of a listing it refreshes about once a second, so a reading right
 after a measurement may miss its last images (and the frontend records a request's stages as it closes
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 import httpx
 
 ENCODER_STAGES = ("vit_queue", "vit_forward", "job_pull", "job_encode", "vit_handoff")
+ENCODER_COUNTS = ("batches", "batches_waited")  # counters, not times: increments, never means
 _STAGE = re.compile(r'^epd_stage_seconds_(sum|count)\{stage="(\w+)"\} (\S+)$', re.M)
 _STAT = re.compile(r'^epd_service_stat\{([^}]*)\} (\S+)$', re.M)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
@@ -34,6 +37,7 @@ _LABEL = re.compile(r'(\w+)="([^"]*)"')
 class Reading:
     stages: dict[str, tuple[float, float]] = field(default_factory=dict)  # stage → (seconds, requests)
     encoder: dict[str, tuple[float, float]] = field(default_factory=dict)  # stage → (seconds, images)
+    counts: dict[str, float] = field(default_factory=dict)  # ENCODER_COUNTS' counter → total
 
     @property
     def images_encoded(self) -> float:
@@ -57,6 +61,8 @@ def parse(text: str) -> Reading:
         for stage in ENCODER_STAGES:
             if stat in (f"{stage}_seconds_total", f"{stage}_count"):
                 encoder.setdefault(stage, [0.0, 0.0])[stat.endswith("_count")] += float(value)
+        if stat in ENCODER_COUNTS:
+            reading.counts[stat] = reading.counts.get(stat, 0.0) + float(value)
     reading.encoder = {stage: (total, count) for stage, (total, count) in encoder.items()}
     return reading
 
@@ -87,5 +93,7 @@ def _means_ms(after: dict[str, tuple[float, float]], before: dict[str, tuple[flo
 
 
 def stage_means(before: Reading, after: Reading) -> tuple[dict[str, float], dict[str, float]]:
-    """({frontend stage: mean ms per request}, {encoder stage: mean ms per image}) between two readings."""
-    return _means_ms(after.stages, before.stages), _means_ms(after.encoder, before.encoder)
+    """({frontend stage: mean ms per request}, {encoder stage: mean ms per image, and each of
+    ``ENCODER_COUNTS``: how many between the readings}) between two readings."""
+    counts = {name: total - before.counts.get(name, 0.0) for name, total in after.counts.items()}
+    return _means_ms(after.stages, before.stages), {**_means_ms(after.encoder, before.encoder), **counts}

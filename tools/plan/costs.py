@@ -10,7 +10,11 @@
   or plus one clip's video placeholders, laid out as the frontend lays them;
 - decode: one engine step at batch 1 and batch B, at a short and a long context (ms per step). The
   sequences are reserved with their KV in place (as a decode worker holds them), so no prefill is paid
-  to set them up; the step's cost does not depend on the KV's values;
+  to set them up; the step's cost does not depend on the KV's values. Each row decodes a token of its
+  own: rows of one token route alike through a mixture of experts, reading k experts a layer where B
+  real tokens read up to E (Qwen3-VL-30B-A3B, 32 rows on a fresh pool, counted on the CPU: 8 experts a
+  layer with one token, 114-119 with their own). Floors measured before this gave every row one token:
+  their batch-B steps read fewer experts than serving does;
 - co-run: a ViT forward beside decode steps, and beside a prefill, each in a thread of its own on a CUDA
   stream of its own, against each alone: how much two processes slow each other when their kernels run
   side by side (what CUDA MPS does; one process's two streams are its closest in-process stand-in); and
@@ -227,11 +231,11 @@ class EngineProbe:
     def decoding(self, batch: int, context: int) -> Iterator[Callable[[], None]]:
         """``batch`` running sequences holding ``context`` tokens of KV each; yields one decode step."""
         sampling = SamplingParams(max_tokens=1 << 20, ignore_eos=True, temperature=0)
-        ids = [self.config.image_token_id + 1] * (context + 1)
         self._count += 1
+        tokens = np.random.default_rng(self._count).integers(16, self.config.text.vocab_size, batch).tolist()
         names = [f"plan-decode-{self._count}-{i}" for i in range(batch)]
-        for name in names:
-            self.engine.reserve(Sequence(name, list(ids), context, sampling, num_computed=context))
+        for name, token in zip(names, tokens):  # a token each: a MoE batch routes as real tokens do
+            self.engine.reserve(Sequence(name, [token] * (context + 1), context, sampling, num_computed=context))
             self.engine.activate(name)
         try:
             yield self.engine.step
@@ -356,7 +360,13 @@ def measure_costs(settings) -> Costs:
                  resolution=settings.image_resolution, image_tokens=image_tokens, preprocess_ms=preprocess_ms,
                  preprocess_threads=settings.preprocess_threads, vit_ms=vit_ms, prefill_ms=prefill_ms,
                  decode_ms=decode_ms, preprocess=mode, media_ms=measure_media(width, height, settings.image_format),
-                 media_threads=settings.media_threads, corun=corun)
+                 media_threads=settings.media_threads, corun=corun, **moe_fields(config))
+
+
+def moe_fields(config) -> dict[str, int]:
+    """``Costs``' mixture-of-experts fields of a ``ModelConfig`` (0: dense)."""
+    moe = config.text.moe
+    return {"moe_experts": moe.num_experts if moe else 0, "moe_top_k": moe.top_k if moe else 0}
 
 
 def _grid(settings, path) -> Grid:

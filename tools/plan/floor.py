@@ -141,7 +141,7 @@ def _middle_image_shape(shapes: dict[tuple[str, int], list[int]]) -> tuple[str, 
 
 
 def _measure(settings, path, config, mode, shapes, middle, seen, vision, engine, child) -> dict:
-    from tools.plan.costs import measure_media
+    from tools.plan.costs import measure_media, moe_fields
 
     prefill: dict[int, float] = {}  # prompt tokens → ms (a text prompt is the same at every resolution)
     rows = []
@@ -169,7 +169,7 @@ def _measure(settings, path, config, mode, shapes, middle, seen, vision, engine,
             preprocess_threads=settings.preprocess_threads, vit_ms=vit_ms,
             prefill_ms={r["prompt_tokens"]: r["prefill_ms"] for r in mine}, decode_ms=decode, preprocess=mode,
             media_ms=measure_media(width, height, settings.image_format), media_threads=settings.media_threads,
-            corun=corun, media_batch_ms={r["images"]: r["media_ms"] for r in mine}).to_json()
+            corun=corun, media_batch_ms={r["images"]: r["media_ms"] for r in mine}, **moe_fields(config)).to_json()
     return {"model": path.name, "device": str(settings.torch_device()), "costs": costs, "shapes": rows,
             "hidden_bytes": config.text.hidden_size * settings.torch_dtype().itemsize}
 

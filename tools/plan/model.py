@@ -4,7 +4,8 @@ Every time in seconds; λ requests/s per replica; a request carries n images (0:
 p_n; L output tokens. Per request: media m(n) (the frontend decoding its images, ``--media-threads`` at
 a time), ViT v(n) (one forward over its n images, preprocessing on the device included), prefill P(n)
 (its prompt), transfer x(n) (its embeddings over the data plane, not in aggregated). A decode step of
-B sequences costs t(B) = a + b·B + c·B·ctx; B follows from Little's law, B = λ·L·TPOT.
+B sequences costs t(B) = a + b·x(B) + c·B·ctx, x(B) = B for a dense model and the experts B tokens touch
+in a layer for a mixture of experts (``cost_table.py``); B follows from Little's law, B = λ·L·TPOT.
 
 Queues (Poisson arrivals, ``queueing.py``): a server whose service time varies with n is M/G/1,
 W = λ·E[S²] / 2(1 − ρ). Layouts:
@@ -120,7 +121,7 @@ def decode_batch(rate: float, length: int, step: Callable[[float], float], slowd
     """(B, TPOT s) with B = rate·L·TPOT and TPOT = step(B)·slowdown; (inf, inf) when decode cannot keep
     up (or would need more than ``max_batch`` sequences running)."""
     batch = 0.0
-    for _ in range(200):  # fixed point; step() is increasing and affine in B
+    for _ in range(200):  # fixed point; step() is increasing in B (affine; concave for MoE)
         tpot = step(batch) * slowdown
         nxt = rate * length * tpot
         if nxt > min(1e6, max_batch):
@@ -257,11 +258,11 @@ class Planner:
 
     def capacity(self, t: Traffic) -> float:
         """Requests/s one GPU sustains doing only this traffic's compute, one stage after another at full
-        speed, decode batched up to ``max_batch``: 1 / (E[v + P] + L·(b + c·ctx) + L·a / max_batch)."""
+        speed, decode batched up to ``max_batch``: 1 / (E[v + P] + L·t(max_batch) / max_batch) (dense:
+        L·(b + c·ctx) + L·a / max_batch)."""
         context = t.mean(lambda n: self.costs.prompt_tokens(t.input_len, n)) + t.output_len / 2
-        a, b, c = self.costs.decode_fit()
         per_request = t.mean(lambda n: self.vit(n) + self.prefill(t, n)) * 1e3 + \
-            t.output_len * (b + c * context + a / self.max_batch)
+            t.output_len * self.costs.decode_per_token(self.max_batch, context)
         return 1e3 / per_request
 
     # -- sharing a GPU -------------------------------------------------------------------------------
@@ -339,10 +340,9 @@ class Planner:
 
     def decode_rows(self, t: Traffic, batch: float) -> float:
         """Seconds ``batch`` decode rows add to a step that also computes prompt chunks (no fixed part:
-        the step's launch is the chunk's)."""
-        a, b, c = self.costs.decode_fit()
+        the step's launch is the chunk's; a MoE chunk's experts are the rows' too)."""
         context = t.mean(lambda n: self.costs.prompt_tokens(t.input_len, n)) + t.output_len / 2
-        return batch * (b + c * context) / 1e3
+        return self.costs.decode_rows(batch, context) / 1e3
 
     def chunks(self, t: Traffic, n: int, seconds: float) -> list[float]:
         """A prompt's steps (seconds each): ``step_tokens`` tokens at most, its time split by tokens."""

@@ -107,6 +107,8 @@ def describe_costs(c: Costs) -> str:
     vit = ", ".join(f"{c.vit_ms[b] / b:.1f} ms/image at batch {b}" for b in sorted(c.vit_ms))
     prefill = ", ".join(f"{tokens} tokens {ms:.1f} ms" for tokens, ms in sorted(c.prefill_ms.items()))
     decode = ", ".join(f"batch {b} @ {ctx} ctx {ms:.2f} ms" for b, ctx, ms in c.decode_ms)
+    if c.moe:
+        decode += f" (mixture of experts: {c.moe_top_k} of {c.moe_experts} a token)"
     corun = ", ".join(f"{pair} ×{k:.2f}" for pair, k in c.corun.items()) or "not measured"
     return (f"epd plan: {c.model} on {c.device} ({c.dtype}); {c.resolution} image = {c.image_tokens} tokens\n"
             f"  frontend: {c.media_ms:.1f} ms to decode one image, {c.media_threads} at a time\n"
