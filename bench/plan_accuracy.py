@@ -60,10 +60,12 @@ def replay(data: dict, workload: str, run: dict) -> float:
     fixed = overheads(data["floor"], data["unloaded"], topology, w)
     done = [q for q in run["requests"] if q["ok"]]
     arrivals = [Arrival(q["sent_at"], q["images"], q["completion_tokens"] or w["output_len"]) for q in done]
-    handoff = "vit_handoff" in run["encoder_ms"]  # the aggregated hand-off ran (the code had it, and it was on)
+    encoder = run["encoder_ms"]  # how the aggregated worker's prompts came back to its engine in that run:
+    handback = ("in_place" if "prompt_encode" in encoder else  # encoded in place
+                "handoff" if "vit_handoff" in encoder else "frontend")  # the removed hand-off ran; neither
     t = sent_traffic(Workload(**w), run["request_rate"], done)
     try:
-        ttft = simulate(data["floor"].planner(w), topology.layout, t, arrivals, handoff)
+        ttft = simulate(data["floor"].planner(w), topology.layout, t, arrivals, handback)
     except ValueError:
         return math.inf
     return statistics.fmean(s + fixed(a.images) for s, a in zip(ttft, arrivals)) * 1e3

@@ -83,8 +83,8 @@ def record_plans(engine: Engine, plans: list) -> None:
     """Make the engine's next step append its plan as [(request id, start, end, decoding)] to ``plans``."""
     schedule = engine.scheduler.schedule
 
-    def recorded(decode_only: bool = False):
-        plan = schedule(decode_only)
+    def recorded():
+        plan = schedule()
         plans.append([(c.seq.request_id, c.start, c.end, c.seq.decoding) for c in plan.chunks])
         engine.scheduler.schedule = schedule
         return plan

@@ -187,6 +187,12 @@ class RunningStack:
     def stats_sync(self, service: str) -> list[dict]:
         return asyncio.run(self.stats(service))
 
+    def figures(self, kind: str) -> list[dict]:
+        """Each ``kind`` instance's own figures (its endpoints' data in the STATS answer)."""
+        from shared.bus.calls import endpoint_data
+
+        return [endpoint_data(s) for s in self.stats_sync(f"epd-{kind}")]
+
     def stop(self) -> None:
         self.stack.stop(grace=15)
 

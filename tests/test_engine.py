@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shared.engine.sampling import SamplingParams
-from shared.engine.sequence import Sequence
+from shared.engine.sequence import ImageInput, Sequence, Status
 from tests.engine_support import (make_engine, model_parts, requests_with_reference, run_to_completion,  # noqa: F401
                                   sequence)
 from tests.support import make_image, tower_plain_and_in_pieces
@@ -338,65 +338,73 @@ def test_an_encoder_forward_waits_for_the_rest_of_its_request(model_parts, tiny_
     assert asyncio.run(request(wait_s=0)) == (2, 0)
 
 
-@pytest.mark.parametrize("handoff_s", [30.0, 0.0])
-def test_the_aggregated_engine_hands_off_to_the_prompt_whose_images_its_gap_encoded(model_parts, requests_with_reference,
-                                                                                    tiny_model, handoff_s):
-    """The aggregated engine thread, after its gap between steps has encoded request R's last image, while
-    another prompt P waits and a sequence decodes: the decode row first gets its token in a step of its
-    own, then the loop waits (up to the handoff wait) for R's prompt, which comes back through the
-    frontend, so R is prefilled in the same step as P. Without the wait the step after the gap is P's,
-    and R comes a step later. Here the 'frontend' is the coroutine that adds R's prompt once its image's
-    embeddings are in."""
+def test_a_prompt_encoded_in_place_enters_the_engine_in_the_gap_that_encodes_its_images(
+        model_parts, requests_with_reference, tiny_model):
+    """The aggregated worker's in-place path (services/aggregated/in_place.py): request R's prompt waits
+    parked, its two images queued for the ViT; the engine thread's gap between steps encodes them and the
+    batcher's completion hook places each into R's prompt there, so R is prefilled in the first step
+    after the gap, beside prompt P, while a sequence decodes throughout — no wait for a prompt to come
+    back. R's greedy tokens are HF's."""
     import asyncio
 
     import numpy as np
 
+    from services.aggregated.in_place import Parked
     from services.encoder.batcher import VisionBatcher
     from shared.engine.loop import EngineLoop
     from shared.model.processor import ImagePreprocessor
 
     _, _, tower = model_parts
-    patches, grid = ImagePreprocessor(tiny_model)(np.asarray(make_image(43, 56, 84)))
+    pil = ImagePreprocessor(tiny_model)
     engine = make_engine(model_parts)
     busy = sequence(0, requests_with_reference[0])
     busy.sampling = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)  # decodes throughout
     engine.add_prompt(busy)
-    waiting, image_request = sequence(3, requests_with_reference[3]), sequence(9, requests_with_reference[1])
-    steps: list[dict[str, int]] = []  # each step's outputs: request → token index
+    waiting = sequence(3, requests_with_reference[3])
+    _, image_inputs, _, hf_tokens = requests_with_reference[2]
+    parked_seq = sequence(9, requests_with_reference[2])
+    parked_seq.images = []
+    patches = [pil(np.asarray(make_image(*spec))) for spec in [(2, 60, 200), (3, 90, 90)]]
+    assert [g for _, g in patches] == [i.grid for i in image_inputs]
+    steps: list[dict[str, int]] = []
     at: dict[str, int] = {}
 
     def record(outputs) -> None:
         steps.append({out.request_id: out.index for out in outputs})
 
-    async def handing_off() -> tuple[int, int, int]:
+    async def in_place() -> None:
         loop = EngineLoop(engine, record, lambda ids, message: None, asyncio.get_running_loop())
         batcher = VisionBatcher(tower, asyncio.get_running_loop(), max_images=8, max_patches=10_000)
-        loop.attach(batcher, handoff_s)
+        loop.attach(batcher)
+        parked = Parked(parked_seq, [None, None], 0.0, lambda seconds: at.setdefault("entered", loop.steps),
+                        lambda message: None)
         loop.start()
 
         def in_the_gap(pixels: torch.Tensor) -> torch.Tensor:  # the engine thread, inside the gap
-            engine.add_prompt(waiting)
-            at["gap"] = loop.steps  # every step so far had outputs: the index of the first step after the gap
+            if "gap" not in at:
+                engine.add_prompt(waiting)
+                at["gap"] = loop.steps  # every step so far had outputs: the index of the first step after the gap
             return pixels
+
+        def place(index: int):
+            image = image_inputs[index]
+            return lambda embeds: loop.post(lambda e: parked.fill(e, index, [
+                ImageInput(image.offset, image.grid, embeds, image.content_hash)]))
 
         try:
             await loop.call(lambda e: None)  # the engine is stepping
-            await asyncio.wait_for(batcher.encode(torch.from_numpy(patches), grid, prepare=in_the_gap, group="r9"), 60)
-            await loop.call(lambda e: e.add_prompt(image_request))
-            while not any(outputs.get("r9") == 0 for outputs in steps):
+            jobs = [batcher.encode(torch.from_numpy(p), g, prepare=in_the_gap, group="r9", on_done=place(i))
+                    for i, (p, g) in enumerate(patches)]
+            await asyncio.wait_for(asyncio.gather(*jobs), 60)
+            while parked_seq.status is not Status.FINISHED:
                 await asyncio.sleep(0.01)
         finally:
             await asyncio.to_thread(loop.stop)
-        return loop.handoffs, loop.handoffs_missed  # counted once the loop has stopped
 
-    handoffs, missed = asyncio.run(handing_off())
-    after_gap = [sorted(outputs) for outputs in steps[at["gap"]:]]
-    if handoff_s:
-        assert (handoffs, missed) == (1, 0)
-        assert after_gap[:2] == [["r0"], ["r0", "r3", "r9"]]  # the row's token, then P and R together
-    else:
-        assert handoffs == 0
-        assert after_gap[0] == ["r0", "r3"] and "r9" not in after_gap[0]  # P's step first, R after it
+    asyncio.run(in_place())
+    assert at["entered"] == at["gap"]  # placed before the step after the gap
+    assert sorted(steps[at["gap"]]) == ["r0", "r3", "r9"]  # R's prefill beside P's, in that very step
+    assert parked_seq.output_ids == hf_tokens
 
 
 def test_prefill_steps_in_pieces_generate_hf_tokens(model_parts, requests_with_reference):

@@ -154,3 +154,48 @@ def test_the_stack_serves_after_hostile_input(stack):
     reply = stack.client().chat.completions.create(model=stack.client().models.list().data[0].id,
                                                    messages=chat_messages("still there?", []), max_tokens=3)
     assert reply.usage.completion_tokens == 3
+
+
+def test_a_prompts_image_slots_carry_embeddings_or_pixels_where_they_are_encoded(tiny_model):
+    """A prefill job's image slot carries its embeddings or its pixels, never both or neither; pixels only
+    to a worker that encodes them (aggregated), a frame sampling only with a clip's pixels. Each is a 400."""
+    from services.language.intake import validate_prompt
+    from shared.dataplane.handle import TensorHandle
+    from shared.engine.sampling import SamplingParams
+    from shared.errors import ServiceError
+    from shared.messages.encode import VideoSampling
+    from shared.messages.prefill import ImageSlot, PrefillJob
+    from shared.model.config import ModelConfig
+
+    config = ModelConfig.from_checkpoint(tiny_model)
+    grid, tokens = (1, 4, 4), 4  # merge 2: 16 patches, 4 placeholder tokens
+
+    def handle(dtype: str, shape: list[int]) -> TensorHandle:
+        size = {"uint8": 1, "float32": 4}[dtype]
+        n = size
+        for d in shape:
+            n *= d
+        return TensorHandle(transport="zmq", address="tcp://127.0.0.1:1", key="k", token="t", dtype=dtype,
+                            shape=shape, nbytes=n, expires_at=0)
+
+    embedding = handle("float32", [tokens, config.embedding_width])
+    pixels = handle("uint8", [56, 56, 3])
+    sampling = VideoSampling(source_fps=10, total_frames=2, frame_indices=[0, 1])
+
+    def job(**slot) -> PrefillJob:
+        ids = [1, config.vision_start_token_id, *[config.image_token_id] * tokens, config.vision_end_token_id, 2]
+        return PrefillJob(request_id="r", token_ids=ids, images=[ImageSlot(offset=2, grid=grid, **slot)],
+                          sampling=SamplingParams(), stream="s")
+
+    validate_prompt(job(embedding=embedding), config)
+    validate_prompt(job(pixels=pixels, content_hash="h" * 16), config, pixels=True)
+    for slot, worker_encodes, message in [
+        (dict(), True, "either its embeddings or its pixels"),
+        (dict(embedding=embedding, pixels=pixels), True, "either its embeddings or its pixels"),
+        (dict(pixels=pixels), False, "does not encode images"),
+        (dict(pixels=pixels, sampling=sampling), True, "only a video slot's pixels"),
+        (dict(embedding=embedding, sampling=sampling, video=True), True, "only a video slot's pixels"),
+    ]:
+        with pytest.raises(ServiceError) as err:
+            validate_prompt(job(**slot), config, pixels=worker_encodes)
+        assert err.value.status == 400 and message in err.value.message, slot

@@ -70,19 +70,28 @@ def test_concurrent_requests_equal_hf(qwen3_stack, family_model):
         assert answer == expected(family_model[2], case)[0], case
 
 
-def test_the_aggregated_process_serves_the_same(family_model, nats_url):
+@pytest.mark.parametrize("in_place", [True, False])
+def test_the_aggregated_process_serves_the_same(family_model, nats_url, in_place):
     """With its ViT in a thread of its own (``--vit-thread``; tests/test_video.py's aggregated stack runs
-    it between engine steps, the default)."""
+    it between engine steps, the default), concurrent requests: their images sent as pixels with the
+    prompt and encoded in place (the embeddings posted to the engine thread), or, with a frontend that
+    does not (``--no-encode-in-place``), through the encoder subjects first."""
     family, path, reference = family_model
     if family != "qwen3_vl_moe":
         pytest.skip("one aggregated stack is enough: the MoE one")
     running = RunningStack(nats_url, path)
     running.spawn("aggregated", "--vit-thread")
     try:
-        running.start(encoders=0, prefills=0, decodes=0)
+        running.start(encoders=0, prefills=0, decodes=0, frontend_args=() if in_place else ("--no-encode-in-place",))
         running.wait_for({"aggregated": 1, "frontend": 1})
-        for case in ("one-image", "two-images"):
-            assert ask(running.client(), case)[0] == expected(reference, case)[0], case
+        cases = ["one-image", "two-images", "three-images", "text-only"]
+        with ThreadPoolExecutor(len(cases)) as pool:
+            answers = list(pool.map(lambda case: ask(running.client(), case)[0], cases))
+        for case, answer in zip(cases, answers):
+            assert answer == expected(reference, case)[0], case
+        [worker] = running.figures("aggregated")
+        assert worker["images"] == 6  # through its ViT either way (six different images)
+        assert (worker["prompts_in_place"], worker["images_in_place"]) == ((3, 6) if in_place else (0, 0))
     finally:
         running.stop()
 

@@ -157,9 +157,14 @@ def qwen2_vl(nats_url, tmp_path_factory):
 
 
 def test_qwen2_vl_video_equals_hf_in_the_aggregated_process(qwen2_vl):
+    """The frontend sends the aggregated worker each request's pixels (clips: their sampled frames), which
+    it encodes in place, its ViT between engine steps."""
     running, reference = qwen2_vl
     for case in ("one-video", "image-and-video"):
         assert ask(running.client(), case)[0] == expected(reference, case)[0], case
+    [worker] = running.figures("aggregated")
+    assert (worker["prompts_in_place"], worker["images_in_place"], worker["videos"]) == (2, 3, 2)
+    assert worker["prompt_encode_count"] == 2 and worker["prompts_parked"] == 0
 
 
 def test_the_tower_attends_within_each_frame_like_hf(reference, tiny_model):

@@ -1,8 +1,11 @@
 """Aggregated: encode, prefill and decode in one process — the baseline every EPD layout is measured
 against, so it must itself run near its floor.
 
-It is the joined language worker plus an ``Encoder`` that answers the encoder's subjects (so the
-unchanged frontend talks to it as to a disaggregated stack). Its ViT forwards run in the engine's
+It is the joined language worker plus an ``Encoder``. A frontend sends it a request's prompt with its
+images' pixels (metadata ``encodes_in_place``): the worker encodes them and its engine thread places the
+embeddings into the prompt right after the forward (``in_place``), with no trip back through the
+frontend. It also answers the encoder's subjects and takes prompts with embeddings, as a disaggregated
+stack's workers do (a frontend with ``--no-encode-in-place``). Its ViT forwards run in the engine's
 thread, between two engine steps (``VisionBatcher.step``), or with ``--vit-thread`` in a thread and on a
 CUDA stream of their own beside the engine, as an encoder's do (docs/architecture.md says which and why).
 Embeddings its own encoder holds come from its data plane's store without a copy.
@@ -10,10 +13,13 @@ Embeddings its own encoder holds come from its data plane's store without a copy
 
 from __future__ import annotations
 
+from services.aggregated.in_place import InPlacePrompts
 from services.aggregated.settings import AggregatedSettings
 from services.encoder.encoder import Encoder
 from services.language.service import LanguageService
+from services.language.worker import Tracked
 from shared.bus.service_api import Endpoint
+from shared.messages.prefill import PrefillJob
 
 
 class AggregatedService(LanguageService):
@@ -23,23 +29,35 @@ class AggregatedService(LanguageService):
     def __init__(self, settings: AggregatedSettings):
         super().__init__(settings)
         self.encoder = Encoder(settings, self.subjects, self.instance, self.plane)
+        self.in_place: InPlacePrompts | None = None
+
+    async def setup(self) -> None:
+        await super().setup()
+        self.in_place = InPlacePrompts(self.encoder, self.worker, self.intake)
+        self.resources.push_async_callback(self.in_place.settling.cancel)
 
     async def start_worker(self) -> None:
         # the vision tower first: the KV pool is sized from the memory that is left
         beside = self.settings.vit_thread
         await self.encoder.start(self.nc, self.resources, own_thread=beside, own_stream=beside)
-        await self.worker.start(self.nc, self.resources, side=None if beside else self.encoder.batcher,
-                                handoff_s=self.settings.vit_handoff_wait_ms / 1e3)
+        await self.worker.start(self.nc, self.resources, side=None if beside else self.encoder.batcher)
 
     def endpoints(self) -> list[Endpoint]:
         return [*self.encoder.endpoints(), *super().endpoints()]
 
+    async def admit(self, job: PrefillJob, tracked: Tracked) -> None:
+        if any(slot.pixels is not None for slot in job.images):
+            await self.in_place.admit(job, tracked)  # the prompt enters the engine once its images are encoded
+        else:
+            await super().admit(job, tracked)
+
     def metadata(self) -> dict[str, str]:
-        return {**super().metadata(), **self.encoder.metadata()}  # the encoder's cache fingerprint
+        # the encoder's cache fingerprint; frontends send prompts here with their images' pixels
+        return {**super().metadata(), **self.encoder.metadata(), "encodes_in_place": "true"}
 
     async def drain(self) -> None:
         await super().drain()
         await self.plane.handed_out()
 
     def stats(self) -> dict:
-        return {**self.encoder.stats(), **super().stats()}
+        return {**self.encoder.stats(), **super().stats(), **(self.in_place.stats() if self.in_place else {})}

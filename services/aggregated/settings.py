@@ -13,7 +13,3 @@ class AggregatedSettings(LanguageSettings, EncoderSettings):
                                                 "own, beside the engine (an image need not wait for an engine "
                                                 "step to end) instead of between engine steps in the engine's "
                                                 "thread")
-    vit_handoff_wait_ms: float = Field(0.0, ge=0, le=1000, description="after the ViT between engine steps "
-                                       "finishes a request's images, a decode-only step, then wait up to this "
-                                       "long (counted from the gap's end) for the request's prompt, so it joins "
-                                       "the next step; 0 (default: no gain measured on an H200): step at once")

@@ -58,6 +58,7 @@ class _Item:
     future: asyncio.Future
     prepare: Callable[[torch.Tensor], torch.Tensor] | None = None  # pixels on the device → patches
     group: str = ""  # the request it belongs to: a batch waits for the request's other images (thread mode)
+    on_done: Callable[[torch.Tensor], None] | None = None  # called with the embeddings in the forwarding thread
     queued_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -116,31 +117,26 @@ class VisionBatcher:
             self._thread.join(timeout=30)
 
     def encode(self, source: torch.Tensor, grid: Grid, prepare: Callable[[torch.Tensor], torch.Tensor] | None = None,
-               group: str = "") -> asyncio.Future:
+               group: str = "", on_done: Callable[[torch.Tensor], None] | None = None) -> asyncio.Future:
         """Queue one image or video clip (its patches, or its pixels with the batcher's ``prepare`` or its
         own); the future resolves to its embeddings ``[tokens, out_dim]``. A clip's temporal patches
         attend within their frame (Qwen2.5-VL: within windows of it), like any image of the batch.
-        ``group``: the request's id, whose other images a batch may wait for."""
+        ``group``: the request's id, whose other images a batch may wait for. ``on_done``: called with
+        the embeddings in the thread that ran the forward, before the future settles on the event loop
+        (the aggregated worker places them into a waiting prompt there, between two engine steps)."""
         future = self.loop.create_future()
-        self._queue.put(_Item(source, grid, future, prepare or self.prepare, group))
+        self._queue.put(_Item(source, grid, future, prepare or self.prepare, group, on_done))
         self.wake()
         return future
 
-    def step(self, budget_s: float = STEP_BUDGET_S) -> list[str]:
+    def step(self, budget_s: float = STEP_BUDGET_S) -> None:
         """Batches until nothing is queued, also what arrives meanwhile (the engine thread, between its
-        steps), or until ``budget_s`` of ViT time is spent: the rest waits one engine step. Returns the
-        requests (groups) whose images are all done once the queue is empty — none of theirs queued or
-        still arriving: their prompts come next."""
+        steps), or until ``budget_s`` of ViT time is spent: the rest waits one engine step."""
         deadline = time.monotonic() + budget_s
-        groups: set[str] = set()
         while (batch := self._collect(block=False)):
             self._forward_and_settle(batch)
-            groups.update(item.group for item in batch if item.group)
             if time.monotonic() >= deadline:
                 break
-        if self.has_work():  # whose images are still queued is not known: the queue is not searchable
-            return []
-        return [group for group in groups if self.pending(group) == 0]
 
     def _run(self) -> None:
         if self.stream is not None:
@@ -167,6 +163,11 @@ class VisionBatcher:
             for out in outputs:      # stream's next allocations until what it queued on them is done
                 out.record_stream(torch.cuda.default_stream(self.device))
         for item, out in zip(batch, outputs):
+            if item.on_done is not None:
+                try:
+                    item.on_done(out)
+                except Exception:  # the hook's own failure: the future still settles, and reports it there
+                    log.exception("vision.on_done_failed")
             self.loop.call_soon_threadsafe(settle, item.future, out, None)
 
     def _collect(self, block: bool) -> list[_Item] | None:

@@ -14,8 +14,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack
 
@@ -39,9 +41,11 @@ from shared.embedding_index import EmbeddingIndex, embedding_key
 from shared.errors import ServiceError
 from shared.logging import get_logger
 from shared.messages import pack, unpack
-from shared.messages.encode import EmbeddingFetch, EmbeddingLoan, EncodeJob, EncodeResult, VideoTiming
+from shared.messages.encode import (EmbeddingFetch, EmbeddingLoan, EncodeJob, EncodeResult, VideoSampling,
+                                    VideoTiming)
 from shared.model.config import ModelConfig
 from shared.model import pieces
+from shared.model.geometry import ImageGeometry
 from shared.model.loader import load_vision_tower
 from shared.model.processor import ImagePreprocessor, TorchImagePreprocessor, preprocess_mode
 from shared.model.video_processor import VideoPreprocessor
@@ -64,6 +68,7 @@ class Encoder:
         self.preprocess_mode = ""
         self.on_device: TorchImagePreprocessor | None = None  # pixels → patches on the tower's device
         self._cpu_preprocess: ImagePreprocessor | None = None  # or the checkpoint's processor on CPU threads
+        self.geometry: ImageGeometry | None = None  # the checkpoint's resize rule: an image's patch grid
         self.video: VideoPreprocessor | None = None  # frames → patches: in the pool (pil) or on the device (torch)
         self.videos = 0  # clips through the ViT
         self.video_frames = 0  # their sampled frames
@@ -87,6 +92,7 @@ class Encoder:
         if s.torch_device().type == "cuda" and s.vit_graph_patches:
             await asyncio.to_thread(pieces.capture, tower, min(s.vit_graph_patches, s.max_batch_patches))
         self.preprocess_mode = preprocess_mode(s.preprocess, s.torch_device())
+        self.geometry = ImageGeometry.from_checkpoint(path)
         self.video = VideoPreprocessor.from_checkpoint(path, s.torch_dtype())
         if self.preprocess_mode == "torch":
             self.on_device = TorchImagePreprocessor(path, s.torch_dtype())  # run by the batcher, before the forward
@@ -131,36 +137,26 @@ class Encoder:
     # -- 1. encode --------------------------------------------------------------------------------
     async def handle_encode(self, request: Request) -> bytes:
         job = unpack(EncodeJob, request.data)
-        self._check(job)
+        self.check_pixels(job.image, job.video, job.content_hash)
         # a video's content hash covers its frames and sampling: the key names the embeddings and the timing
         key = embedding_key(job.content_hash, self.fingerprint)
-        task = asyncio.current_task()
-        self.jobs.setdefault(job.request_id, set()).add(task)
-        arrival = _Arrival(self.arriving, job.request_id)
-        try:
+        with self._job(job.request_id), Arrival(self.arriving, job.request_id) as arrival:
             embedding, origin = await self.embeddings.obtain(key, lambda: self._encode(job, arrival))
-        finally:
-            arrival.done()
-            tasks = self.jobs.get(job.request_id, set())
-            tasks.discard(task)
-            if not tasks:
-                self.jobs.pop(job.request_id, None)
         return pack(EncodeResult(embedding=self._publish(embedding), grid=embedding.grid, encoder_id=self.instance,
                                  cached=origin != "computed", timing=self._timing(job)))
 
-    def _check(self, job: EncodeJob) -> None:
-        image = job.image
-        if job.video is not None:
-            self._check_video(job)
+    def check_pixels(self, image: TensorHandle, video: VideoSampling | None, content_hash: str) -> None:
+        """An image's (or a clip's sampled frames') pixels as a job or a prompt names them, before pulling."""
+        if video is not None:
+            self._check_video(image, video)
         elif image.dtype != "uint8" or len(image.shape) != 3 or image.shape[2] != 3:
             raise ServiceError(400, "image must be uint8 pixels of shape [height, width, 3]")
         if image.shape[-3] * image.shape[-2] > self.settings.max_image_pixels:
             raise ServiceError(400, "image has too many pixels")
-        if len(job.content_hash) < MIN_CONTENT_HASH:
+        if len(content_hash) < MIN_CONTENT_HASH:
             raise ServiceError(400, f"content_hash must be a hash of the image ({MIN_CONTENT_HASH}+ characters)")
 
-    def _check_video(self, job: EncodeJob) -> None:
-        frames, sampling = job.image, job.video
+    def _check_video(self, frames: TensorHandle, sampling: VideoSampling) -> None:
         if frames.dtype != "uint8" or len(frames.shape) != 4 or frames.shape[3] != 3:
             raise ServiceError(400, "video must be uint8 frames of shape [frames, height, width, 3]")
         if frames.shape[0] != len(sampling.frame_indices) or frames.shape[0] > self.settings.max_video_frames:
@@ -174,44 +170,61 @@ class Encoder:
             raise ServiceError(400, f"video cannot be processed: {err}") from None
 
     def _timing(self, job: EncodeJob) -> VideoTiming | None:
-        if job.video is None:
-            return None
-        s = job.video
+        return None if job.video is None else self.video_timing(job.video)
+
+    def video_timing(self, s: VideoSampling) -> VideoTiming:
         timing = self.video.geometry.timing(s.frame_indices, s.total_frames, s.source_fps)
         return VideoTiming(second_per_grid=timing.second_per_grid, timestamps=list(timing.timestamps))
 
-    async def _encode(self, job: EncodeJob, arrival: "_Arrival") -> Embedding:
-        started = time.monotonic()
+    def grid(self, shape: tuple[int, ...], video: VideoSampling | None) -> tuple[int, int, int]:
+        """The patch grid pixels of ``shape`` (a clip's: ``[T, H, W, 3]``) are encoded at."""
+        if video is not None:
+            return self.video.grid(*shape[:3])
+        return self.geometry.grid(shape[0], shape[1])
+
+    async def pull_pixels(self, image: TensorHandle) -> torch.Tensor:
         try:
-            pixels = await self.plane.pull(job.image)
+            return await self.plane.pull(image)
         except DataPlaneError as err:
             raise ServiceError(502 if err.code != "expired" else 504, f"could not fetch the image: {err.message}")
-        pulled = time.monotonic()
-        self.times.add("pull", pulled - started)
-        if job.video is not None:
-            tensor, grid = await self._encode_video(pixels, arrival)
+
+    async def _encode(self, job: EncodeJob, arrival: "Arrival") -> Embedding:
+        started = time.monotonic()
+        pixels = await self.pull_pixels(job.image)
+        self.times.add("pull", time.monotonic() - started)
+        return await self.encode_pixels(pixels, job.video, arrival)
+
+    async def encode_pixels(self, pixels: torch.Tensor, video: VideoSampling | None, arrival: "Arrival",
+                            on_done: Callable[[torch.Tensor], None] | None = None) -> Embedding:
+        """Pulled pixels through preprocessing and the ViT (``on_done``: see ``VisionBatcher.encode``)."""
+        started = time.monotonic()
+        group = arrival.request_id
+        if video is not None:
+            tensor, grid = await self._encode_video(pixels, arrival, on_done)
         elif self.on_device is not None:  # preprocessed on the tower's device, by the batcher
             grid = self.on_device.grid(pixels.shape[0], pixels.shape[1])
-            tensor = await arrival.queued(self.batcher.encode(pixels, grid, group=job.request_id))
+            tensor = await arrival.queued(self.batcher.encode(pixels, grid, group=group, on_done=on_done))
         else:
             loop = asyncio.get_running_loop()
             patches, grid = await loop.run_in_executor(self._pool, self._cpu_preprocess, pixels.numpy())
-            tensor = await arrival.queued(self.batcher.encode(torch.from_numpy(patches), grid, group=job.request_id))
-        self.times.add("encode", time.monotonic() - pulled)
+            tensor = await arrival.queued(self.batcher.encode(torch.from_numpy(patches), grid, group=group,
+                                                              on_done=on_done))
+        self.times.add("encode", time.monotonic() - started)
         return Embedding(tensor, grid)
 
-    async def _encode_video(self, frames: torch.Tensor, arrival: "_Arrival") -> tuple[torch.Tensor, tuple]:
+    async def _encode_video(self, frames: torch.Tensor, arrival: "Arrival",
+                            on_done: Callable[[torch.Tensor], None] | None) -> tuple[torch.Tensor, tuple]:
         """A clip's frames through the video processor (on the tower's device with torch preprocessing,
         else on a CPU thread), then the ViT with other requests' images and clips."""
         grid = self.video.grid(*frames.shape[:3])
         group = arrival.request_id
         if self.preprocess_mode == "torch":
             tensor = await arrival.queued(self.batcher.encode(frames, grid, prepare=lambda f: self.video(f)[0],
-                                                              group=group))
+                                                              group=group, on_done=on_done))
         else:
             loop = asyncio.get_running_loop()
             patches, grid = await loop.run_in_executor(self._pool, self.video, frames)
-            tensor = await arrival.queued(self.batcher.encode(patches, grid, group=group))
+            tensor = await arrival.queued(self.batcher.encode(patches, grid, group=group, on_done=on_done))
         self.videos += 1
         self.video_frames += int(frames.shape[0])
         return tensor, grid
@@ -222,6 +235,28 @@ class Encoder:
             return self.plane.publish(embedding.tensor, consumers=1, complete=True)  # the batcher synchronized
         except DataPlaneError as err:  # full: consumers are not pulling; refuse rather than grow
             raise ServiceError(503, f"encoder busy: {err.message}")
+
+    @contextlib.contextmanager
+    def _job(self, request_id: str):
+        """The running task encodes for ``request_id``: a cancel of the request cancels it."""
+        task = asyncio.current_task()
+        self.jobs.setdefault(request_id, set()).add(task)
+        try:
+            yield
+        finally:
+            tasks = self.jobs.get(request_id, set())
+            tasks.discard(task)
+            if not tasks:
+                self.jobs.pop(request_id, None)
+
+    def spawn_job(self, request_id: str, work: Coroutine) -> asyncio.Task:
+        """``work`` in a task of its own, as one of the request's jobs here (a cancel cancels it)."""
+
+        async def job():
+            with self._job(request_id):
+                return await work
+
+        return asyncio.create_task(job(), name=f"encode-{request_id}")
 
     # -- 2. fetch ---------------------------------------------------------------------------------
     async def handle_fetch(self, request: Request) -> bytes:
@@ -271,9 +306,10 @@ class Encoder:
         }
 
 
-class _Arrival:
+class Arrival:
     """One encode job in ``Encoder.arriving`` until its image is queued for the ViT or the job ends
-    otherwise (a cache hit, a joined encoding, a failure, a cancel): counted out exactly once."""
+    otherwise (a cache hit, a joined encoding, a failure, a cancel): counted out exactly once (also as
+    a context manager's exit)."""
 
     def __init__(self, arriving: Counter, request_id: str):
         self.arriving, self.request_id = arriving, request_id
@@ -286,6 +322,12 @@ class _Arrival:
             self.arriving[self.request_id] -= 1
             if self.arriving[self.request_id] <= 0:
                 del self.arriving[self.request_id]
+
+    def __enter__(self) -> "Arrival":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done()
 
     def queued(self, future: asyncio.Future) -> asyncio.Future:
         """The image is in the batcher's queue (``future`` its embeddings): it no longer counts as arriving."""

@@ -54,7 +54,8 @@ FLUSH = Flush()
 @dataclass
 class Timing:
     """Wall-clock seconds: TTFT and E2E count from arrival. ``stages``: media (fetch, decode), encode
-    (every image), first_token (prefill submitted → first token: prefill queue, prefill, KV hand-off).
+    (every image, through the encoder subjects), first_token (prefill submitted → first token: prefill
+    queue, prefill, KV hand-off; for a worker that encodes in place, the images' encoding too).
     ``token_times``: when each token event of choice 0 arrived (inter-token latency)."""
 
     arrived: float

@@ -36,7 +36,8 @@ class FrontendMetrics:
         self.e2e = Histogram("epd_request_seconds", "request latency, admission to last token",
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.stage = Histogram("epd_stage_seconds", "time per stage: media (fetch and decode a request's images), "
-                               "encode (all its images), first_token (prefill submitted to first token)",
+                               "encode (all its images, by the encoders), first_token (prefill submitted to first token; "
+                               "a worker that encodes in place: its images' encoding too)",
                                ["stage"], buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("epd_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.completion_tokens = Counter("epd_completion_tokens", "generated tokens", registry=r)

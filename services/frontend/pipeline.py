@@ -3,10 +3,11 @@
 1. ``start``: fetch and decode the images and video clips (bounded pool), render and tokenize the prompt
    with each image's and clip's placeholders expanded (off the event loop; a text completion's prompt is
    tokenized, or taken as token ids), check sampling against the context, the vocabulary and the grammar;
-2. subscribe to the request's stream, then encode every image (``EncodeFanout``);
+2. subscribe to the request's stream;
 3. ``submit`` the prefill job to the intake worker the router picks, watching it: a worker that is
-   gone before it accepted gets the job again elsewhere at once; embeddings whose holder vanished
-   before prefill pulled them are encoded again;
+   gone before it accepted gets the job again elsewhere at once. Its images go as pixels to a worker
+   that encodes in place (aggregated); for any other, every image is encoded first (``EncodeFanout``),
+   and embeddings whose holder vanished before prefill pulled them are encoded again;
 4. hand back the ``Generation`` (tokens, text, finish), which calls ``resume`` if its worker is lost:
    re-encode (cache hits), prefill the prompt plus every token already streamed, continue numbering
    from there (``output_offset``), at most ``--resume-attempts`` times.
@@ -21,6 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
+import torch
 
 from services.frontend.encoding import EncodeFanout
 from services.frontend.errors import ApiError
@@ -63,6 +65,7 @@ class Pipeline:
         self.settings = settings
         self.sampling = sampling
         self.max_model_len = sampling.max_model_len
+        self.plane = plane  # the request's pixels, for a worker that encodes in place
         self.encoding = EncodeFanout(nc, subjects, plane, directory, settings)
         self.intake = IntakeRouter(directory, subjects)
         self.on_finished = on_finished  # metrics, once per generation
@@ -93,13 +96,10 @@ class Pipeline:
         generation = Generation(self, request_id, prompt, images, sampling, output, stream, slot, timing)
         generation.request, generation.prompt_index = request, prompt_index
         try:
-            await stream.open()  # before the job: no token can be missed
-            # -- 2. encode ---------------------------------------------------------------------------
-            results = await self.encoding.encode(request_id, images)
             if images:
-                timing.stages.update(media=loaded - timing.arrived, encode=time.time() - loaded)
-            # -- 3. prefill --------------------------------------------------------------------------
-            await self.submit(generation, request_id, prompt, results, sampling)
+                timing.stages["media"] = loaded - timing.arrived
+            await stream.open()  # before the job: no token can be missed
+            await self.submit(generation, request_id, prompt, sampling)
         except asyncio.CancelledError:  # the client left before the answer started
             generation.close("client gone")
             raise
@@ -156,17 +156,25 @@ class Pipeline:
             raise ApiError(400, "the prompt is empty", "prompt")
         return ids
 
-    # -- 3. prefill -------------------------------------------------------------------------------
-    async def submit(self, generation: Generation, attempt: str, prompt: Prompt, results: list[EncodeResult],
-                     sampling: SamplingParams, output_offset: int = 0) -> None:
-        job = self.prefill_job(attempt, prompt, generation.images, results, sampling, generation.stream.subject,
-                               output_offset)
+    # -- 3. encode and prefill ----------------------------------------------------------------------
+    async def submit(self, generation: Generation, attempt: str, prompt: Prompt, sampling: SamplingParams,
+                     output_offset: int = 0) -> None:
+        images, stream = generation.images, generation.stream.subject
+        results: list[EncodeResult] | None = None  # encoded by the encoder subjects, once needed
         tried: set[str] = set()
-        encodes = 1
-        generation.timing.submitted = time.time()
+        encodes, sent = 0, False
         while True:
             target = self.intake.target(exclude=tried)
+            in_place = bool(images) and self.settings.encode_in_place and self.intake.encodes_in_place(target)
+            if not in_place and results is None:
+                results = await self._encode(generation, attempt)
+                encodes += 1
+            pixels = self._publish_pixels(images) if in_place else []
             try:
+                job = self.prefill_job(attempt, prompt, images, None if in_place else results, sampling, stream,
+                                       output_offset, pixels)
+                if not sent:  # the first_token stage counts from here (in place: the images' encoding too)
+                    generation.timing.submitted, sent = time.time(), True
                 with self.intake.outstanding.sending(target.instance):
                     reply = await call_watched(self.nc, self.directory, target, pack(job),
                                                self.settings.prefill_timeout, "prefill worker")
@@ -180,30 +188,50 @@ class Pipeline:
                     if len(tried) > self.settings.resume_attempts:
                         raise ApiError(503, "the prefill workers this request was sent to went away") from None
                     continue
-                if err.status == EMBEDDINGS_GONE and encodes < self.settings.encode_attempts and generation.images:
-                    encodes += 1  # their encoder went away before prefill pulled them: encode again
-                    results = await self.encoding.encode(attempt, generation.images)
-                    job = self.prefill_job(attempt, prompt, generation.images, results, sampling, job.stream,
-                                           output_offset)
+                if err.status == EMBEDDINGS_GONE and encodes < self.settings.encode_attempts and results:
+                    results = None  # their encoder went away before prefill pulled them: encode again
                     continue
                 if err.status == 504:
                     self.cancel_soon(attempt, "prefill timeout")
                 raise ApiError(503 if err.status == EMBEDDINGS_GONE else err.status, err.message) from None
+            finally:
+                for handle in pixels:
+                    self.plane.release(handle)
 
-    def prefill_job(self, request_id: str, prompt: Prompt, images: list, results: list[EncodeResult],
-                    sampling: SamplingParams, stream: str, output_offset: int = 0) -> PrefillJob:
+    async def _encode(self, generation: Generation, attempt: str) -> list[EncodeResult]:
+        """Every image through the encoder subjects (the request's first encoding is its ``encode`` stage)."""
+        started = time.time()
+        results = await self.encoding.encode(attempt, generation.images)
+        if generation.images:
+            generation.timing.stages.setdefault("encode", time.time() - started)
+        return results
+
+    def _publish_pixels(self, images: list) -> list:
+        """The images' decoded pixels on this frontend's data plane, for a worker that encodes in place (it
+        pulls them before it accepts the prompt; released after its answer)."""
+        lease = self.settings.prefill_timeout + 30
+        return [self.plane.publish(torch.from_numpy(i.pixels), consumers=None, lease=lease) for i in images]
+
+    def prefill_job(self, request_id: str, prompt: Prompt, images: list, results: list[EncodeResult] | None,
+                    sampling: SamplingParams, stream: str, output_offset: int = 0, pixels: list = ()) -> PrefillJob:
+        """The job for a worker: each image's embeddings (``results``), or its ``pixels`` handle."""
         slots = []
-        for index, (offset, grid, image, result) in enumerate(zip(prompt.image_offsets, prompt.image_grids, images,
-                                                                  results)):
+        for index, (offset, grid, image) in enumerate(zip(prompt.image_offsets, prompt.image_grids, images)):
+            video = {}
+            if (plan := prompt.videos.get(index)) is not None:
+                video = dict(video=True, second_per_grid=plan.second_per_grid, frame_offsets=plan.frame_offsets)
+            if results is None:
+                slots.append(ImageSlot(offset=offset, grid=grid, pixels=pixels[index], content_hash=image.content_hash,
+                                       sampling=getattr(image, "sampling", None), **video))
+                continue
+            result = results[index]
             if tuple(result.grid) != tuple(grid):
                 log.error("encode.grid_mismatch", frontend=grid, encoder=tuple(result.grid))
                 raise ApiError(500, "internal error: an image was encoded at another size than counted")
-            video = {}
-            if (plan := prompt.videos.get(index)) is not None:
+            if plan is not None:
                 if result.timing is None or abs(result.timing.second_per_grid - plan.second_per_grid) > 1e-9:
                     log.error("encode.timing_mismatch", frontend=plan.second_per_grid, encoder=result.timing)
                     raise ApiError(500, "internal error: a video was encoded with other timing than counted")
-                video = dict(video=True, second_per_grid=plan.second_per_grid, frame_offsets=plan.frame_offsets)
             slots.append(ImageSlot(offset=offset, grid=grid, embedding=result.embedding,
                                    content_hash=image.content_hash, **video))
         return PrefillJob(request_id=request_id, token_ids=prompt.token_ids, images=slots, sampling=sampling,
@@ -221,14 +249,13 @@ class Pipeline:
         attempt = f"{generation.request_id}.{generation.resumes}"
         base = generation.prompt
         prompt = dataclasses.replace(base, token_ids=base.token_ids + generation.generated)
-        results = await self.encoding.encode(attempt, generation.images)
         if len(generation.choices) > 1 and generation.completion_tokens:
             raise ApiError(503, "the model worker serving this request failed (requests with n > 1 are not "
                                 "resumed once tokens have streamed)")
         done = len(generation.generated)
         sampling = msgspec.structs.replace(generation.sampling, max_tokens=generation.sampling.max_tokens - done,
                                            min_tokens=max(0, generation.sampling.min_tokens - done))
-        await self.submit(generation, attempt, prompt, results, sampling, output_offset=len(generation.generated))
+        await self.submit(generation, attempt, prompt, sampling, output_offset=len(generation.generated))
 
     # -- endings ----------------------------------------------------------------------------------
     def cancel_soon(self, request_id: str, reason: str) -> None:

@@ -10,7 +10,9 @@ Images of one request count as load as they are placed, so a request's new image
 encoders; a request that carries the same image twice sends both to one encoder (which encodes it once).
 
 Prompts → language-model intake workers (prefill, language, aggregated): the least loaded (prompts
-being admitted, then sequences running), so a worker that died or is saturated is avoided.
+being admitted, then sequences running), so a worker that died or is saturated is avoided. A worker
+whose metadata says ``encodes_in_place`` (aggregated) takes the request's images as pixels with the
+prompt: they skip the encoder routing above.
 
 A listing is up to a second old, so a burst would pile onto one worker: each router also counts what
 it has sent and not yet seen answered, and takes the larger of that and the listed load.
@@ -136,3 +138,9 @@ class IntakeRouter:
         best = min(workers, key=lambda w: (self.outstanding.load(w, "prompts_in_flight"),
                                            int(w.data.get("running", 0)), w.instance))
         return Target(self.subjects.prefill_on(best.instance), best.instance)
+
+    def encodes_in_place(self, target: Target) -> bool:
+        """Whether ``target`` is a listed worker that takes images as pixels and encodes them itself."""
+        return bool(target.instance) and any(w.instance == target.instance and
+                                             w.metadata.get("encodes_in_place") == "true"
+                                             for w in self.directory.of(*INTAKE_KINDS))

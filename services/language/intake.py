@@ -33,7 +33,9 @@ def validate_sampling(sampling: SamplingParams, config: ModelConfig) -> None:
         raise ServiceError(400, "a stop token id or logit bias names a token out of the vocabulary")
 
 
-def validate_prompt(job: PrefillJob, config: ModelConfig) -> None:
+def validate_prompt(job: PrefillJob, config: ModelConfig, pixels: bool = False) -> None:
+    """``pixels``: the worker encodes slots that carry pixels itself (their pixels are checked where
+    they are encoded); otherwise every slot must carry its embeddings."""
     vocab = config.text.vocab_size
     if any(not 0 <= t < vocab for t in job.token_ids):
         raise ServiceError(400, "token id out of the vocabulary")
@@ -45,7 +47,13 @@ def validate_prompt(job: PrefillJob, config: ModelConfig) -> None:
         if t < 1 or h < 1 or w < 1 or h % merge or w % merge:
             raise ServiceError(400, "invalid image grid")
         n = grid_tokens(slot.grid, merge)
-        if list(slot.embedding.shape) != [n, width]:
+        if (slot.embedding is None) == (slot.pixels is None):
+            raise ServiceError(400, "an image slot carries either its embeddings or its pixels")
+        if slot.pixels is not None and not pixels:
+            raise ServiceError(400, "this worker does not encode images: send their embeddings")
+        if slot.sampling is not None and (slot.pixels is None or not slot.video):
+            raise ServiceError(400, "only a video slot's pixels have a frame sampling")
+        if slot.embedding is not None and list(slot.embedding.shape) != [n, width]:
             raise ServiceError(400, "image embedding shape does not match its grid")
         runs += _slot_runs(slot, n, merge, config)
     end = 0
@@ -100,22 +108,33 @@ class PromptIntake:
         self.prompts = 0
         self.prompt_tokens = 0
 
-    async def sequence(self, job: PrefillJob) -> Sequence:
-        validate_prompt(job, self.config)
+    def check(self, job: PrefillJob, pixels: bool = False) -> None:
+        """The job fits the model and this worker's context (``pixels``: see ``validate_prompt``)."""
+        validate_prompt(job, self.config, pixels)
         if len(job.token_ids) >= self.max_model_len:
             raise ServiceError(400, f"prompt of {len(job.token_ids)} tokens does not fit the context "
                                     f"({self.max_model_len})")
-        embeds = await self._pull(job)
+
+    async def sequence(self, job: PrefillJob) -> Sequence:
+        self.check(job)
+        embeds = await self.pull_embeddings(job.images)
+        return self.make_sequence(job, [i for s, e in zip(job.images, embeds) for i in image_inputs(s, e, self.config)])
+
+    def make_sequence(self, job: PrefillJob, images: list[ImageInput]) -> Sequence:
         self.prompts += 1
         self.prompt_tokens += len(job.token_ids)
-        images = [i for s, e in zip(job.images, embeds) for i in image_inputs(s, e, self.config)]
         return Sequence(job.request_id, list(job.token_ids), len(job.token_ids), job.sampling, images=images,
                         output_offset=job.output_offset)
 
-    async def _pull(self, job: PrefillJob) -> list:
+    async def pull_embeddings(self, slots: list[ImageSlot]) -> list:
+        """Each slot's embeddings on the engine's device (a slot without them, encoded here: None)."""
+
+        async def none():
+            return None
+
         try:
-            return list(await asyncio.gather(*(self.plane.pull(s.embedding, device=self.device)
-                                               for s in job.images)))
+            return list(await asyncio.gather(*(none() if s.embedding is None else
+                                               self.plane.pull(s.embedding, device=self.device) for s in slots)))
         except DataPlaneError as err:
             if err.code in _GONE_CODES:
                 raise ServiceError(EMBEDDINGS_GONE, f"image embeddings are gone: {err.message}") from None

@@ -41,10 +41,14 @@ class LanguageService(Service):
     async def handle_prompt(self, request: Request) -> bytes:
         job = unpack(PrefillJob, request.data)
         self.worker.refuse_cancelled(job.request_id)
+        await self.admit(job, Tracked(job.stream, self.instance, choices=job.sampling.n))
+        return pack(PrefillAccepted(prefill_id=self.instance))
+
+    async def admit(self, job: PrefillJob, tracked: Tracked) -> None:
+        """The job's prompt into the engine (its embeddings pulled first)."""
         seq = await self.intake.sequence(job)
         self.worker.refuse_cancelled(job.request_id)  # cancelled while its embeddings came
-        await self.worker.add_prompt(seq, Tracked(job.stream, self.instance, choices=job.sampling.n))
-        return pack(PrefillAccepted(prefill_id=self.instance))
+        await self.worker.add_prompt(seq, tracked)
 
     async def drain(self) -> None:
         await self.registration.drain()

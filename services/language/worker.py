@@ -67,15 +67,14 @@ class LanguageWorker:
         self.failed = 0
         self.attention_plans = 0  # planned in the engine thread at start (shared.kernels.sdpa)
 
-    async def start(self, nc, resources: AsyncExitStack, side=None, handoff_s: float = 0.0) -> None:
+    async def start(self, nc, resources: AsyncExitStack, side=None) -> None:
         """Build the engine (in a thread: loading takes a while) and start stepping it; ``side``: other
-        device work to run between engine steps (the aggregated worker's ViT batcher), whose finished
-        requests' prompts the next step waits for up to ``handoff_s``."""
+        device work to run between engine steps (the aggregated worker's ViT batcher)."""
         self.engine, self.config = await asyncio.to_thread(build_engine, self.settings, self.role)
         self.loop = EngineLoop(self.engine, self.on_outputs, self.on_failure, asyncio.get_running_loop(),
                                on_layer_done=self.on_layer_done)
         if side is not None:
-            self.loop.attach(side, handoff_s)
+            self.loop.attach(side)
         self.loop.start()
         resources.push_async_callback(asyncio.to_thread, self.loop.stop)
         # the engine thread's own library state (cuDNN's attention plans), before any request
@@ -169,10 +168,6 @@ class LanguageWorker:
         # running: every request this worker holds (the routers' load); waiting: those of them still
         # queued in the engine for their prefill (vllm:num_requests_waiting)
         waiting = len(self.engine.scheduler.waiting) if self.engine else 0
-        loop = self.loop
-        # the aggregated engine thread's waits for prompts whose images it had just encoded
-        handoffs = {"vit_handoff_count": loop.handoffs, "vit_handoff_seconds_total": round(loop.handoff_seconds, 6),
-                    "vit_handoff_missed": loop.handoffs_missed} if loop and loop.handoff_s else {}
         return {**(self.engine.block_stats() if self.engine else {}), "running": len(self.requests),
-                "waiting": waiting, **handoffs,
+                "waiting": waiting,
                 "tokens": self.tokens, "requests_failed": self.failed, "attention_plans": self.attention_plans}

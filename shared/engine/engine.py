@@ -196,12 +196,11 @@ class Engine:
     def num_active(self) -> int:
         return len(self.scheduler) + len(self.reserved)
 
-    def step(self, on_layer_done: LayerHook | None = None, decode_only: bool = False) -> list[StepOutput]:
+    def step(self, on_layer_done: LayerHook | None = None) -> list[StepOutput]:
         """One step: prompt chunks (with decode rows riding along) or a decode step of every running
-        sequence (``decode_only``: that, if any sequence is decoding). During a step with prompt chunks,
-        ``on_layer_done(layer, spans)`` is called after each layer's KV is in the cache (role prefill
-        streams the spans out from there)."""
-        plan = self.scheduler.schedule(decode_only)
+        sequence. During a step with prompt chunks, ``on_layer_done(layer, spans)`` is called after each
+        layer's KV is in the cache (role prefill streams the spans out from there)."""
+        plan = self.scheduler.schedule()
         if plan.kind == "idle":
             return []
         if plan.kind == "decode":

@@ -87,12 +87,9 @@ class Scheduler:
             self.blocks.deallocate(seq)
         seq.swapped_kv = None
 
-    def schedule(self, decode_only: bool = False) -> Plan:
-        """The next step; ``decode_only``: the decode rows alone, or nothing (the prompts wait a step)."""
+    def schedule(self) -> Plan:
+        """The next step."""
         self._swap_in_what_fits()
-        if decode_only:
-            decode = [Chunk(seq, len(seq) - 1, len(seq)) for seq in self._decode_rows()]
-            return Plan("decode", decode) if decode else Plan("idle", [])
         if not self.chunked:
             prompts = self._prompt_chunks(self.max_batched_tokens)
             if prompts:

@@ -9,7 +9,7 @@ from msgspec import Meta
 from shared.dataplane.handle import TensorHandle
 from shared.engine.sampling import SamplingParams
 from shared.messages import Message
-from shared.messages.encode import MAX_VIDEO_FRAMES
+from shared.messages.encode import MAX_VIDEO_FRAMES, VideoSampling
 from shared.model.geometry import Grid
 
 MAX_PROMPT_TOKENS = 1 << 20
@@ -26,11 +26,17 @@ class ImageSlot(Message, frozen=True, kw_only=True):
     ``t·h·w/merge²`` tokens; Qwen3-VL as one run per temporal patch with its timestamp text between them
     (``frame_offsets``: where each run starts; ``offset`` is the first). ``second_per_grid`` spaces the
     temporal positions of Qwen2.5-VL (× the model's ``tokens_per_second``); 0 for images.
+
+    A slot carries its ``embedding`` (made by the encoder tier) or, for a worker that encodes in place
+    (aggregated: metadata ``encodes_in_place``), its decoded ``pixels`` (uint8 ``[H, W, 3]``; a clip's
+    sampled frames ``[T, H, W, 3]``, with their ``sampling``), which that worker encodes itself.
     """
 
     offset: Annotated[int, Meta(ge=0)]  # first placeholder token of this image in token_ids
     grid: Grid
-    embedding: TensorHandle
+    embedding: TensorHandle | None = None
+    pixels: TensorHandle | None = None  # held by the frontend; only for a worker that encodes in place
+    sampling: VideoSampling | None = None  # a clip's pixels: which frames of the clip they are
     content_hash: Annotated[str, Meta(max_length=128)] = ""  # names the image's KV blocks in prefix caches
     video: bool = False
     second_per_grid: Annotated[float, Meta(ge=0)] = 0.0

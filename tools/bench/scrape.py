@@ -5,9 +5,9 @@
 - ``epd_service_stat{service,instance,stat}`` (gauges of every worker's NATS stats): the encoders'
   own split of the encode stage — ``vit_queue`` (an image waiting for a ViT forward), ``vit_forward``
   (the forward its batch took), ``job_pull`` (pulling its pixels), ``job_encode`` (preprocessing + ViT
-  as its job saw it), and in the aggregated process ``vit_handoff`` (its engine thread waiting for the
-  prompt of a request whose images it had just encoded; per wait, not per image) — as
-  ``<stage>_seconds_total`` / ``<stage>_count`` summed over instances; and their counters ``batches``
+  as its job saw it), and in the aggregated process ``prompt_encode`` (a request encoded in place: its
+  prompt in → into the engine; per request, not per image) — as ``<stage>_seconds_total`` /
+  ``<stage>_count`` summed over instances; and their counters ``batches``
   (ViT forwards) and ``batches_waited`` (forwards that waited for a request's other images), summed
   over instances: how many over a measurement, beside the stages' means.
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-ENCODER_STAGES = ("vit_queue", "vit_forward", "job_pull", "job_encode", "vit_handoff")
+ENCODER_STAGES = ("vit_queue", "vit_forward", "job_pull", "job_encode", "prompt_encode")
 ENCODER_COUNTS = ("batches", "batches_waited")  # counters, not times: increments, never means
 _STAGE = re.compile(r'^epd_stage_seconds_(sum|count)\{stage="(\w+)"\} (\S+)$', re.M)
 _STAT = re.compile(r'^epd_service_stat\{([^}]*)\} (\S+)$', re.M)
@@ -94,6 +94,17 @@ def _means_ms(after: dict[str, tuple[float, float]], before: dict[str, tuple[flo
 
 def stage_means(before: Reading, after: Reading) -> tuple[dict[str, float], dict[str, float]]:
     """({frontend stage: mean ms per request}, {encoder stage: mean ms per image, and each of
-    ``ENCODER_COUNTS``: how many between the readings}) between two readings."""
+    ``ENCODER_COUNTS``: how many between the readings}) between two readings.
+
+    Requests an aggregated worker encoded in place have no frontend encode stage: their first_token
+    stage holds it. Their ``prompt_encode`` (the worker's, per request: job in → prompt in the engine)
+    becomes the encode stage, and leaves first_token, so both mean what they mean for other layouts."""
     counts = {name: total - before.counts.get(name, 0.0) for name, total in after.counts.items()}
-    return _means_ms(after.stages, before.stages), {**_means_ms(after.encoder, before.encoder), **counts}
+    stages, encoder = dict(after.stages), dict(after.encoder)
+    done, started = encoder.get("prompt_encode", (0.0, 0.0)), before.encoder.get("prompt_encode", (0.0, 0.0))
+    seconds, requests = done[0] - started[0], done[1] - started[1]  # encoded in place between the readings
+    if requests > 0 and "first_token" in stages:
+        total, count = stages.get("encode", (0.0, 0.0))  # (the frontend's own, cumulative: any encoded there)
+        stages["encode"] = (total + seconds, count + requests)
+        stages["first_token"] = (stages["first_token"][0] - seconds, stages["first_token"][1])
+    return _means_ms(stages, before.stages), {**_means_ms(encoder, before.encoder), **counts}

@@ -11,8 +11,10 @@ step t(B) and the rows a step carries):
   decode-only step t(B);
 - aggregated (``EngineLoop`` with ``VisionBatcher.step``): before a step, when images are queued, a
   gap: batches of what is queued (and arrives meanwhile) until none is, or ``STEP_BUDGET_S`` of ViT
-  time is spent. A gap that finished a request's images hands off: a decode-only step, then the
-  prompts join the next step; without the hand-off they miss the step that starts at once;
+  time is spent. The prompts whose images a gap finished join the next step: encoded in place, they
+  are in the engine by then. Two older ways are kept to replay the runs that had them: through the
+  frontend (``handback="frontend"``), they miss the step that starts at once; with the removed
+  hand-off (``"handoff"``), a decode-only step first, then they join;
 - E/PD (an encoder beside a joined worker): the encoder forwards everything queued at a time, a
   request's images together (the sibling wait); a prompt reaches the worker after its embeddings'
   transfer. The processes slow each other by the model's solved factors (``Prediction.busy``).
@@ -145,15 +147,18 @@ class _Engine:
 
 
 def simulate(planner: Planner, layout: Layout, t: Traffic, arrivals: list[Arrival],
-             handoff: bool = True) -> list[float]:
+             handback: str = "in_place") -> list[float]:
     """Each arrival's TTFT (s, without the stack's fixed costs) on one replica of ``layout``: aggregated,
-    or an encoder beside a joined language worker (``t`` sets the decode context and the slowdowns)."""
+    or an encoder beside a joined language worker (``t`` sets the decode context and the slowdowns);
+    ``handback``: how the aggregated worker's encoded prompts reach its engine (the module docstring)."""
+    if handback not in ("in_place", "frontend", "handoff"):
+        raise ValueError(f"simulate: unknown handback {handback!r}")
     if layout.topology == "aggregated" and layout.gpus == 1:
         requests = _requests(planner, t, arrivals)
         vision = _Vision(planner, planner.costs.image_tokens * PATCHES_PER_TOKEN)
         vision.queue = sorted(((r.arrival.at + planner.media(r.arrival.images), r) for r in requests
                                for _ in range(r.arrival.images)), key=lambda item: item[0])
-        _run(_Engine(planner, t), requests, vision, handoff)
+        _run(_Engine(planner, t), requests, vision, handback)
     elif layout.pd == "joined" and layout.lm_gpus == 1 and layout.encoders == 1:
         busy = planner.predict(layout, t).busy
         requests = _requests(planner, t, arrivals)
@@ -186,7 +191,7 @@ def _encode(planner: Planner, requests: list[_Request], slowdown: float) -> None
             r.ready = now + planner.transfer(r.arrival.images)
 
 
-def _run(engine: _Engine, requests: list[_Request], vision: _Vision | None = None, handoff: bool = True) -> None:
+def _run(engine: _Engine, requests: list[_Request], vision: _Vision | None = None, handback: str = "in_place") -> None:
     """The engine thread: commands (prompts that arrived), the ViT gap when images wait, a step."""
     pending = sorted((r for r in requests if math.isfinite(r.ready)), key=lambda r: r.ready)
     now = 0.0
@@ -197,10 +202,10 @@ def _run(engine: _Engine, requests: list[_Request], vision: _Vision | None = Non
             now, finished = vision.gap(now)
             for r in finished:
                 r.ready = now
-            # the hand-off waits for prompts only when no image is left queued (whose they are is not
-            # known there); otherwise, and without it, the prompts miss the step that starts at once
-            if finished and engine.has_work():
-                now = engine.step(now, decode_only=handoff and not vision.ready(now))
+            # through the frontend the prompts miss the step that starts at once; the hand-off waited for
+            # them only when no image was left queued (whose they are is not known there)
+            if finished and engine.has_work() and handback != "in_place":
+                now = engine.step(now, decode_only=handback == "handoff" and not vision.ready(now))
             engine.prompts += finished
         if engine.has_work():
             now = engine.step(now)
