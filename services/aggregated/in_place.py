@@ -91,6 +91,7 @@ class InPlacePrompts:
 
     # -- 1. admission (event loop) ----------------------------------------------------------------
     async def admit(self, job: PrefillJob, tracked: Tracked) -> None:
+        """A job with at least one slot of pixels (the others carry their embeddings)."""
         arrived = time.monotonic()
         self.intake.check(job, pixels=True)
         pixel_slots = [i for i, s in enumerate(job.images) if s.pixels is not None]
@@ -128,8 +129,6 @@ class InPlacePrompts:
         self.worker.track(request_id, tracked)
         self.prompts += 1
         self.images += len(pixel_slots)
-        if not pixel_slots:
-            self.worker.loop.post(parked.enter)  # nothing to encode here: everything came with the job
         return parked, list(pixels)
 
     def _check_grid(self, slot: ImageSlot) -> None:

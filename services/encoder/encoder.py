@@ -202,7 +202,7 @@ class Encoder:
         if video is not None:
             tensor, grid = await self._encode_video(pixels, arrival, on_done)
         elif self.on_device is not None:  # preprocessed on the tower's device, by the batcher
-            grid = self.on_device.grid(pixels.shape[0], pixels.shape[1])
+            grid = self.grid(pixels.shape, None)
             tensor = await arrival.queued(self.batcher.encode(pixels, grid, group=group, on_done=on_done))
         else:
             loop = asyncio.get_running_loop()

@@ -43,7 +43,7 @@ class EncodeFanout:
             return []
         s = self.settings
         lease = s.encode_timeout * s.encode_attempts + 30
-        handles = [self.plane.publish(torch.from_numpy(i.pixels), consumers=None, lease=lease) for i in images]
+        handles = publish_pixels(self.plane, images, lease)
         try:
             jobs = [EncodeJob(request_id=request_id, image=h, content_hash=i.content_hash,
                               video=getattr(i, "sampling", None))  # a DecodedVideo's frames are sampled
@@ -71,3 +71,9 @@ class EncodeFanout:
                     raise ApiError(err.status, "image encoding failed: " + err.message) from None
                 target = Target(self.subjects.encode)
         raise AssertionError("unreachable")
+
+
+def publish_pixels(plane: DataPlane, images: list[DecodedImage], lease: float) -> list:
+    """The images' (and clips' sampled frames') decoded pixels on the frontend's data plane, any number of
+    pulls each until released."""
+    return [plane.publish(torch.from_numpy(i.pixels), consumers=None, lease=lease) for i in images]

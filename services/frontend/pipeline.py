@@ -22,9 +22,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
-import torch
 
-from services.frontend.encoding import EncodeFanout
+from services.frontend.encoding import EncodeFanout, publish_pixels
 from services.frontend.errors import ApiError
 from services.frontend.generation import Generation, OutputOptions, Timing
 from services.frontend.media import MediaLoader
@@ -209,8 +208,7 @@ class Pipeline:
     def _publish_pixels(self, images: list) -> list:
         """The images' decoded pixels on this frontend's data plane, for a worker that encodes in place (it
         pulls them before it accepts the prompt; released after its answer)."""
-        lease = self.settings.prefill_timeout + 30
-        return [self.plane.publish(torch.from_numpy(i.pixels), consumers=None, lease=lease) for i in images]
+        return publish_pixels(self.plane, images, self.settings.prefill_timeout + 30)
 
     def prefill_job(self, request_id: str, prompt: Prompt, images: list, results: list[EncodeResult] | None,
                     sampling: SamplingParams, stream: str, output_offset: int = 0, pixels: list = ()) -> PrefillJob:

@@ -185,10 +185,6 @@ class Engine:
                 "kv_blocks_evicted": self.blocks.num_evicted,
                 "prompt_tokens": self.prompt_tokens, "cached_prompt_tokens": self.cached_prompt_tokens}
 
-    def holds(self, request_id: str) -> bool:
-        """Whether the request (its first choice) is in this engine: waiting, running or reserved."""
-        return request_id in self._by_id
-
     def request_ids(self) -> list[str]:
         return list(dict.fromkeys(choices.request_of(seq_id) for seq_id in self._by_id))
 
