@@ -407,6 +407,91 @@ def test_a_prompt_encoded_in_place_enters_the_engine_in_the_gap_that_encodes_its
     assert parked_seq.output_ids == hf_tokens
 
 
+def test_with_overlap_the_images_forward_runs_during_an_engine_step_and_the_prompt_enters_after_it(
+        model_parts, requests_with_reference, tiny_model):
+    """``VisionBatcher.overlap``: request R's two images, queued while a sequence decodes, are forwarded
+    inside an engine step — after its kernels are queued, before the engine thread waits for its tokens
+    (``Engine.during_step``) — not in a gap after it; their completion hooks run right after that step,
+    so R is prefilled in the very next one. R's greedy tokens are HF's."""
+    import asyncio
+    import threading
+
+    import numpy as np
+
+    from services.aggregated.in_place import Parked
+    from services.encoder.batcher import VisionBatcher
+    from shared.engine.loop import EngineLoop
+    from shared.model.processor import ImagePreprocessor
+
+    _, _, tower = model_parts
+    pil = ImagePreprocessor(tiny_model)
+    engine = make_engine(model_parts)
+    busy = sequence(0, requests_with_reference[0])
+    busy.sampling = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)  # decodes throughout
+    engine.add_prompt(busy)
+    _, image_inputs, _, hf_tokens = requests_with_reference[2]
+    parked_seq = sequence(9, requests_with_reference[2])
+    parked_seq.images = []
+    patches = [pil(np.asarray(make_image(*spec))) for spec in [(2, 60, 200), (3, 90, 90)]]
+    steps: list[dict[str, int]] = []
+    at: dict[str, object] = {"forwarded_in": set()}
+    coming = {"r9": 1}  # R's images are on their way until the engine thread, mid-step, is told otherwise
+    release = threading.Event()
+
+    async def in_place() -> None:
+        loop = EngineLoop(engine, lambda outputs: steps.append({o.request_id: o.index for o in outputs}),
+                          lambda ids, message: None, asyncio.get_running_loop())
+        batcher = VisionBatcher(tower, asyncio.get_running_loop(), max_images=8, max_patches=10_000,
+                                pending=lambda group: coming.get(group, 0))
+        batcher.overlap()
+        loop.attach(batcher)
+        launch, inside = batcher.launch, {"now": False}
+
+        def traced_launch() -> None:  # the sampler's hook, mid-step
+            if release.is_set():
+                coming.clear()  # here, so that no gap sees R's images complete before a step does
+            inside["now"] = True
+            try:
+                launch()
+            finally:
+                inside["now"] = False
+
+        engine.during_step(traced_launch)
+        parked = Parked(parked_seq, [None, None], 0.0, lambda seconds: at.setdefault("entered", loop.steps),
+                        lambda message: None)
+
+        def forwarding(pixels: torch.Tensor) -> torch.Tensor:
+            at["forwarded_in"].add("step" if inside["now"] else "gap")
+            at.setdefault("forwarded_at", loop.steps)  # the index of the step in progress
+            return pixels
+
+        def place(index: int):
+            image = image_inputs[index]
+            return lambda embeds: loop.post(lambda e: parked.fill(e, index, [
+                ImageInput(image.offset, image.grid, embeds, image.content_hash)]))
+
+        loop.start()
+        try:
+            await loop.call(lambda e: None)  # the engine is stepping
+            jobs = [batcher.encode(torch.from_numpy(p), g, prepare=forwarding, group="r9", on_done=place(i))
+                    for i, (p, g) in enumerate(patches)]
+            await asyncio.sleep(0.2)  # steps go by: R's images are held, neither gap nor step waits for them
+            assert "forwarded_at" not in at and batcher.queued == 2 and busy.num_output > 2
+            release.set()
+            await asyncio.wait_for(asyncio.gather(*jobs), 60)
+            while parked_seq.status is not Status.FINISHED:
+                await asyncio.sleep(0.01)
+        finally:
+            await asyncio.to_thread(loop.stop)
+        assert batcher.batches == 1 and batcher.times.stats()["forward_count"] == 2
+
+    asyncio.run(in_place())
+    assert at["forwarded_in"] == {"step"}
+    assert at["entered"] == at["forwarded_at"] + 1  # its hooks ran right after the step that forwarded it
+    assert "r9" in steps[at["entered"]]  # R's prefill (and first token) in the very next step
+    assert parked_seq.output_ids == hf_tokens
+
+
 def test_prefill_steps_in_pieces_generate_hf_tokens(model_parts, requests_with_reference):
     """Qwen2.5-VL (q|k|v with a bias) through ``shared.model.pieces``, run eagerly: prompts joining while
     others decode, image prompts split into chunks by the step budget, steps padded up to a bucket — every

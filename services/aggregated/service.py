@@ -6,8 +6,10 @@ images' pixels (metadata ``encodes_in_place``): the worker encodes them and its 
 embeddings into the prompt right after the forward (``in_place``), with no trip back through the
 frontend. It also answers the encoder's subjects and takes prompts with embeddings, as a disaggregated
 stack's workers do (a frontend with ``--no-encode-in-place``). Its ViT forwards run in the engine's
-thread, between two engine steps (``VisionBatcher.step``), or with ``--vit-thread`` in a thread and on a
-CUDA stream of their own beside the engine, as an encoder's do (docs/architecture.md says which and why).
+thread: launched during an engine step on a stream of their own, ahead of the step's kernels, or
+between two steps (``VisionBatcher.launch`` / ``step``; ``--no-vit-overlap``: between steps only), or
+with ``--vit-thread`` in a thread and on a CUDA stream of their own beside the engine, as an encoder's
+do (docs/architecture.md says which and why).
 Embeddings its own encoder holds come from its data plane's store without a copy.
 """
 
@@ -39,7 +41,8 @@ class AggregatedService(LanguageService):
     async def start_worker(self) -> None:
         # the vision tower first: the KV pool is sized from the memory that is left
         beside = self.settings.vit_thread
-        await self.encoder.start(self.nc, self.resources, own_thread=beside, own_stream=beside)
+        await self.encoder.start(self.nc, self.resources, own_thread=beside, own_stream=beside,
+                                 overlap=self.settings.vit_overlap)
         await self.worker.start(self.nc, self.resources, side=None if beside else self.encoder.batcher)
 
     def endpoints(self) -> list[Endpoint]:

@@ -25,6 +25,13 @@ Who runs the forwards:
   vision thread's does: with the engine idle, ten 448² images otherwise went in three or four
   launch-bound forwards as they landed (unloaded, 23 ms of queueing per image and 33 ms per forward
   against 29 ms for all ten in one); the decode rows the wait holds back lose at most that long.
+  With ``overlap`` (the aggregated worker's default), an image need not wait for the engine step in
+  progress either: once the step's kernels are queued and before the engine thread waits for its
+  tokens (``launch``, the sampler's ``before_sync``), the forward of what is queued is launched on a
+  high-priority CUDA stream of its own, whose kernels the GPU schedules ahead of the step's. Its
+  completion hooks run right after the step (``after_step``), so a prompt encoded in place enters
+  before the next one, which the engine's stream orders after the forward. Only a batch whose requests'
+  images are all queued goes mid-step; one still waiting for siblings waits for the gap.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -60,11 +68,35 @@ class _Item:
     group: str = ""  # the request it belongs to: a batch waits for the request's other images (thread mode)
     on_done: Callable[[torch.Tensor], None] | None = None  # called with the embeddings in the forwarding thread
     queued_at: float = field(default_factory=time.monotonic)
+    ready: torch.cuda.Event | None = None  # a source on the GPU: made on the queuing thread's stream up to here
 
     @property
     def patches(self) -> int:
         t, h, w = self.grid
         return t * h * w
+
+
+@dataclass
+class _Launched:
+    """A forward launched during an engine step: its outputs are valid once ``end`` has passed on the GPU
+    (no events on CPU, where the forward ran to its end in ``launch``)."""
+
+    batch: list[_Item]
+    outputs: list[torch.Tensor]
+    started: float
+    begin: torch.cuda.Event | None = None
+    end: torch.cuda.Event | None = None
+
+    def finished(self, block: bool) -> bool:
+        if self.end is None:
+            return True
+        if block:
+            self.end.synchronize()
+            return True
+        return self.end.query()
+
+    def seconds(self) -> float:
+        return self.begin.elapsed_time(self.end) / 1e3 if self.end is not None else time.monotonic() - self.started
 
 
 class VisionBatcher:
@@ -81,9 +113,12 @@ class VisionBatcher:
         self.device = next(tower.parameters()).device
         self.dtype = next(tower.parameters()).dtype
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._carry: _Item | None = None
+        self._held: list[_Item] = []  # taken from the queue, not yet forwarded: they start the next batch
         self._thread: threading.Thread | None = None
-        self.stream: torch.cuda.Stream | None = None  # the vision thread's own (``start``)
+        self.stream: torch.cuda.Stream | None = None  # the vision thread's own (``start``), or ``overlap``'s
+        self.overlapping = False  # ``overlap``: forwards also launched during engine steps
+        self._launched: list[_Launched] = []  # during the step in progress: hooks wait for ``after_step``
+        self._settling: list[_Launched] = []  # hooks done, futures waiting for the GPU to finish
         self.wake: Callable[[], None] = lambda: None  # the engine loop's, once attached to one
         self.batches = 0
         self.cudnn_shapes = 0  # batch shapes the forwarding thread moved to cuDNN's attention (``sdpa.recurring``)
@@ -97,10 +132,17 @@ class VisionBatcher:
     @property
     def queued(self) -> int:
         """Images waiting for a ViT forward (read from the loop while the vision thread takes them)."""
-        return self._queue.qsize() + (self._carry is not None)
+        return self._queue.qsize() + len(self._held)
 
     def has_work(self) -> bool:
-        return self.queued > 0
+        return self.queued > 0 or bool(self._settling)
+
+    def overlap(self) -> None:
+        """Engine-thread mode: launch forwards during engine steps too (``launch``), on a CUDA stream of
+        their own with a higher priority than the engine's (on CPU the forward runs there and then)."""
+        if self.device.type == "cuda":
+            self.stream = torch.cuda.Stream(self.device, priority=-1)
+        self.overlapping = True
 
     def start(self, own_stream: bool = False) -> None:
         """Run forwards in a thread of this batcher's own; ``own_stream``: on a CUDA stream of its own too,
@@ -125,18 +167,84 @@ class VisionBatcher:
         the embeddings in the thread that ran the forward, before the future settles on the event loop
         (the aggregated worker places them into a waiting prompt there, between two engine steps)."""
         future = self.loop.create_future()
-        self._queue.put(_Item(source, grid, future, prepare or self.prepare, group, on_done))
+        ready = None
+        if source.is_cuda:  # a forward on another stream reads it only after what made it
+            ready = torch.cuda.Event()
+            ready.record()
+        self._queue.put(_Item(source, grid, future, prepare or self.prepare, group, on_done, ready=ready))
         self.wake()
         return future
 
-    def step(self, budget_s: float = STEP_BUDGET_S) -> None:
+    def step(self, budget_s: float = STEP_BUDGET_S, wait: bool = True) -> None:
         """Batches until nothing is queued, also what arrives meanwhile (the engine thread, between its
-        steps), or until ``budget_s`` of ViT time is spent: the rest waits one engine step."""
+        steps), or until ``budget_s`` of ViT time is spent: the rest waits one engine step. Then the
+        futures of forwards launched during steps that have finished. ``wait``: the engine is idle —
+        wait for those, and for a batch's images still on their way; with ``overlap`` and the engine
+        busy, such a batch is held for a launch during the next step instead of holding the engine."""
         deadline = time.monotonic() + budget_s
-        while (batch := self._collect(block=False)):
+        hold = self.overlapping and not wait
+        while (batch := self._collect(block=False, wait=not hold)):
+            if hold and self._siblings_coming(batch):
+                self._held[:0] = batch
+                break
             self._forward_and_settle(batch)
             if time.monotonic() >= deadline:
                 break
+        self._settle_launched(block=wait)
+
+    # -- during an engine step (overlap) ------------------------------------------------------------------
+    def launch(self) -> None:
+        """The engine thread, its step's kernels queued, before it waits for them: launch the forward of
+        what is queued, unless one is in flight already or the batch's requests still have images coming
+        (the gap after the step waits for those)."""
+        if not self.overlapping or self._launched or not self.queued:
+            return
+        batch = self._collect(block=False, wait=False)
+        if not batch:
+            return
+        if self._siblings_coming(batch):
+            self._held[:0] = batch
+            return
+        started = time.monotonic()
+        for item in batch:
+            self.times.add("queue", started - item.queued_at)
+        try:
+            if self.stream is None:
+                self._launched.append(_Launched(batch, self._forward(batch), started))
+                return
+            with torch.cuda.stream(self.stream):
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+                outputs = self._forward(batch)
+                end.record()
+            self._launched.append(_Launched(batch, outputs, started, begin, end))
+        except Exception as err:  # its own images fail, never the engine's step
+            log.exception("vision.batch_failed", images=len(batch))
+            for item in batch:
+                self.loop.call_soon_threadsafe(settle, item.future, None, err)
+
+    def after_step(self) -> None:
+        """The engine thread, its step done: what the engine queues from now on runs after the forwards
+        launched during the step, and their completion hooks run (a prompt encoded in place enters)."""
+        if not self._launched:
+            return
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        for launched in self._launched:
+            self._hand_over(launched.batch, launched.outputs)
+        self._settling.extend(self._launched)
+        self._launched.clear()
+        self._settle_launched(block=False)
+
+    def _settle_launched(self, block: bool) -> None:
+        """Settle the futures of launched forwards that have finished on the GPU (``block``: wait for all)."""
+        while self._settling and self._settling[0].finished(block):
+            launched = self._settling.pop(0)
+            self.times.add("forward", launched.seconds(), count=len(launched.batch))
+            for item, out in zip(launched.batch, launched.outputs):
+                self.loop.call_soon_threadsafe(settle, item.future, out, None)
+
+    # -- a forward, waited for ----------------------------------------------------------------------------
 
     def _run(self) -> None:
         if self.stream is not None:
@@ -149,18 +257,27 @@ class VisionBatcher:
         for item in batch:
             self.times.add("queue", started - item.queued_at)
         try:
-            outputs = self._forward(batch)
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()  # complete before anyone reads them
+            with torch.cuda.stream(self.stream) if self.overlapping and self.stream is not None else nullcontext():
+                outputs = self._forward(batch)
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()  # complete before anyone reads them
         except Exception as err:
             log.exception("vision.batch_failed", images=len(batch))
             for item in batch:
                 self.loop.call_soon_threadsafe(settle, item.future, None, err)
             return
         self.times.add("forward", time.monotonic() - started, count=len(batch))
+        self._hand_over(batch, outputs)
+        for item, out in zip(batch, outputs):
+            self.loop.call_soon_threadsafe(settle, item.future, out, None)
+
+    def _hand_over(self, batch: list[_Item], outputs: list[torch.Tensor]) -> None:
+        """Outputs made on this batcher's stream are read on the default stream (the engine's): keep their
+        memory from this stream's next allocations until what the default stream queued on them is done;
+        then each item's completion hook."""
         self.cudnn_shapes = sdpa.promoted()  # this thread's (its plans are its own)
-        if self.stream is not None:  # read on the default stream by the engine: keep their memory from this
-            for out in outputs:      # stream's next allocations until what it queued on them is done
+        if self.stream is not None:
+            for out in outputs:
                 out.record_stream(torch.cuda.default_stream(self.device))
         for item, out in zip(batch, outputs):
             if item.on_done is not None:
@@ -168,22 +285,27 @@ class VisionBatcher:
                     item.on_done(out)
                 except Exception:  # the hook's own failure: the future still settles, and reports it there
                     log.exception("vision.on_done_failed")
-            self.loop.call_soon_threadsafe(settle, item.future, out, None)
 
-    def _collect(self, block: bool) -> list[_Item] | None:
-        """The next batch: up to ``max_images`` and ``max_patches``; None once stopped (thread mode)."""
-        first = self._carry
-        self._carry = None
-        if first is None:
+    def _collect(self, block: bool, wait: bool = True) -> list[_Item] | None:
+        """The next batch: up to ``max_images`` and ``max_patches``, what was held back first; None once
+        stopped (thread mode). ``wait``: for the batch's requests' images still on their way."""
+        batch, patches = [], 0
+        while self._held and len(batch) < self.max_images and (
+                not batch or patches + self._held[0].patches <= self.max_patches):
+            batch.append(self._held.pop(0))
+            patches += batch[-1].patches
+        if self._held:
+            return batch  # what is still held starts the batch after this one
+        if not batch:
             try:
                 first = self._queue.get() if block else self._queue.get_nowait()
             except queue.Empty:
                 return []
-        if first is None:
-            return None
-        batch = [first]
+            if first is None:
+                return None
+            batch = [first]
         self._fill(batch, None)
-        if self.sibling_wait_s > 0 and self._carry is None and self._siblings_coming(batch):
+        if wait and self.sibling_wait_s > 0 and not self._held and self._siblings_coming(batch):
             self.waited += 1
             self._fill(batch, time.monotonic() + self.sibling_wait_s)
         return batch
@@ -211,7 +333,7 @@ class VisionBatcher:
                 self._queue.put(None)
                 return
             if patches + item.patches > self.max_patches:
-                self._carry = item  # starts the next batch
+                self._held.append(item)  # starts the next batch
                 return
             batch.append(item)
             patches += item.patches
@@ -221,6 +343,9 @@ class VisionBatcher:
 
     @torch.inference_mode()
     def _forward(self, batch: list[_Item]) -> list[torch.Tensor]:
+        for item in batch:
+            if item.ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(item.ready)
         patches = torch.cat([item.source.to(self.device, self.dtype, non_blocking=True) if item.prepare is None
                              else item.prepare(item.source.to(self.device)).to(self.dtype) for item in batch])
         grids = [item.grid for item in batch]

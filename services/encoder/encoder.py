@@ -78,10 +78,12 @@ class Encoder:
         self.arriving: Counter[str] = Counter()  # request id → its jobs here not yet queued for the ViT
         self._encode_endpoints: list[Endpoint] = []
 
-    async def start(self, nc, resources: AsyncExitStack, own_thread: bool = True, own_stream: bool = False) -> None:
+    async def start(self, nc, resources: AsyncExitStack, own_thread: bool = True, own_stream: bool = False,
+                    overlap: bool = False) -> None:
         """Load the tower and start batching; ``own_thread=False``: the caller's engine loop runs the
-        forwards (``attach`` it there); ``own_stream``: the thread's forwards go on a CUDA stream of their
-        own (beside an engine in the same process). Everything taken is released through ``resources``."""
+        forwards (``attach`` it there), also during its steps with ``overlap`` (``VisionBatcher.overlap``);
+        ``own_stream``: the thread's forwards go on a CUDA stream of their own (beside an engine in the
+        same process). Everything taken is released through ``resources``."""
         s = self.settings
         path = s.model_path()
         config = ModelConfig.from_checkpoint(path)
@@ -108,6 +110,8 @@ class Encoder:
         if own_thread:
             self.batcher.start(own_stream)
             resources.push_async_callback(asyncio.to_thread, self.batcher.stop)
+        elif overlap:
+            self.batcher.overlap()
         index = None
         if s.cache_index and s.encoder_cache_mb > 0:
             index = EmbeddingIndex(nc, self.subjects.prefix, ttl=s.cache_index_ttl)
