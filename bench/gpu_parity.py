@@ -7,8 +7,9 @@ image's embeddings only after the forward that makes them, and whether the tower
 the allocator's memory are safe across the two streams, shows only on a GPU. So: a tiny random
 checkpoint (fp32), ``epd up --topology aggregated`` on CUDA, a long text request decoding throughout (so
 every image arrives while an engine step runs), and image requests of one to three images of different
-sizes, two at a time; each answer against HF ``generate()`` on CPU. The two modes run the same requests.
-Prints a line per mode and exits 1 on any mismatch.
+sizes, two at a time; each answer against HF ``generate()`` on CPU, and the two modes' answers against
+each other. On the GPU our fp32 kernels are not bit-equal to HF's on CPU, so an answer may part from
+HF's at a near-tie in either mode; a race would part the modes. Exits 1 when they part.
 
     python3 bench/gpu_parity.py                      # Qwen2.5-VL tiny
     python3 bench/gpu_parity.py --family qwen3_vl_moe
@@ -80,19 +81,23 @@ def main() -> int:
     cases = requests(args.requests)
     reference = Reference(path)
     want = [reference.text(reference.generate(text, images, args.tokens, ignore_eos=True)) for text, images in cases]
-    report, failed = {"family": args.family, "requests": args.requests, "tokens": args.tokens}, False
+    report = {"family": args.family, "requests": args.requests, "tokens": args.tokens}
+    answers = []
     for overlap in (True, False):
         texts, stats = serve(path, overlap, cases, args.tokens, args.device)
+        answers.append(texts)
         matches = sum(t == w for t, w in zip(texts, want))
-        failed |= matches != len(want)
         mode = "overlap" if overlap else "no-overlap"
         report[mode] = {"matches": matches, "texts": texts, "stats": stats}
         print(f"{args.family} {mode}: {matches}/{len(want)} answers equal HF's; ViT batches "
-              f"{stats.get('batches')}, images in place {stats.get('images_in_place')}", flush=True)
-    report["hf"] = want
+              f"{stats.get('batches')} ({stats.get('batches_during_steps')} during engine steps), images in place "
+              f"{stats.get('images_in_place')}", flush=True)
+    same = sum(a == b for a, b in zip(*answers))
+    print(f"{args.family}: the two modes give the same answer to {same}/{len(cases)} requests", flush=True)
+    report["hf"], report["modes_agree"] = want, same
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
-    return 1 if failed else 0
+    return 0 if same == len(cases) else 1
 
 
 if __name__ == "__main__":

@@ -42,7 +42,8 @@ class AggregatedService(LanguageService):
         # the vision tower first: the KV pool is sized from the memory that is left
         beside = self.settings.vit_thread
         await self.encoder.start(self.nc, self.resources, own_thread=beside, own_stream=beside,
-                                 overlap=self.settings.vit_overlap)
+                                 overlap=self.settings.vit_overlap,
+                                 high_priority=self.settings.vit_overlap_priority == "high")
         await self.worker.start(self.nc, self.resources, side=None if beside else self.encoder.batcher)
 
     def endpoints(self) -> list[Endpoint]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from services.encoder.settings import EncoderSettings
@@ -16,3 +18,6 @@ class AggregatedSettings(LanguageSettings, EncoderSettings):
     vit_overlap: bool = Field(True, description="in the engine's thread, launch a ViT forward during an engine "
                                                 "step too, on a high-priority CUDA stream (an image need not "
                                                 "wait for the step in progress); off: between steps only")
+    vit_overlap_priority: Literal["high", "normal"] = Field(
+        "high", description="the overlapping ViT stream's priority: high, its kernels scheduled ahead of the "
+                            "engine step's; normal, sharing the GPU with them")

@@ -26,12 +26,13 @@ Who runs the forwards:
   launch-bound forwards as they landed (unloaded, 23 ms of queueing per image and 33 ms per forward
   against 29 ms for all ten in one); the decode rows the wait holds back lose at most that long.
   With ``overlap`` (the aggregated worker's default), an image need not wait for the engine step in
-  progress either: once the step's kernels are queued and before the engine thread waits for its
-  tokens (``launch``, the sampler's ``before_sync``), the forward of what is queued is launched on a
-  high-priority CUDA stream of its own, whose kernels the GPU schedules ahead of the step's. Its
-  completion hooks run right after the step (``after_step``), so a prompt encoded in place enters
-  before the next one, which the engine's stream orders after the forward. Only a batch whose requests'
-  images are all queued goes mid-step; one still waiting for siblings waits for the gap.
+  progress either: once the step's kernels are queued, instead of blocking on its tokens, the engine
+  thread looks for queued images until the step ends on the GPU (``launch``, from the sampler's
+  ``before_sync``) and launches their forward on a high-priority CUDA stream of its own, whose kernels
+  the GPU schedules ahead of the step's. The completion hooks run right after the step
+  (``after_step``), so a prompt encoded in place enters the next one, which the engine's stream orders
+  after the forward. A batch goes mid-step only once its requests' images are all queued; while the
+  engine is busy, neither a step nor a gap waits for the rest of them.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ log = get_logger(__name__)
 
 STEP_BUDGET_S = 0.25  # ViT seconds one gap between engine steps may take (two 1080p batches of four)
 SIBLING_POLL_S = 0.001  # how often a batch waiting for a request's images looks whether they are still coming
+LAUNCH_POLL_S = 0.0005  # during an engine step (overlap): how often the engine thread looks for new images
 
 
 @dataclass
@@ -123,6 +125,7 @@ class VisionBatcher:
         self.batches = 0
         self.cudnn_shapes = 0  # batch shapes the forwarding thread moved to cuDNN's attention (``sdpa.recurring``)
         self.waited = 0  # batches that waited for a request's other images
+        self.launched = 0  # batches launched during an engine step (overlap)
         self.images = 0
         self.patches = 0
         self.batch_sizes = BatchSizes(max_images)
@@ -137,11 +140,12 @@ class VisionBatcher:
     def has_work(self) -> bool:
         return self.queued > 0 or bool(self._settling)
 
-    def overlap(self) -> None:
+    def overlap(self, high_priority: bool = True) -> None:
         """Engine-thread mode: launch forwards during engine steps too (``launch``), on a CUDA stream of
-        their own with a higher priority than the engine's (on CPU the forward runs there and then)."""
+        their own, by default with a higher priority than the engine's (on CPU the forward runs there and
+        then)."""
         if self.device.type == "cuda":
-            self.stream = torch.cuda.Stream(self.device, priority=-1)
+            self.stream = torch.cuda.Stream(self.device, priority=-1 if high_priority else 0)
         self.overlapping = True
 
     def start(self, own_stream: bool = False) -> None:
@@ -194,30 +198,52 @@ class VisionBatcher:
 
     # -- during an engine step (overlap) ------------------------------------------------------------------
     def launch(self) -> None:
-        """The engine thread, its step's kernels queued, before it waits for them: launch the forward of
-        what is queued, unless one is in flight already or the batch's requests still have images coming
-        (the gap after the step waits for those)."""
-        if not self.overlapping or self._launched or not self.queued:
+        """The engine thread, its step's kernels queued: until the step ends on the GPU, launch the forward
+        of whatever is queued or arrives meanwhile (looking every ``LAUNCH_POLL_S``), except a batch whose
+        requests still have images coming (held for when they are all here, or for the gap after the
+        step). On CPU the step has ended already: what is queued goes, once."""
+        if not self.overlapping:
             return
-        batch = self._collect(block=False, wait=False)
-        if not batch:
+        if self.stream is None:
+            self._launch_queued()
             return
-        if self._siblings_coming(batch):
-            self._held[:0] = batch
-            return
+        step_done = torch.cuda.Event()
+        step_done.record()  # on the engine's stream, after the step's kernels
+        while True:
+            self._launch_queued()
+            if step_done.query():
+                return
+            try:
+                item = self._queue.get(timeout=LAUNCH_POLL_S)
+            except queue.Empty:
+                continue
+            self._held.append(item)
+
+    def _launch_queued(self) -> None:
+        while self.queued:
+            batch = self._collect(block=False, wait=False)
+            if not batch:
+                return
+            if self._siblings_coming(batch):
+                self._held[:0] = batch
+                return
+            self._launch(batch)
+
+    def _launch(self, batch: list[_Item]) -> None:
         started = time.monotonic()
         for item in batch:
             self.times.add("queue", started - item.queued_at)
         try:
             if self.stream is None:
                 self._launched.append(_Launched(batch, self._forward(batch), started))
-                return
-            with torch.cuda.stream(self.stream):
-                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                begin.record()
-                outputs = self._forward(batch)
-                end.record()
-            self._launched.append(_Launched(batch, outputs, started, begin, end))
+            else:
+                with torch.cuda.stream(self.stream):
+                    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    begin.record()
+                    outputs = self._forward(batch)
+                    end.record()
+                self._launched.append(_Launched(batch, outputs, started, begin, end))
+            self.launched += 1
         except Exception as err:  # its own images fail, never the engine's step
             log.exception("vision.batch_failed", images=len(batch))
             for item in batch:

@@ -79,9 +79,10 @@ class Encoder:
         self._encode_endpoints: list[Endpoint] = []
 
     async def start(self, nc, resources: AsyncExitStack, own_thread: bool = True, own_stream: bool = False,
-                    overlap: bool = False) -> None:
+                    overlap: bool = False, high_priority: bool = True) -> None:
         """Load the tower and start batching; ``own_thread=False``: the caller's engine loop runs the
-        forwards (``attach`` it there), also during its steps with ``overlap`` (``VisionBatcher.overlap``);
+        forwards (``attach`` it there), also during its steps with ``overlap`` (``VisionBatcher.overlap``,
+        on a stream of ``high_priority`` or not);
         ``own_stream``: the thread's forwards go on a CUDA stream of their own (beside an engine in the
         same process). Everything taken is released through ``resources``."""
         s = self.settings
@@ -111,7 +112,7 @@ class Encoder:
             self.batcher.start(own_stream)
             resources.push_async_callback(asyncio.to_thread, self.batcher.stop)
         elif overlap:
-            self.batcher.overlap()
+            self.batcher.overlap(high_priority)
         index = None
         if s.cache_index and s.encoder_cache_mb > 0:
             index = EmbeddingIndex(nc, self.subjects.prefix, ttl=s.cache_index_ttl)
@@ -287,6 +288,7 @@ class Encoder:
             "batches": b.batches if b else 0,
             "vit_cudnn_shapes": b.cudnn_shapes if b else 0,  # ViT shapes planned in cuDNN (the rest: flash)
             "batches_waited": b.waited if b else 0,  # forwards that waited for a request's other images
+            "batches_during_steps": b.launched if b else 0,  # launched during an engine step (overlap)
             "jobs_arriving": sum(self.arriving.values()),  # jobs received, not yet queued for the ViT
             "patches": b.patches if b else 0,
             **(b.batch_sizes.stats() if b else {}),

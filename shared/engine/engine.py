@@ -194,7 +194,8 @@ class Engine:
 
     def during_step(self, hook: Callable[[], None] | None) -> None:
         """``hook()`` runs in every step that samples, once its kernels are queued and before this thread
-        waits for them (other device work of the process launched beside the step); it must not raise."""
+        waits for them: other device work of the process, launched beside the step (it may return
+        before or once the step's kernels have ended); it must not raise."""
         self.runner.sampler.before_sync = hook
 
     def step(self, on_layer_done: LayerHook | None = None) -> list[StepOutput]:
