@@ -70,17 +70,19 @@ def test_concurrent_requests_equal_hf(qwen3_stack, family_model):
         assert answer == expected(family_model[2], case)[0], case
 
 
-@pytest.mark.parametrize("in_place", [True, False])
-def test_the_aggregated_process_serves_the_same(family_model, nats_url, in_place):
-    """With its ViT in a thread of its own (``--vit-thread``; tests/test_video.py's aggregated stack runs
-    it between engine steps, the default), concurrent requests: their images sent as pixels with the
-    prompt and encoded in place (the embeddings posted to the engine thread), or, with a frontend that
-    does not (``--no-encode-in-place``), through the encoder subjects first."""
+@pytest.mark.parametrize("vit, in_place", [("--vit-thread", True), ("--vit-thread", False), ("--vit-overlap", True)],
+                         ids=["vit-thread", "vit-thread-via-encoder-subjects", "vit-overlap"])
+def test_the_aggregated_process_serves_the_same(family_model, nats_url, vit, in_place):
+    """With its ViT in a thread of its own (``--vit-thread``), or in the engine thread during its steps
+    as well as between them (``--vit-overlap``; tests/test_video.py's aggregated stack runs it between
+    steps only, the default), concurrent requests: their images sent as pixels with the prompt and
+    encoded in place (the embeddings posted to the engine thread, or placed from the batcher's hooks),
+    or, with a frontend that does not (``--no-encode-in-place``), through the encoder subjects first."""
     family, path, reference = family_model
     if family != "qwen3_vl_moe":
         pytest.skip("one aggregated stack is enough: the MoE one")
     running = RunningStack(nats_url, path)
-    running.spawn("aggregated", "--vit-thread")
+    running.spawn("aggregated", vit)
     try:
         running.start(encoders=0, prefills=0, decodes=0, frontend_args=() if in_place else ("--no-encode-in-place",))
         running.wait_for({"aggregated": 1, "frontend": 1})
@@ -92,6 +94,8 @@ def test_the_aggregated_process_serves_the_same(family_model, nats_url, in_place
         [worker] = running.figures("aggregated")
         assert worker["images"] == 6  # through its ViT either way (six different images)
         assert (worker["prompts_in_place"], worker["images_in_place"]) == ((3, 6) if in_place else (0, 0))
+        if vit == "--vit-overlap":
+            assert worker["batches_during_steps"] >= 1  # launched from within a step (the requests overlap)
     finally:
         running.stop()
 

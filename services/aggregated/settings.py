@@ -15,7 +15,7 @@ class AggregatedSettings(LanguageSettings, EncoderSettings):
                                                 "own, beside the engine (an image need not wait for an engine "
                                                 "step to end) instead of between engine steps in the engine's "
                                                 "thread")
-    vit_overlap: bool = Field(True, description="in the engine's thread, launch a ViT forward during an engine "
+    vit_overlap: bool = Field(False, description="in the engine's thread, launch a ViT forward during an engine "
                                                 "step too, on a high-priority CUDA stream (an image need not "
                                                 "wait for the step in progress); off: between steps only")
     vit_overlap_priority: Literal["high", "normal"] = Field(
