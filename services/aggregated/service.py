@@ -6,10 +6,10 @@ images' pixels (metadata ``encodes_in_place``): the worker encodes them and its 
 embeddings into the prompt right after the forward (``in_place``), with no trip back through the
 frontend. It also answers the encoder's subjects and takes prompts with embeddings, as a disaggregated
 stack's workers do (a frontend with ``--no-encode-in-place``). Its ViT forwards run in the engine's
-thread: launched during an engine step on a stream of their own, ahead of the step's kernels, or
-between two steps (``VisionBatcher.launch`` / ``step``; ``--no-vit-overlap``: between steps only), or
-with ``--vit-thread`` in a thread and on a CUDA stream of their own beside the engine, as an encoder's
-do (docs/architecture.md says which and why).
+thread between two engine steps (``VisionBatcher.step``) and, with ``--vit-overlap``, also during a
+step on a stream of their own (``VisionBatcher.launch``); or with ``--vit-thread`` in a thread and on a
+CUDA stream of their own beside the engine, as an encoder's do (docs/architecture.md says which and
+why: both options trade other requests' time for an image's, so both are off).
 Embeddings its own encoder holds come from its data plane's store without a copy.
 """
 

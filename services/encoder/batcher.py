@@ -25,7 +25,7 @@ Who runs the forwards:
   vision thread's does: with the engine idle, ten 448² images otherwise went in three or four
   launch-bound forwards as they landed (unloaded, 23 ms of queueing per image and 33 ms per forward
   against 29 ms for all ten in one); the decode rows the wait holds back lose at most that long.
-  With ``overlap`` (the aggregated worker's default), an image need not wait for the engine step in
+  With ``overlap`` (the aggregated worker's ``--vit-overlap``), an image need not wait for the engine step in
   progress either: once the step's kernels are queued, instead of blocking on its tokens, the engine
   thread looks for queued images until the step ends on the GPU (``launch``, from the sampler's
   ``before_sync``) and launches their forward on a high-priority CUDA stream of its own, whose kernels
