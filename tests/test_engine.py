@@ -338,6 +338,35 @@ def test_an_encoder_forward_waits_for_the_rest_of_its_request(model_parts, tiny_
     assert asyncio.run(request(wait_s=0)) == (2, 0)
 
 
+def in_place_setup(model_parts, requests_with_reference, tiny_model):
+    """What both in-place tests start from: an engine with a sequence decoding throughout, request R
+    (``r9``, two images) to be parked, its images' patches, and an ``on_done`` hook per image that
+    places the embeddings into R's parked prompt from the forwarding thread."""
+    import numpy as np
+
+    from shared.model.processor import ImagePreprocessor
+
+    pil = ImagePreprocessor(tiny_model)
+    engine = make_engine(model_parts)
+    busy = sequence(0, requests_with_reference[0])
+    busy.sampling = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)  # decodes throughout
+    engine.add_prompt(busy)
+    _, image_inputs, _, hf_tokens = requests_with_reference[2]
+    parked_seq = sequence(9, requests_with_reference[2])
+    parked_seq.images = []
+    patches = [pil(np.asarray(make_image(*spec))) for spec in [(2, 60, 200), (3, 90, 90)]]
+    assert [g for _, g in patches] == [i.grid for i in image_inputs]
+
+    def placer(loop, parked):
+        def place(index: int):
+            image = image_inputs[index]
+            return lambda embeds: loop.post(lambda e: parked.fill(e, index, [
+                ImageInput(image.offset, image.grid, embeds, image.content_hash)]))
+        return place
+
+    return engine, busy, parked_seq, patches, hf_tokens, placer
+
+
 def test_a_prompt_encoded_in_place_enters_the_engine_in_the_gap_that_encodes_its_images(
         model_parts, requests_with_reference, tiny_model):
     """The aggregated worker's in-place path (services/aggregated/in_place.py): request R's prompt waits
@@ -347,25 +376,14 @@ def test_a_prompt_encoded_in_place_enters_the_engine_in_the_gap_that_encodes_its
     back. R's greedy tokens are HF's."""
     import asyncio
 
-    import numpy as np
-
     from services.aggregated.in_place import Parked
     from services.encoder.batcher import VisionBatcher
     from shared.engine.loop import EngineLoop
-    from shared.model.processor import ImagePreprocessor
 
     _, _, tower = model_parts
-    pil = ImagePreprocessor(tiny_model)
-    engine = make_engine(model_parts)
-    busy = sequence(0, requests_with_reference[0])
-    busy.sampling = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)  # decodes throughout
-    engine.add_prompt(busy)
+    engine, busy, parked_seq, patches, hf_tokens, placer = in_place_setup(
+        model_parts, requests_with_reference, tiny_model)
     waiting = sequence(3, requests_with_reference[3])
-    _, image_inputs, _, hf_tokens = requests_with_reference[2]
-    parked_seq = sequence(9, requests_with_reference[2])
-    parked_seq.images = []
-    patches = [pil(np.asarray(make_image(*spec))) for spec in [(2, 60, 200), (3, 90, 90)]]
-    assert [g for _, g in patches] == [i.grid for i in image_inputs]
     steps: list[dict[str, int]] = []
     at: dict[str, int] = {}
 
@@ -386,11 +404,7 @@ def test_a_prompt_encoded_in_place_enters_the_engine_in_the_gap_that_encodes_its
                 at["gap"] = loop.steps  # every step so far had outputs: the index of the first step after the gap
             return pixels
 
-        def place(index: int):
-            image = image_inputs[index]
-            return lambda embeds: loop.post(lambda e: parked.fill(e, index, [
-                ImageInput(image.offset, image.grid, embeds, image.content_hash)]))
-
+        place = placer(loop, parked)
         try:
             await loop.call(lambda e: None)  # the engine is stepping
             jobs = [batcher.encode(torch.from_numpy(p), g, prepare=in_the_gap, group="r9", on_done=place(i))
@@ -416,23 +430,13 @@ def test_with_overlap_the_images_forward_runs_during_an_engine_step_and_the_prom
     import asyncio
     import threading
 
-    import numpy as np
-
     from services.aggregated.in_place import Parked
     from services.encoder.batcher import VisionBatcher
     from shared.engine.loop import EngineLoop
-    from shared.model.processor import ImagePreprocessor
 
     _, _, tower = model_parts
-    pil = ImagePreprocessor(tiny_model)
-    engine = make_engine(model_parts)
-    busy = sequence(0, requests_with_reference[0])
-    busy.sampling = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)  # decodes throughout
-    engine.add_prompt(busy)
-    _, image_inputs, _, hf_tokens = requests_with_reference[2]
-    parked_seq = sequence(9, requests_with_reference[2])
-    parked_seq.images = []
-    patches = [pil(np.asarray(make_image(*spec))) for spec in [(2, 60, 200), (3, 90, 90)]]
+    engine, busy, parked_seq, patches, hf_tokens, placer = in_place_setup(
+        model_parts, requests_with_reference, tiny_model)
     steps: list[dict[str, int]] = []
     at: dict[str, object] = {"forwarded_in": set()}
     coming = {"r9": 1}  # R's images are on their way until the engine thread, mid-step, is told otherwise
@@ -465,11 +469,7 @@ def test_with_overlap_the_images_forward_runs_during_an_engine_step_and_the_prom
             at.setdefault("forwarded_at", loop.steps)  # the index of the step in progress
             return pixels
 
-        def place(index: int):
-            image = image_inputs[index]
-            return lambda embeds: loop.post(lambda e: parked.fill(e, index, [
-                ImageInput(image.offset, image.grid, embeds, image.content_hash)]))
-
+        place = placer(loop, parked)
         loop.start()
         try:
             await loop.call(lambda e: None)  # the engine is stepping

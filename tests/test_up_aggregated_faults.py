@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from tests.support import make_image
-from tests.test_up_faults import TOKENS, burst
+from tests.test_up_faults import burst, exact_answers
 from tests.up_stack import UpStack
 
 
@@ -24,18 +24,8 @@ def up(tiny_model):
 
 @pytest.fixture(scope="module")
 def want(reference):
-    images = [make_image(600 + i, 64 + 8 * i, 56) for i in range(4)]
-    cache = {}
-
-    def answer(i: int) -> tuple[list, str]:
-        key = i % len(images)
-        if key not in cache:
-            cache[key] = reference.text(reference.generate(f"Picture {key}.", [images[key]], TOKENS, ignore_eos=True))
-        return [images[key]], cache[key]
-
-    for i in range(len(images)):  # before the burst: the kill lands while requests run
-        answer(i)
-    return answer
+    # computed before the bursts: the kill must land while requests run
+    return exact_answers(reference, [make_image(600 + i, 64 + 8 * i, 56) for i in range(4)], ahead=True)
 
 
 @pytest.mark.parametrize("index", [0, 1])

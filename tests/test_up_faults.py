@@ -30,10 +30,9 @@ def up(tiny_model):
     assert stack.stop() == 0
 
 
-@pytest.fixture(scope="module")
-def want(reference):
-    """The exact answers the requests below must get (HF greedy, EOS not stopping)."""
-    images = [make_image(500 + i, 56 + 8 * i, 64) for i in range(4)]
+def exact_answers(reference, images: list, ahead: bool = False):
+    """``answer(i)``: request i's images (one of ``images``, in turn) and the exact answer it must get (HF
+    greedy, EOS not stopping); ``ahead``: every answer computed now, before any burst runs."""
     cache = {}
 
     def answer(i: int) -> tuple[list, str]:
@@ -42,7 +41,14 @@ def want(reference):
             cache[key] = reference.text(reference.generate(f"Picture {key}.", [images[key]], TOKENS, ignore_eos=True))
         return [images[key]], cache[key]
 
+    for i in range(len(images) if ahead else 0):
+        answer(i)
     return answer
+
+
+@pytest.fixture(scope="module")
+def want(reference):
+    return exact_answers(reference, [make_image(500 + i, 56 + 8 * i, 64) for i in range(4)])
 
 
 def burst(up: UpStack, want, n: int, action=None, after: float = 0.5, stream: bool = True) -> list[dict]:

@@ -230,9 +230,7 @@ class VisionBatcher:
             self._launch(batch)
 
     def _launch(self, batch: list[_Item]) -> None:
-        started = time.monotonic()
-        for item in batch:
-            self.times.add("queue", started - item.queued_at)
+        started = self._starting(batch)
         try:
             if self.stream is None:
                 self._launched.append(_Launched(batch, self._forward(batch), started))
@@ -245,9 +243,7 @@ class VisionBatcher:
                 self._launched.append(_Launched(batch, outputs, started, begin, end))
             self.launched += 1
         except Exception as err:  # its own images fail, never the engine's step
-            log.exception("vision.batch_failed", images=len(batch))
-            for item in batch:
-                self.loop.call_soon_threadsafe(settle, item.future, None, err)
+            self._failed(batch, err)
 
     def after_step(self) -> None:
         """The engine thread, its step done: what the engine queues from now on runs after the forwards
@@ -279,23 +275,30 @@ class VisionBatcher:
             self._forward_and_settle(batch)
 
     def _forward_and_settle(self, batch: list[_Item]) -> None:
-        started = time.monotonic()
-        for item in batch:
-            self.times.add("queue", started - item.queued_at)
+        started = self._starting(batch)
         try:
             with torch.cuda.stream(self.stream) if self.overlapping and self.stream is not None else nullcontext():
                 outputs = self._forward(batch)
                 if self.device.type == "cuda":
                     torch.cuda.current_stream(self.device).synchronize()  # complete before anyone reads them
         except Exception as err:
-            log.exception("vision.batch_failed", images=len(batch))
-            for item in batch:
-                self.loop.call_soon_threadsafe(settle, item.future, None, err)
+            self._failed(batch, err)
             return
         self.times.add("forward", time.monotonic() - started, count=len(batch))
         self._hand_over(batch, outputs)
         for item, out in zip(batch, outputs):
             self.loop.call_soon_threadsafe(settle, item.future, out, None)
+
+    def _starting(self, batch: list[_Item]) -> float:
+        started = time.monotonic()
+        for item in batch:
+            self.times.add("queue", started - item.queued_at)
+        return started
+
+    def _failed(self, batch: list[_Item], err: Exception) -> None:
+        log.exception("vision.batch_failed", images=len(batch))
+        for item in batch:
+            self.loop.call_soon_threadsafe(settle, item.future, None, err)
 
     def _hand_over(self, batch: list[_Item], outputs: list[torch.Tensor]) -> None:
         """Outputs made on this batcher's stream are read on the default stream (the engine's): keep their
