@@ -128,7 +128,8 @@ def test_the_encoders_batch_counters_reach_the_record():
               "summary": {"ttft_ms": {"mean": 100.0}}, "stages_ms": {"encode": 30.0},
               "encoder_ms": {**encoder, "vit_queue": 2.0}, "floor_ms": {"floor_ms": 80.0}, "resumed": 0}
     row = unloaded_row("E/PD", w, [record])
-    assert {k: row["encoder_ms"][k] for k in ENCODER_COUNTS} == {"batches": 5, "batches_waited": 3}
+    assert {k: row["encoder_ms"][k] for k in ENCODER_COUNTS if k in row["encoder_ms"]} == {"batches": 5,
+                                                                                         "batches_waited": 3}
     assert row["encoder_ms"]["vit_queue"] == 2.0
 
 

@@ -8,8 +8,9 @@
   as its job saw it), and in the aggregated process ``prompt_encode`` (a request encoded in place: its
   prompt in → into the engine; per request, not per image) — as ``<stage>_seconds_total`` /
   ``<stage>_count`` summed over instances; and their counters ``batches``
-  (ViT forwards) and ``batches_waited`` (forwards that waited for a request's other images), summed
-  over instances: how many over a measurement, beside the stages' means.
+  (ViT forwards), ``batches_waited`` (forwards that waited for a request's other images) and
+  ``batches_during_steps`` (the aggregated worker's forwards launched during an engine step,
+  ``--vit-overlap``), summed over instances: how many over a measurement, beside the stages' means.
 
 The gauges are the frontend's copy of a listing it refreshes about once a second, so a reading right
 after a measurement may miss its last images (and the frontend records a request's stages as it closes
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 import httpx
 
 ENCODER_STAGES = ("vit_queue", "vit_forward", "job_pull", "job_encode", "prompt_encode")
-ENCODER_COUNTS = ("batches", "batches_waited")  # counters, not times: increments, never means
+ENCODER_COUNTS = ("batches", "batches_waited", "batches_during_steps")  # counters: increments, never means
 _STAGE = re.compile(r'^epd_stage_seconds_(sum|count)\{stage="(\w+)"\} (\S+)$', re.M)
 _STAT = re.compile(r'^epd_service_stat\{([^}]*)\} (\S+)$', re.M)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
