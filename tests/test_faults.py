@@ -326,3 +326,40 @@ async def test_leaving_the_queue_group_answers_requests_already_delivered(nats_u
         release.set()
         await registration.withdraw()
         await nc.close()
+
+
+def test_a_worker_that_does_not_accept_in_time_has_its_prompt_sent_elsewhere(nats_url, tiny_model, reference):
+    """Slow is not dead: a worker that is alive but does not accept a prompt within ``--prefill-timeout``
+    (here frozen with SIGSTOP, so NATS still lists it and its pings only go unanswered) has that attempt
+    cancelled and the prompt goes to another worker under a new id: the exact answer, one timeout late,
+    instead of a 504. Thawed, the frozen worker finds the attempt cancelled and is left with no work."""
+    running = RunningStack(nats_url, tiny_model)
+    for _ in range(2):
+        running.spawn("aggregated")
+    try:
+        running.start(encoders=0, prefills=0, decodes=0, frontend_args=("--prefill-timeout", "3"))
+        running.wait_for({"aggregated": 2, "frontend": 1})
+        # both idle: the router's first pick is the smaller instance id (least loaded, then by id)
+        first = min(running.stats_sync("epd-aggregated"), key=lambda s: s["id"])
+        frozen = int(first["metadata"]["pid"])
+        want = expected_text(reference, "Say something.", max_tokens=16)
+        os.kill(frozen, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            answer = httpx.post(f"{running.base_url}/chat/completions", timeout=60,
+                                json=body("Say something.", max_tokens=16, stream=False))
+            waited = time.monotonic() - started
+        finally:
+            os.kill(frozen, signal.SIGCONT)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["message"]["content"] == want
+        assert waited >= 3  # it went to the frozen worker first
+        deadline = time.monotonic() + 10
+        while True:
+            figures = {s["id"]: endpoint_data(s) for s in running.stats_sync("epd-aggregated")}
+            if len(figures) == 2 and not any(f.get("running") or f.get("kv_blocks_used") for f in figures.values()):
+                break
+            assert time.monotonic() < deadline, f"work left behind: {figures}"
+            time.sleep(0.2)
+    finally:
+        running.stop()

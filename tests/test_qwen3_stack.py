@@ -77,7 +77,9 @@ def test_the_aggregated_process_serves_the_same(family_model, nats_url, vit, in_
     as well as between them (``--vit-overlap``; tests/test_video.py's aggregated stack runs it between
     steps only, the default), concurrent requests: their images sent as pixels with the prompt and
     encoded in place (the embeddings posted to the engine thread, or placed from the batcher's hooks),
-    or, with a frontend that does not (``--no-encode-in-place``), through the encoder subjects first."""
+    or, with a frontend that does not (``--no-encode-in-place``), through the encoder subjects first.
+    (Whether a batch goes during a step or in a gap depends on timing here; tests/test_engine.py pins
+    the step case down.)"""
     family, path, reference = family_model
     if family != "qwen3_vl_moe":
         pytest.skip("one aggregated stack is enough: the MoE one")
@@ -94,8 +96,6 @@ def test_the_aggregated_process_serves_the_same(family_model, nats_url, vit, in_
         [worker] = running.figures("aggregated")
         assert worker["images"] == 6  # through its ViT either way (six different images)
         assert (worker["prompts_in_place"], worker["images_in_place"]) == ((3, 6) if in_place else (0, 0))
-        if vit == "--vit-overlap":
-            assert worker["batches_during_steps"] >= 1  # launched from within a step (the requests overlap)
     finally:
         running.stop()
 

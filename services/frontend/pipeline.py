@@ -5,7 +5,8 @@
    tokenized, or taken as token ids), check sampling against the context, the vocabulary and the grammar;
 2. subscribe to the request's stream;
 3. ``submit`` the prefill job to the intake worker the router picks, watching it: a worker that is
-   gone before it accepted gets the job again elsewhere at once. Its images go as pixels to a worker
+   gone before it accepted gets the job again elsewhere at once, and one that does not accept within
+   ``--prefill-timeout`` (alive, but stuck or swamped) has it cancelled and sent elsewhere. Its images go as pixels to a worker
    that encodes in place (aggregated); for any other, every image is encoded first (``EncodeFanout``),
    and embeddings whose holder vanished before prefill pulled them are encoded again;
 4. hand back the ``Generation`` (tokens, text, finish), which calls ``resume`` if its worker is lost:
@@ -192,6 +193,13 @@ class Pipeline:
                     continue
                 if err.status == 504:
                     self.cancel_soon(attempt, "prefill timeout")
+                    if target.instance and len(tried) < self.settings.resume_attempts:
+                        # slow is not dead, and that worker may still take it: cancelled there, the prompt
+                        # goes to another under an id of its own (the cancel names the old one)
+                        tried.add(target.instance)
+                        log.warning("prefill.timeout_retry", request_id=attempt, worker=target.instance)
+                        attempt = f"{attempt}.t{len(tried)}"
+                        continue
                 raise ApiError(503 if err.status == EMBEDDINGS_GONE else err.status, err.message) from None
             finally:
                 for handle in pixels:
