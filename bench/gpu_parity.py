@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """HF parity on the GPU through the aggregated worker, whose ViT runs on a CUDA stream of its own during
-engine steps (``--vit-overlap``, its default) or between them (``--no-vit-overlap``).
+engine steps (``--vit-overlap``) or between them (the default).
 
 The CPU suite checks the same code paths, but on CPU there are no streams: whether the engine reads an
 image's embeddings only after the forward that makes them, and whether the tower's graph buffers and
