@@ -9,7 +9,9 @@ predicts) and their ratio, the plan's pick and whether it is the measured best (
 TIE). `--stages`: each topology's frontend stages (media / encode / to first token), measured against
 the model's own terms, and its encode stage split by the encoder's own means (per image): the ViT
 queue and forward, `settle` (from the forward's end to the job resuming on the event loop: job_encode −
-queue − forward) and `rest` (encode stage − queue − forward − pull: NATS, replies, the last image). `--replay`: the point's own requests (arrival times, image counts) through
+queue − forward) and `rest` (encode stage − queue − forward − pull: NATS, replies, the last image); and,
+in runs that kept them, the to-first-token stage by the language-model workers' per-prompt means
+(intake, wait in the engine, prefill, rest). `--replay`: the point's own requests (arrival times, image counts) through
 `tools.plan.simulate`, with the same costs and calibration: what a model that had the scheduling
 exactly right would have said of this sample (a point of 8-40 requests is one draw; image-heavy
 points of that size scatter by ~30 % around the process's mean). Totals: points whose measured best is
@@ -94,7 +96,8 @@ def describe(entry: dict, stages: bool, parts: int = 0) -> list[str]:
         if stages:
             lines.append(f"      {label:<10} stages measured {stage_text(run['stages_ms'])}  "
                          f"model {stage_text(entry['predictions'][label].get('stages_ms', {}))}"
-                         f"{encode_split(run['stages_ms'], run.get('encoder_ms') or {})}")
+                         f"{encode_split(run['stages_ms'], run.get('encoder_ms') or {})}"
+                         f"{first_token_split(run['stages_ms'], run.get('encoder_ms') or {})}")
     right = "-" if "pick_right" not in entry else "yes" if entry["pick_right"] else "NO"
     error = entry.get("prediction_error")
     best = f"best {entry['measured_best']} {'' if error is None else f'{error:+.0%}'}"
@@ -115,6 +118,19 @@ def encode_split(stages: dict, encoder: dict) -> str:
     settle = encoder["job_encode"] - queue - forward
     rest = stages["encode"] - queue - forward - encoder["job_pull"]
     return f"  encode: queue {queue:.1f} + forward {forward:.1f}, settle {settle:.1f}, rest {rest:.1f}"
+
+
+def first_token_split(stages: dict, workers: dict) -> str:
+    """The to-first-token stage by the language-model workers' per-prompt means (``--stages``; runs that
+    kept them): the intake of a prompt that came with embeddings (pulls, checks, the step in progress),
+    its wait in the engine, its prefill, and ``rest`` (first_token − wait − prefill − intake: the job's and
+    the first token's trips, and the mix of prompts the means are over). Empty where not kept."""
+    if "first_token" not in stages or not all(k in workers for k in ("prompt_wait", "prompt_prefill")):
+        return ""
+    intake = workers.get("prompt_intake", 0.0)
+    rest = stages["first_token"] - workers["prompt_wait"] - workers["prompt_prefill"] - intake
+    return (f"  first token: intake {intake:.1f} + wait {workers['prompt_wait']:.1f} + prefill "
+            f"{workers['prompt_prefill']:.1f}, rest {rest:.1f}")
 
 
 def totals(plan: list[dict]) -> dict[str, tuple[int, int]]:

@@ -34,6 +34,32 @@ def test_eight_concurrent_requests_in_one_batch(model_parts, requests_with_refer
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
+def test_the_engine_times_each_prompt_from_queued_to_its_first_chunk_to_its_first_token(
+        model_parts, requests_with_reference, monkeypatch):
+    """``prompt_wait`` (queued → the step with its first chunk begins) and ``prompt_prefill`` (that step →
+    its first token), once per prompt, also when the step budget splits prompts over several steps and
+    decode rows ride along. A clock that moves one second per step makes the sums exact."""
+    import time
+
+    clock = {"now": 0.0}
+    monkeypatch.setattr(time, "monotonic", lambda: clock["now"])
+    engine = make_engine(model_parts, max_batched_tokens=48)
+    seqs = [sequence(i, r) for i, r in enumerate(requests_with_reference[:4])]
+    for seq in seqs:
+        engine.add_prompt(seq)
+    first: dict[str, float] = {}
+    while engine.has_work():
+        clock["now"] += 1
+        for out in engine.step():
+            first.setdefault(out.request_id, clock["now"])
+    stats = engine.timing_stats()
+    assert stats["prompt_wait_count"] == stats["prompt_prefill_count"] == len(seqs)
+    assert stats["prompt_wait_seconds_total"] == sum(s.started for s in seqs)  # all queued at 0
+    assert stats["prompt_prefill_seconds_total"] == sum(first[s.request_id] - s.started for s in seqs)
+    assert any(first[s.request_id] > s.started for s in seqs)  # the budget split a prompt over steps
+    assert max(s.started for s in seqs) > 1  # and made one wait
+
+
 def test_requests_joining_mid_decode(model_parts, requests_with_reference):
     engine = make_engine(model_parts)
     seqs = [sequence(i, r) for i, r in enumerate(requests_with_reference)]

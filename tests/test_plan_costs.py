@@ -153,3 +153,26 @@ def test_the_floors_decode_rows_route_as_real_tokens_do(tmp_path):
         step()
     counts = touched.counts[-len(touched.blocks):]
     assert counts and min(counts) > 2  # one token's 2 experts; 8 tokens of their own: 7.2 expected
+
+
+def test_the_language_workers_split_of_first_token_reaches_the_record():
+    """The workers' per-prompt stages (intake, wait in the engine, prefill) come out of /metrics as means
+    per prompt, summed over instances, and `plan_accuracy --stages` splits first_token by them."""
+    from bench.plan_accuracy import first_token_split
+
+    def reading(wait: float, prefill: float, intake: float, prompts: int) -> str:
+        lines = []
+        for instance in "ab":  # two workers, each half of it
+            for stage, seconds in (("prompt_wait", wait), ("prompt_prefill", prefill), ("prompt_intake", intake)):
+                lines += [f'epd_service_stat{{instance="language-{instance}",service="epd-language",'
+                          f'stat="{stage}_seconds_total"}} {seconds / 2}',
+                          f'epd_service_stat{{instance="language-{instance}",service="epd-language",'
+                          f'stat="{stage}_count"}} {prompts / 2}']
+        return "\n".join(lines)
+
+    _, workers = stage_means(parse(reading(0.0, 0.0, 0.0, 0)), parse(reading(0.1, 0.5, 0.2, 10)))
+    assert workers == {"prompt_wait": pytest.approx(10.0), "prompt_prefill": pytest.approx(50.0),
+                       "prompt_intake": pytest.approx(20.0)}
+    assert first_token_split({"first_token": 95.0}, workers) == \
+        "  first token: intake 20.0 + wait 10.0 + prefill 50.0, rest 15.0"
+    assert first_token_split({"first_token": 95.0}, {}) == ""

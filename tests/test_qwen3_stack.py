@@ -96,6 +96,10 @@ def test_the_aggregated_process_serves_the_same(family_model, nats_url, vit, in_
         [worker] = running.figures("aggregated")
         assert worker["images"] == 6  # through its ViT either way (six different images)
         assert (worker["prompts_in_place"], worker["images_in_place"]) == ((3, 6) if in_place else (0, 0))
+        # where the first_token stage goes: every prompt timed once in the engine; the intake of those
+        # that came with embeddings (the text-only one, or all of them through the encoder subjects)
+        assert worker["prompt_wait_count"] == worker["prompt_prefill_count"] == len(cases)
+        assert worker["prompt_intake_count"] == (1 if in_place else len(cases))
     finally:
         running.stop()
 

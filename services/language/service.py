@@ -5,6 +5,9 @@ off."""
 
 from __future__ import annotations
 
+import time
+
+from services.encoder.metrics import StageTimes
 from services.language.intake import PromptIntake, intake_endpoints
 from services.language.settings import LanguageSettings
 from services.language.worker import LanguageWorker, Tracked
@@ -25,6 +28,7 @@ class LanguageService(Service):
         self.plane = DataPlane.from_settings(settings)
         self.worker = LanguageWorker(settings, self.role, self.subjects, self.instance)
         self.intake: PromptIntake | None = None
+        self.times = StageTimes(("prompt_intake",))  # a job in → its prompt in the engine (pulls, checks, the step)
 
     async def setup(self) -> None:
         await self.open_plane()
@@ -46,9 +50,11 @@ class LanguageService(Service):
 
     async def admit(self, job: PrefillJob, tracked: Tracked) -> None:
         """The job's prompt into the engine (its embeddings pulled first)."""
+        started = time.monotonic()
         seq = await self.intake.sequence(job)
         self.worker.refuse_cancelled(job.request_id)  # cancelled while its embeddings came
         await self.worker.add_prompt(seq, tracked)
+        self.times.add("prompt_intake", time.monotonic() - started)
 
     async def drain(self) -> None:
         await self.registration.drain()
@@ -56,7 +62,7 @@ class LanguageService(Service):
 
     def stats(self) -> dict:
         intake = self.intake
-        return {"instance": self.instance, **self.worker.stats(),
+        return {"instance": self.instance, **self.worker.stats(), **self.times.stats(),
                 "prompts": intake.prompts if intake else 0, "prompt_tokens": intake.prompt_tokens if intake else 0,
                 "prompts_in_flight": sum(e.in_flight for e in self.registration.endpoints if e.name.startswith("prefill"))
                 if self.registration else 0,

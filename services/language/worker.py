@@ -168,6 +168,7 @@ class LanguageWorker:
         # running: every request this worker holds (the routers' load); waiting: those of them still
         # queued in the engine for their prefill (vllm:num_requests_waiting)
         waiting = len(self.engine.scheduler.waiting) if self.engine else 0
-        return {**(self.engine.block_stats() if self.engine else {}), "running": len(self.requests),
+        return {**(self.engine.block_stats() if self.engine else {}),
+                **(self.engine.timing_stats() if self.engine else {}), "running": len(self.requests),
                 "waiting": waiting,
                 "tokens": self.tokens, "requests_failed": self.failed, "attention_plans": self.attention_plans}

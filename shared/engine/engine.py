@@ -84,6 +84,10 @@ class Engine:
         self.reserved: dict[str, Sequence] = {}
         self._by_id: dict[str, Sequence] = {}
         self.prompt_tokens = 0  # prompt tokens admitted, and how many of them the prefix cache served
+        # where a prompt's time in this engine goes, summed (seconds, prompts; a tuple, replaced whole, so a
+        # reader in another thread sees a matching pair): queued → its first chunk's step begins
+        # (prompt_wait), that step → its first token (prompt_prefill, every chunk's step included)
+        self.prompt_times: dict[str, tuple[float, int]] = {"prompt_wait": (0.0, 0), "prompt_prefill": (0.0, 0)}
         self.cached_prompt_tokens = 0
 
     def warm_thread(self) -> int:
@@ -205,16 +209,34 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.kind == "idle":
             return []
+        began = time.monotonic()
         if plan.kind == "decode":
             tokens = self.runner.decode(plan.seqs)
         else:
+            for chunk in plan.chunks:
+                if not chunk.seq.decoding and not chunk.seq.started:
+                    chunk.seq.started = began
+                    self._time("prompt_wait", began - chunk.seq.arrival)
             tokens = self.runner.prefill(plan.chunks, self._layer_hook(plan.chunks, on_layer_done))
         outputs = []
         for chunk, token in zip(plan.chunks, tokens):
             self._computed(chunk)
             if token is not None:
+                if chunk.seq.num_output == 0 and chunk.seq.started:  # its prompt's first token
+                    self._time("prompt_prefill", time.monotonic() - chunk.seq.started)
                 outputs.append(self._advance(chunk.seq, token))
         return outputs
+
+    def _time(self, stage: str, seconds: float) -> None:
+        total, count = self.prompt_times[stage]
+        self.prompt_times[stage] = (total + seconds, count + 1)
+
+    def timing_stats(self) -> dict[str, float]:
+        """``prompt_times`` as services report stages in their NATS stats."""
+        out: dict[str, float] = {}
+        for stage, (total, count) in list(self.prompt_times.items()):
+            out[f"{stage}_seconds_total"], out[f"{stage}_count"] = round(total, 6), count
+        return out
 
     @staticmethod
     def _layer_hook(chunks: list[Chunk], on_layer_done: LayerHook | None) -> Callable[[int], None] | None:

@@ -60,7 +60,8 @@ class Sequence:
     positions: torch.Tensor | None = None  # [3, prompt_len] M-RoPE positions while the prompt is prefilled
     finish_reason: str | None = None
     swapped_kv: torch.Tensor | None = None  # [layers, 2, num_computed, kv_heads, head_dim] while SWAPPED
-    arrival: float = 0.0
+    arrival: float = 0.0  # monotonic: queued in this engine's scheduler
+    started: float = 0.0  # monotonic: the step with its first prompt chunk began (0: not yet)
     output_offset: int = 0  # tokens generated before this sequence existed (a request resumed elsewhere)
     choice: int = 0  # which of the request's n choices (request_id is "<request>#<choice>" past the first)
 
