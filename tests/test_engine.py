@@ -472,7 +472,7 @@ def test_with_overlap_the_images_forward_runs_during_an_engine_step_and_the_prom
         loop = EngineLoop(engine, lambda outputs: steps.append({o.request_id: o.index for o in outputs}),
                           lambda ids, message: None, asyncio.get_running_loop())
         batcher = VisionBatcher(tower, asyncio.get_running_loop(), max_images=8, max_patches=10_000,
-                                pending=lambda group: coming.get(group, 0))
+                                sibling_wait_s=60.0, pending=lambda group: coming.get(group, 0))
         batcher.overlap()
         loop.attach(batcher)
         launch, inside = batcher.launch, {"now": False}
@@ -516,6 +516,35 @@ def test_with_overlap_the_images_forward_runs_during_an_engine_step_and_the_prom
     assert at["entered"] == at["forwarded_at"] + 1  # its hooks ran right after the step that forwarded it
     assert "r9" in steps[at["entered"]]  # R's prefill (and first token) in the very next step
     assert parked_seq.output_ids == hf_tokens
+
+
+def test_an_overlapped_batch_waits_for_its_requests_images_no_longer_than_the_sibling_wait(model_parts):
+    """A batch held for its request's images still coming (a pull that hangs, say) goes once it has waited
+    ``sibling_wait_s``: it must not hold other requests' images behind it for the pull's whole timeout."""
+    import asyncio
+    import time
+
+    from services.encoder.batcher import VisionBatcher
+
+    config, _, tower = model_parts
+
+    async def run() -> tuple[int, int, int]:
+        batcher = VisionBatcher(tower, asyncio.get_running_loop(), max_images=8, max_patches=10_000,
+                                sibling_wait_s=0.2, pending=lambda group: 1)  # its sibling never comes
+        batcher.overlap()
+        grid = (1, 4, 4)
+        future = batcher.encode(torch.randn(16, config.vision.patch_dim), grid, group="r1")
+        batcher.launch()  # mid-step: held, its sibling still coming
+        held = batcher.launched
+        time.sleep(0.25)
+        batcher.launch()  # waited long enough: it goes alone
+        batcher.after_step()
+        batcher.step(wait=True)
+        embeds = await asyncio.wait_for(future, 10)
+        return held, batcher.launched, embeds.shape[0]
+
+    held, launched, rows = asyncio.run(run())
+    assert (held, launched, rows) == (0, 1, 4)  # 16 patches merged 2 x 2
 
 
 def test_prefill_steps_in_pieces_generate_hf_tokens(model_parts, requests_with_reference):

@@ -31,8 +31,8 @@ Who runs the forwards:
   ``before_sync``) and launches their forward on a high-priority CUDA stream of its own, whose kernels
   the GPU schedules ahead of the step's. The completion hooks run right after the step
   (``after_step``), so a prompt encoded in place enters the next one, which the engine's stream orders
-  after the forward. A batch goes mid-step only once its requests' images are all queued; while the
-  engine is busy, neither a step nor a gap waits for the rest of them.
+  after the forward. A batch goes mid-step once its requests' images are all queued, or once it has
+  waited ``sibling_wait_s``; while the engine is busy, neither a step nor a gap waits for the rest.
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ class VisionBatcher:
         deadline = time.monotonic() + budget_s
         hold = self.overlapping and not wait
         while (batch := self._collect(block=False, wait=not hold)):
-            if hold and self._siblings_coming(batch):
+            if hold and self._holding(batch):
                 self._held[:0] = batch
                 break
             self._forward_and_settle(batch)
@@ -200,8 +200,8 @@ class VisionBatcher:
     def launch(self) -> None:
         """The engine thread, its step's kernels queued: until the step ends on the GPU, launch the forward
         of whatever is queued or arrives meanwhile (looking every ``LAUNCH_POLL_S``), except a batch whose
-        requests still have images coming (held for when they are all here, or for the gap after the
-        step). On CPU the step has ended already: what is queued goes, once."""
+        requests still have images coming (``_holding``: until they are here, for at most
+        ``sibling_wait_s``). On CPU the step has ended already: what is queued goes, once."""
         if not self.overlapping:
             return
         if self.stream is None:
@@ -224,7 +224,7 @@ class VisionBatcher:
             batch = self._collect(block=False, wait=False)
             if not batch:
                 return
-            if self._siblings_coming(batch):
+            if self._holding(batch):
                 self._held[:0] = batch
                 return
             self._launch(batch)
@@ -366,6 +366,13 @@ class VisionBatcher:
                 return
             batch.append(item)
             patches += item.patches
+
+    def _holding(self, batch: list[_Item]) -> bool:
+        """Overlap: keep ``batch`` back for its requests' images still coming, for at most ``sibling_wait_s``
+        from its first item's queuing (as a waiting forward would; a pull that hangs must not hold the
+        other requests' images with it)."""
+        oldest = min(item.queued_at for item in batch)
+        return time.monotonic() - oldest < self.sibling_wait_s and self._siblings_coming(batch)
 
     def _siblings_coming(self, batch: list[_Item]) -> bool:
         return any(self.pending(group) > 0 for group in {item.group for item in batch if item.group})
