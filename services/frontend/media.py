@@ -78,8 +78,8 @@ def decode_image(data: bytes, max_pixels: int) -> DecodedImage:
     return DecodedImage(pixels, content_hash(pixels))
 
 
-def _is_data_url(url: str) -> bool:
-    return url[:5].lower() == "data:"
+def _scheme(url: str) -> str:
+    return url.split(":", 1)[0].lower()
 
 
 def _address_allowed(address: str) -> bool:
@@ -105,7 +105,7 @@ class MediaLoader:
 
     async def load(self, url: str) -> DecodedImage:
         loop = asyncio.get_running_loop()
-        if _is_data_url(url):  # the base64 too off the event loop: ~0.3 ms a 448² JPEG, in parallel there
+        if _scheme(url) == "data":  # the base64 too off the event loop: ~0.3 ms a 448² JPEG, in parallel there
             return await loop.run_in_executor(self.executor, self._decode_data_url, url)
         data = await self._read(url)
         return await loop.run_in_executor(self.executor, decode_image, data, self.settings.max_image_pixels)
@@ -133,7 +133,7 @@ class MediaLoader:
 
     # -- bytes of either kind ---------------------------------------------------------------------
     async def _read(self, url: str, kind: str = "image") -> bytes:
-        scheme = url.split(":", 1)[0].lower()
+        scheme = _scheme(url)
         if scheme == "data":
             return self._data_url(url, kind)  # a clip's: its decode dwarfs the base64
         if scheme == "https" or (scheme == "http" and self.settings.allow_http_media):

@@ -6,9 +6,10 @@
 2. subscribe to the request's stream;
 3. ``submit`` the prefill job to the intake worker the router picks, watching it: a worker that is
    gone before it accepted gets the job again elsewhere at once, and one that does not accept within
-   ``--prefill-timeout`` (alive, but stuck or swamped) has it cancelled and sent elsewhere. Its images go as pixels to a worker
-   that encodes in place (aggregated); for any other, every image is encoded first (``EncodeFanout``),
-   and embeddings whose holder vanished before prefill pulled them are encoded again;
+   ``--prefill-timeout`` (alive, but stuck or swamped) has it cancelled and sent elsewhere. Its images
+   go as pixels to a worker that encodes in place (aggregated); for any other, every image is encoded
+   first (``EncodeFanout``), and embeddings whose holder vanished before prefill pulled them are
+   encoded again;
 4. hand back the ``Generation`` (tokens, text, finish), which calls ``resume`` if its worker is lost:
    re-encode (cache hits), prefill the prompt plus every token already streamed, continue numbering
    from there (``output_offset``), at most ``--resume-attempts`` times.

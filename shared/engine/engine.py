@@ -84,11 +84,11 @@ class Engine:
         self.reserved: dict[str, Sequence] = {}
         self._by_id: dict[str, Sequence] = {}
         self.prompt_tokens = 0  # prompt tokens admitted, and how many of them the prefix cache served
+        self.cached_prompt_tokens = 0
         # where a prompt's time in this engine goes, summed (seconds, prompts; a tuple, replaced whole, so a
         # reader in another thread sees a matching pair): queued → its first chunk's step begins
         # (prompt_wait), that step → its first token (prompt_prefill, every chunk's step included)
         self.prompt_times: dict[str, tuple[float, int]] = {"prompt_wait": (0.0, 0), "prompt_prefill": (0.0, 0)}
-        self.cached_prompt_tokens = 0
 
     def warm_thread(self) -> int:
         """Build, in the calling thread (the one that will step this engine), what libraries cache per
