@@ -3,6 +3,8 @@
 
 Payloads (Qwen2.5-VL-7B shapes, bf16):
   embeddings  four 1080p images: 4 tensors of 2,691 tokens x 3,584, pulled concurrently (77.2 MB)
+  q3          ten 448x448 images for Qwen3-VL-30B-A3B with its deepstack levels: 10 tensors of 258 x 8,192
+              (42.3 MB; Dynamo's request shape; run only when named in --payloads)
   kv          a 10,903-token prompt's KV cache: 28 layers x 2 x 10,903 x 4 KV heads x 128 (625.2 MB)
   small       one 4 KiB tensor, for the per-pull latency floor
 
@@ -16,8 +18,14 @@ a reused receive buffer), and the same socket receiving into a fresh buffer per 
 Transports: ``ucx`` lets UCX choose (it chose TCP over loopback between two processes of one host
 for host memory, cuda_ipc between GPUs);
 ``ucx-tcp`` forces UCX onto TCP (UCX_TLS=tcp: what crosses hosts without RDMA); ``zmq`` is TCP,
-``zmq-ipc`` a Unix socket, ``zmq-cuda-ipc`` ZMQ's same-GPU path (GPU runs: the consumer maps the holder's
-memory and copies device to device, ``shared.dataplane.cuda_ipc``); ``inproc`` hands the tensor over within one process. GPU runs add
+``zmq-ipc`` a Unix socket, ``zmq-cuda-ipc`` ZMQ's same-GPU path with the holder's export pool (GPU runs:
+the holder stages the tensor in its pool, which the consumer mapped once, and the consumer copies device to
+device, ``shared.dataplane.cuda_ipc``), ``zmq-cuda-ipc-each`` the same without a pool (each pull maps the
+tensor's own block and unmaps it); ``inproc`` hands the tensor over within one process.
+
+``--busy``: the consumer process also runs an engine's stand-in, a thread of 10 ms steps of GEMMs on a
+stream of its own, each step synchronized; each figure then comes with ``stall_ms``, the longest any
+other Python thread of the consumer waited (a 1 ms sleeper's worst lateness: the GIL held by a pull). GPU runs add
 ``ucx-host`` (the holder sends GPU memory, the consumer lands it in host memory and copies it up: the
 services' default pull) and ``ucx-staged`` (a holder without UCX's CUDA transports copies to host
 first). Every variant's first pull is checked bit for bit against the holder's tensors (same seed).
@@ -31,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -39,6 +48,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -53,6 +63,7 @@ PAYLOADS = {  # name → shapes of the tensors pulled together
     "embeddings": [(2691, 3584)] * 4,
     "kv": [(28, 2, 10903, 4, 128)],
     "small": [(2048,)],
+    "q3": [(258, 8192)] * 10,
 }
 DTYPE = torch.bfloat16
 VARIANTS = {  # name → (transport, holder's extra environment, data host, consumer lands on the host)
@@ -63,7 +74,9 @@ VARIANTS = {  # name → (transport, holder's extra environment, data host, cons
     "zmq": ("zmq", {}, "127.0.0.1", True),
     "zmq-ipc": ("zmq", {}, "ipc://" + tempfile.gettempdir(), True),
     "zmq-cuda-ipc": ("zmq", {}, "127.0.0.1", False),
+    "zmq-cuda-ipc-each": ("zmq", {}, "127.0.0.1", False),
 }
+POOL_MB = {"zmq-cuda-ipc": 256}  # the holder's export pool (the services' default); others: none
 SEED = 1234
 
 
@@ -83,7 +96,8 @@ def nbytes(name: str) -> int:
 async def serve(variant: str, device: str) -> None:
     """Publish on request: stdin lines name a payload and a count; stdout answers with the handles."""
     transport, _, host, _ = VARIANTS[variant]
-    plane = DataPlane(transport, host=host, max_bytes=64 << 30, lease_seconds=600)
+    plane = DataPlane(transport, host=host, max_bytes=64 << 30, lease_seconds=600,
+                      cuda_ipc_pool_mb=POOL_MB.get(variant, 0))
     await plane.start()
     tensors = payload_tensors(device)
     print(json.dumps({"ready": plane.address}), flush=True)
@@ -148,7 +162,7 @@ def tcp_baseline(repeat: int) -> dict:
     conn = socket.create_connection(("127.0.0.1", holder.ready))
     reused = torch.empty(nbytes("kv"), dtype=torch.uint8).numpy()
     result = {}
-    for name in ("small", "embeddings", "kv"):
+    for name in PAYLOADS:
         size = nbytes(name)
         times = {"reused": [], "fresh": []}
         for i in range((50 if name == "small" else repeat) + 1):
@@ -201,7 +215,52 @@ class Consumer:
                 raise AssertionError(f"{payload}: pulled bytes differ from the holder's")
 
 
-async def measure(consumer: Consumer, holder_publish, payload: str, repeat: int, into: bool) -> dict:
+class Busy:
+    """``--busy``: an engine's stand-in in the consumer (10 ms steps of GEMMs on a stream of its own, each
+    synchronized), and a 1 ms sleeper whose worst lateness is the longest the GIL was kept from it."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stop = threading.Event()
+        self.steps = 0
+        self.lateness = 0.0
+        self.threads = [threading.Thread(target=self._steps, daemon=True),
+                        threading.Thread(target=self._sleeper, daemon=True)]
+
+    def __enter__(self):
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for thread in self.threads:
+            thread.join()
+
+    def _steps(self) -> None:
+        a = torch.randn(8192, 8192, dtype=DTYPE, device=self.device)
+        stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(stream):
+            while not self.stop.is_set():
+                for _ in range(9):  # ~1.1 ms each on an H200
+                    a @ a
+                stream.synchronize()
+                self.steps += 1
+
+    def _sleeper(self) -> None:
+        last = time.perf_counter()
+        while not self.stop.is_set():
+            time.sleep(0.001)
+            now = time.perf_counter()
+            self.lateness = max(self.lateness, now - last - 0.001)
+            last = now
+
+    def reset(self) -> None:
+        self.lateness = 0.0
+
+
+async def measure(consumer: Consumer, holder_publish, payload: str, repeat: int, into: bool,
+                  busy: Busy | None = None) -> dict:
     """Median time to pull a payload (its tensors concurrently): into new tensors, or into reused buffers."""
     groups = holder_publish(payload, repeat + 1)
     outs = consumer.buffers(payload) if into else None
@@ -214,17 +273,26 @@ async def measure(consumer: Consumer, holder_publish, payload: str, repeat: int,
         elapsed = time.perf_counter() - start
         if i == 0:  # the first pull also connects: checked, not timed
             consumer.check(payload, tensors)
+            if busy is not None:
+                busy.reset()
         else:
             times.append(elapsed)
         del tensors
-    return _summary(times, nbytes(payload))
+    summary = _summary(times, nbytes(payload))
+    if busy is not None:
+        summary["stall_ms"] = busy.lateness * 1e3
+    return summary
 
 
 async def measure_all(consumer: Consumer, publish, args) -> dict:
-    result = {"small": await measure(consumer, publish, "small", 50, into=False)}
-    for payload in ("embeddings", "kv"):
-        for into in (False, True):
-            result[f"{payload}/{'into' if into else 'new'}"] = await measure(consumer, publish, payload, args.repeat, into)
+    with Busy(consumer.device) if args.busy else contextlib.nullcontext() as busy:
+        result = {"small": await measure(consumer, publish, "small", 50, into=False, busy=busy)}
+        for payload in args.payloads.split(","):
+            for into in (False, True):
+                result[f"{payload}/{'into' if into else 'new'}"] = await measure(consumer, publish, payload,
+                                                                                 args.repeat, into, busy)
+        if busy is not None:
+            result["busy_steps"] = busy.steps
     return result
 
 
@@ -234,7 +302,7 @@ async def run_variant(variant: str, args, device, expected) -> dict:
     transport, env, _, via_host = VARIANTS[variant]
     holder = Holder(["--serve", variant, "--device", args.holder_device], env)
     # the consumer's own transport does not matter; it maps a holder's GPU memory only where asked to
-    plane = DataPlane("zmq", lease_seconds=600, cuda_ipc=variant == "zmq-cuda-ipc")
+    plane = DataPlane("zmq", lease_seconds=600, cuda_ipc=variant.startswith("zmq-cuda-ipc"))
     await plane.start()
     try:
         return {**await measure_all(Consumer(plane, device, via_host, expected), holder.publish, args),
@@ -269,14 +337,16 @@ def report(results: dict) -> None:
     """One line per transport: the small pull's latency, and each payload's time, rate and share of
     the raw TCP baseline: new tensors against a fresh receive buffer, reused buffers against reused."""
     base = results["tcp_baseline"]
-    rows = [("tcp socket", f"{base['small']['reused']['median_ms'] * 1e3:.0f} us", *(_cell(base[p][m]) for p in ("embeddings", "kv") for m in ("fresh", "reused")))]
+    payloads = results["meta"]["payloads"]
+    rows = [("tcp socket", f"{base['small']['reused']['median_ms'] * 1e3:.0f} us",
+             *(_cell(base[p][m]) for p in payloads for m in ("fresh", "reused")))]
     for name, r in results["transports"].items():
         if "error" in r:
             rows.append((name, "error: " + r["error"][:80]))
             continue
-        cells = [_cell(r[f"{p}/{m}"], base[p][b]) for p in ("embeddings", "kv") for m, b in (("new", "fresh"), ("into", "reused"))]
+        cells = [_cell(r[f"{p}/{m}"], base[p][b]) for p in payloads for m, b in (("new", "fresh"), ("into", "reused"))]
         rows.append((name, f"{r['small']['median_ms'] * 1e3:.0f} us", *cells))
-    header = ("transport", "4 KiB pull", "embeddings new", "embeddings into", "kv new", "kv into")
+    header = ("transport", "4 KiB pull", *(f"{p} {m}" for p in payloads for m in ("new", "into")))
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for row in rows:
         print("| " + " | ".join(row) + " |")
@@ -284,7 +354,8 @@ def report(results: dict) -> None:
 
 def _cell(stat: dict, base: dict | None = None) -> str:
     text = f"{stat['median_ms']:.1f} ms, {stat['gb_per_s']:.2f} GB/s"
-    return text + (f" ({stat['gb_per_s'] / base['gb_per_s']:.0%})" if base else "")
+    text += f" ({stat['gb_per_s'] / base['gb_per_s']:.0%})" if base else ""
+    return text + (f", stall {stat['stall_ms']:.1f} ms" if "stall_ms" in stat else "")
 
 
 def device_copies(device: torch.device, repeat: int) -> dict:
@@ -333,7 +404,7 @@ def meta(args) -> dict:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
     return {"host": platform.node(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
             "gpu": gpu, "load_average": os.getloadavg(), "versions": versions, "command": " ".join(sys.argv),
-            "device": args.device, "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
+            "device": args.device, "payloads": args.payloads.split(","), "busy": args.busy, "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
             "when": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
@@ -345,7 +416,13 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="where pulled tensors land: cpu, cuda, cuda:1")
     parser.add_argument("--holder-device", default=None, help="where the holder keeps them (default: --device)")
     parser.add_argument("--json", type=Path, help="write the results here as well")
+    parser.add_argument("--payloads", default="embeddings,kv", help="of embeddings, kv, q3 (small always runs)")
+    parser.add_argument("--busy", action="store_true", help="the consumer runs 10 ms GEMM steps meanwhile (GPU)")
     args = parser.parse_args()
+    if unknown := set(args.payloads.split(",")) - (set(PAYLOADS) - {"small"}):
+        parser.error(f"--payloads: unknown {', '.join(sorted(unknown))}")
+    if args.busy and not args.device.startswith("cuda"):
+        parser.error("--busy needs --device cuda")
     if args.device == "cuda" and torch.cuda.device_count() > 1:
         args.device = "cuda:1"  # holder on GPU 0, consumer on GPU 1: the cross-GPU path
     if args.holder_device is None:

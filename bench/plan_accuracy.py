@@ -122,14 +122,15 @@ def encode_split(stages: dict, encoder: dict) -> str:
 
 def first_token_split(stages: dict, workers: dict) -> str:
     """The to-first-token stage by the language-model workers' per-prompt means (``--stages``; runs that
-    kept them): the intake of a prompt that came with embeddings (pulls, checks, the step in progress),
+    kept them): the intake of a prompt that came with embeddings (pulls and checks, then the step in progress),
     its wait in the engine, its prefill, and ``rest`` (first_token − wait − prefill − intake: the job's and
     the first token's trips, and the mix of prompts the means are over). Empty where not kept."""
     if "first_token" not in stages or not all(k in workers for k in ("prompt_wait", "prompt_prefill")):
         return ""
     intake = workers.get("prompt_intake", 0.0)
     rest = stages["first_token"] - workers["prompt_wait"] - workers["prompt_prefill"] - intake
-    return (f"  first token: intake {intake:.1f} + wait {workers['prompt_wait']:.1f} + prefill "
+    pull = f" (pulls {workers['prompt_pull']:.1f})" if "prompt_pull" in workers else ""
+    return (f"  first token: intake {intake:.1f}{pull} + wait {workers['prompt_wait']:.1f} + prefill "
             f"{workers['prompt_prefill']:.1f}, rest {rest:.1f}")
 
 

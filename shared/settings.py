@@ -42,6 +42,10 @@ class CommonSettings(BaseSettings):
     lease_seconds: float = Field(60.0, gt=0, description="a tensor not pulled within this time is freed")
     data_cuda_ipc: bool = Field(True, description="zmq: a pull between processes on one GPU maps the holder's "
                                                   "memory (CUDA IPC) instead of copying through host memory")
+    data_cuda_ipc_pool_mb: int = Field(256, ge=0, description="zmq: GPU memory a holder stages same-GPU pulls in, "
+                                       "mapped once by each consumer (MiB per GPU, allocated at the first such "
+                                       "pull); 0, or a tensor that does not fit: it maps the tensor's own block "
+                                       "for each pull")
     drain_seconds: float = Field(30.0, ge=0, description="on SIGTERM, time allowed for in-flight work")
     health_port: int = Field(0, ge=0, le=65535, description="port of the health endpoint (GET /live, GET /ready); "
                                                             "0: off")

@@ -5,9 +5,10 @@
     python -m tests.dataplane_peer pull                   print "ready", read {"warm": [...], "pull": [...]}
                                                           handles from stdin, pull the warm ones (connecting
                                                           to each holder), print "pulling", pull the rest
-    python -m tests.dataplane_peer hold-cuda              (GPU) a ZMQ holder of ``cuda_set()``: each stdin line
-                                                          "publish" prints fresh handles, "stats" the plane's
-                                                          stats and the GPU memory torch holds
+    python -m tests.dataplane_peer hold-cuda [POOL_MB]    (GPU) a ZMQ holder of ``cuda_set()`` (an export pool
+                                                          of POOL_MB, default none): each stdin line "publish"
+                                                          prints fresh handles, "stats" the plane's stats and
+                                                          the GPU memory torch holds beside its pool
 """
 
 from __future__ import annotations
@@ -81,12 +82,12 @@ def _plane(spec: str) -> DataPlane:
     return DataPlane(spec)
 
 
-async def hold_cuda() -> None:
-    plane = DataPlane("zmq")
+async def hold_cuda(pool_mb: int) -> None:
+    plane = DataPlane("zmq", cuda_ipc_pool_mb=pool_mb)
     await plane.start()
     tensors = cuda_set()
     torch.cuda.synchronize()
-    baseline = torch.cuda.memory_allocated()
+    baseline = torch.cuda.memory_allocated() + (pool_mb << 20)  # the pool, allocated at the first pull
     print(json.dumps({"ready": plane.address}), flush=True)
     while line := (await asyncio.to_thread(sys.stdin.readline)).strip():
         if line == "publish":
@@ -118,4 +119,5 @@ async def pull() -> None:
 
 if __name__ == "__main__":
     mode = sys.argv[1]
-    asyncio.run(hold(sys.argv[2]) if mode == "hold" else hold_cuda() if mode == "hold-cuda" else pull())
+    asyncio.run(hold(sys.argv[2]) if mode == "hold" else
+                hold_cuda(int(sys.argv[2]) if len(sys.argv) > 2 else 0) if mode == "hold-cuda" else pull())

@@ -1,7 +1,8 @@
 """Pulls between two processes on one GPU: the holder's memory mapped over CUDA IPC, not copied through
-host memory. Needs a GPU (skipped elsewhere; run on the GPU machine): the holder is a process of its own
-(``tests.dataplane_peer hold-cuda``), the consumer this test's process. On CPU, the one part that can be
-checked is that a consumer naming a GPU still gets the bytes of a host tensor."""
+host memory, through the holder's export pool (mapped once) or each tensor's own block. Needs a GPU
+(skipped elsewhere; run on the GPU machine): the holder is a process of its own (``tests.dataplane_peer
+hold-cuda``), the consumer this test's process. On CPU, what can be checked is that a consumer naming a
+GPU still gets the bytes of a host tensor, and the pool's slot allocation."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 from shared.dataplane import cuda_ipc
 from shared.dataplane.handle import TensorHandle
 from shared.dataplane.plane import DataPlane
+from shared.dataplane.store import DataPlaneError
 from shared.dataplane.zmq_transport import ZmqClient
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,8 +33,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class Holder:
-    def __init__(self):
-        self.process = subprocess.Popen([sys.executable, "-m", "tests.dataplane_peer", "hold-cuda"], cwd=ROOT,
+    def __init__(self, pool_mb: int = 0):
+        self.process = subprocess.Popen([sys.executable, "-m", "tests.dataplane_peer", "hold-cuda", str(pool_mb)],
+                                        cwd=ROOT,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.address = self._answer("")["ready"]
 
@@ -56,11 +59,14 @@ class Holder:
         self.process.wait(30)
 
 
-@pytest.fixture(scope="module")
-def holder():
+@pytest.fixture(scope="module", params=[0, 256], ids=["each-block", "pool"])
+def holder(request):
+    """A holder that maps each tensor's own block, and one with a 256 MB export pool (every tensor of a
+    publish fits it at once)."""
     if not torch.cuda.is_available():
         pytest.skip("CUDA IPC needs a GPU")
-    h = Holder()
+    h = Holder(request.param)
+    h.pool_mb = request.param
     yield h
     h.stop()
 
@@ -86,7 +92,8 @@ async def settled(holder: Holder, timeout: float = 10.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         stats = holder.stats()
-        if stats["bytes_held"] == 0 and stats["allocated_above_start"] <= 0 or time.monotonic() > deadline:
+        if stats["bytes_held"] == stats["pool_bytes_used"] == 0 and stats["allocated_above_start"] <= 0 \
+                or time.monotonic() > deadline:
             return stats
         await asyncio.sleep(0.1)
 
@@ -104,8 +111,60 @@ async def test_same_gpu_pulls_map_the_holders_memory(holder):
         stats = await settled(holder)
         mappable = sum(1 for h in handles.values() if h.nbytes)  # an empty tensor has no memory to map
         assert stats["mapped"] - before["mapped"] == mappable
+        assert stats["pooled"] - before["pooled"] == (mappable if holder.pool_mb else 0)
         assert stats["pulls"] - before["pulls"] == len(handles)  # every pull acked
-        assert stats["bytes_held"] == 0 and stats["allocated_above_start"] <= 0, stats  # blocks freed
+        assert stats["bytes_held"] == stats["pool_bytes_used"] == 0, stats  # every slot given back
+        assert stats["allocated_above_start"] <= 0, stats  # blocks freed
+
+
+@needs_gpu
+async def test_the_export_pool_is_mapped_once_and_a_tensor_too_big_for_it_maps_its_own_block(monkeypatch):
+    """Two rounds of pulls from a holder with a 16 MB pool: one mapping of the pool for every pull that
+    fits it; the 64 and 128 MB tensors map their own blocks, each pull anew."""
+    want = expected()
+    mappings = []
+    real = torch.UntypedStorage._new_shared_cuda
+
+    def counted(*args):
+        mappings.append(args[1])  # the memory handle
+        return real(*args)
+
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_cuda", counted)
+    small = Holder(16)
+    try:
+        async with consumer() as plane:
+            for _ in range(2):
+                handles = small.publish()
+                got = await asyncio.gather(*(plane.pull(h, device="cuda") for h in handles.values()))
+                assert all(same_bits(t, want[n]) for n, t in zip(handles, got))
+                del got
+            stats = await settled(small)
+            pooled = sum(1 for h in handles.values() if 0 < h.nbytes <= 16 << 20)
+            assert stats["pooled"] == 2 * pooled and stats["mapped"] == 2 * (pooled + 2), stats
+            assert len(mappings) == 1 + 2 * 2  # the pool once; big and pending in each round
+            assert stats["pool_bytes_used"] == 0 and stats["allocated_above_start"] <= 0, stats
+    finally:
+        small.stop()
+
+
+@needs_gpu
+async def test_a_consumer_unmaps_the_pool_of_a_holder_that_is_gone():
+    want = expected()
+    gone = Holder(16)
+    async with consumer() as plane:
+        handles = gone.publish()
+        assert same_bits(await plane.pull(handles["bf16"], device="cuda"), want["bf16"])
+        peer = plane._clients["zmq"]._peers[handles["bf16"].address]
+        assert len(peer.pools) == 1
+        gone.process.kill()
+        gone.process.wait(30)
+        deadline = time.monotonic() + 10
+        while (peer.pools or not peer.dead) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert peer.dead and not peer.pools
+        with pytest.raises(DataPlaneError) as err:
+            await plane.pull(handles["i64"], device="cuda")
+        assert err.value.code == "unreachable"
 
 
 @needs_gpu
@@ -162,6 +221,8 @@ async def test_an_unmappable_description_falls_back_to_bytes(holder, monkeypatch
         del big, rest
         stats = await settled(holder)
         assert stats["mapped"] - before["mapped"] == 1
+        assert stats["pulls"] - before["pulls"] == len(handles)  # the refused one counted once, with its bytes
+        assert stats["pool_bytes_used"] == 0, stats  # its slot given back
         assert stats["allocated_above_start"] <= 0, stats  # the refused mapping's block was released too
 
 
@@ -188,3 +249,25 @@ async def test_a_consumer_naming_a_gpu_gets_a_host_tensors_bytes():
     finally:
         await client.close()
         await holder.stop()
+
+
+def test_pool_slots_are_first_fit_aligned_and_merge_when_given_back():
+    slots = cuda_ipc.Slots(8 * cuda_ipc.ALIGN)
+    a = slots.take(1)  # rounded up to one alignment unit
+    b = slots.take(3 * cuda_ipc.ALIGN - 7)
+    c = slots.take(2 * cuda_ipc.ALIGN)
+    assert (a, b, c) == (0, cuda_ipc.ALIGN, 4 * cuda_ipc.ALIGN) and slots.used == 6 * cuda_ipc.ALIGN
+    assert slots.take(3 * cuda_ipc.ALIGN) is None  # two units left
+    slots.give(b, 3 * cuda_ipc.ALIGN - 7)
+    assert slots.take(3 * cuda_ipc.ALIGN) == b  # first fit: the hole b left
+    slots.give(b, 3 * cuda_ipc.ALIGN)
+    slots.give(a, 1)
+    slots.give(c, 2 * cuda_ipc.ALIGN)  # merges with the hole before it and the free tail after it
+    assert slots.free == [[0, 8 * cuda_ipc.ALIGN]] and slots.used == 0
+    assert slots.take(8 * cuda_ipc.ALIGN) == 0
+    with pytest.raises(ValueError):
+        slots.give(0, 16 * cuda_ipc.ALIGN)  # beyond the pool
+    slots.give(0, 8 * cuda_ipc.ALIGN)
+    with pytest.raises(ValueError):
+        slots.give(0, cuda_ipc.ALIGN)  # already free
+    assert cuda_ipc.Slots(0).take(1) is None

@@ -160,19 +160,23 @@ def test_the_language_workers_split_of_first_token_reaches_the_record():
     per prompt, summed over instances, and `plan_accuracy --stages` splits first_token by them."""
     from bench.plan_accuracy import first_token_split
 
-    def reading(wait: float, prefill: float, intake: float, prompts: int) -> str:
+    def reading(wait: float, prefill: float, intake: float, pull: float, prompts: int) -> str:
         lines = []
         for instance in "ab":  # two workers, each half of it
-            for stage, seconds in (("prompt_wait", wait), ("prompt_prefill", prefill), ("prompt_intake", intake)):
+            for stage, seconds in (("prompt_wait", wait), ("prompt_prefill", prefill), ("prompt_intake", intake),
+                                   ("prompt_pull", pull)):
                 lines += [f'epd_service_stat{{instance="language-{instance}",service="epd-language",'
                           f'stat="{stage}_seconds_total"}} {seconds / 2}',
                           f'epd_service_stat{{instance="language-{instance}",service="epd-language",'
                           f'stat="{stage}_count"}} {prompts / 2}']
         return "\n".join(lines)
 
-    _, workers = stage_means(parse(reading(0.0, 0.0, 0.0, 0)), parse(reading(0.1, 0.5, 0.2, 10)))
+    _, workers = stage_means(parse(reading(0.0, 0.0, 0.0, 0.0, 0)), parse(reading(0.1, 0.5, 0.2, 0.15, 10)))
     assert workers == {"prompt_wait": pytest.approx(10.0), "prompt_prefill": pytest.approx(50.0),
-                       "prompt_intake": pytest.approx(20.0)}
+                       "prompt_intake": pytest.approx(20.0), "prompt_pull": pytest.approx(15.0)}
+    assert first_token_split({"first_token": 95.0}, workers) == \
+        "  first token: intake 20.0 (pulls 15.0) + wait 10.0 + prefill 50.0, rest 15.0"
+    del workers["prompt_pull"]  # records from before the pulls were timed apart
     assert first_token_split({"first_token": 95.0}, workers) == \
         "  first token: intake 20.0 + wait 10.0 + prefill 50.0, rest 15.0"
     assert first_token_split({"first_token": 95.0}, {}) == ""

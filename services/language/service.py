@@ -28,7 +28,8 @@ class LanguageService(Service):
         self.plane = DataPlane.from_settings(settings)
         self.worker = LanguageWorker(settings, self.role, self.subjects, self.instance)
         self.intake: PromptIntake | None = None
-        self.times = StageTimes(("prompt_intake",))  # a job in → its prompt in the engine (pulls, checks, the step)
+        # a job in → its prompt in the engine (pulls, checks, the step); of it, the checks and pulls
+        self.times = StageTimes(("prompt_intake", "prompt_pull"))
 
     async def setup(self) -> None:
         await self.open_plane()
@@ -52,6 +53,7 @@ class LanguageService(Service):
         """The job's prompt into the engine (its embeddings pulled first)."""
         started = time.monotonic()
         seq = await self.intake.sequence(job)
+        self.times.add("prompt_pull", time.monotonic() - started)
         self.worker.refuse_cancelled(job.request_id)  # cancelled while its embeddings came
         await self.worker.add_prompt(seq, tracked)
         self.times.add("prompt_intake", time.monotonic() - started)

@@ -21,6 +21,23 @@ The exchange (ZMQ transport, ``shared.dataplane.zmq_transport``):
 A consumer that cannot map the block (another container without a shared IPC namespace, a driver that
 refuses) releases its reference, pulls the bytes instead and stops asking that holder.
 
+Mapping and unmapping cost more than the copy, and hold the GIL while they do: on an H200 a pull of one
+258 × 8,192 bf16 embedding took ~0.9 ms to map and ~0.85 ms to unmap on an idle GPU, and while another
+stream of the consumer ran 10 ms steps, ~10 ms to unmap (the unmap waits for the device's queued work),
+with the consumer's other Python threads (its engine's) stalled up to 16 ms. So a holder serves same-GPU
+pulls from an **export pool** (``ExportPool``) where it can: one buffer per GPU, allocated once and never
+freed while the holder lives, which each consumer maps once and keeps mapped:
+
+5. the holder stages the tensor into a free slot of its pool (a device copy after its publish event, on
+   the idle stream, waited for off the event loop) and answers with the slot's offset, and with the
+   pool's description only when the consumer's request does not name the pool as mapped already;
+6. the consumer copies the slot's bytes from its mapping and acks naming the slot, which frees it.
+
+Ten such pulls take 0.7 ms idle and 7 ms beside the busy stream (no Python thread stalled over 1.6 ms),
+against 2.5 and 112 ms mapped one by one (``bench/dataplane.py``'s ``--busy``; docs/benchmarks.md). A
+tensor that does not fit the pool's free space (or a pool that could not be allocated) goes the
+per-tensor way above. The pool exposes only what was staged in it, not the holder's other tensors.
+
 Trust: a mapped handle reaches the holder's whole caching-allocator block, which may hold other tensors of
 the holder, not only the one pulled. IPC therefore serves processes of one stack on one GPU, which share
 the device (and under MPS its server) anyway; ``EPD_DATA_CUDA_IPC=false`` turns it off for a process, and
@@ -31,6 +48,7 @@ uses the same storage calls), sent as MessagePack fields, never pickled.
 from __future__ import annotations
 
 import functools
+import secrets
 import threading
 
 import msgspec
@@ -143,3 +161,122 @@ def release(ipc: CudaIpc) -> None:
 def collect() -> None:
     """Free blocks the holder has let go of and consumers have unmapped (torch keeps them until asked)."""
     torch.cuda.ipc_collect()
+
+
+ALIGN = 512  # slot offsets and sizes (a copy's alignment; keeps every slot's start 16-byte aligned)
+
+
+class Slots:
+    """First-fit allocation of byte ranges of a pool: ``take`` → an offset or None, ``give`` it back.
+    Free ranges are kept sorted by offset and merged with their neighbours."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.free: list[list[int]] = [[0, size]] if size > 0 else []  # [offset, length], sorted
+        self.used = 0
+
+    @staticmethod
+    def rounded(nbytes: int) -> int:
+        return max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+
+    def take(self, nbytes: int) -> int | None:
+        need = self.rounded(nbytes)
+        for i, (offset, length) in enumerate(self.free):
+            if length >= need:
+                if length == need:
+                    del self.free[i]
+                else:
+                    self.free[i] = [offset + need, length - need]
+                self.used += need
+                return offset
+        return None
+
+    def give(self, offset: int, nbytes: int) -> None:
+        size = self.rounded(nbytes)
+        i = 0
+        while i < len(self.free) and self.free[i][0] < offset:
+            i += 1
+        before = self.free[i - 1] if i else None
+        after = self.free[i] if i < len(self.free) else None
+        if (before and before[0] + before[1] > offset) or (after and offset + size > after[0]) \
+                or offset < 0 or offset + size > self.size:
+            raise ValueError("a slot given back overlaps free space or lies outside the pool")
+        self.used -= size
+        if before and before[0] + before[1] == offset:
+            before[1] += size
+            if after and before[0] + before[1] == after[0]:
+                before[1] += after[1]
+                del self.free[i]
+        elif after and offset + size == after[0]:
+            after[0], after[1] = offset, after[1] + size
+        else:
+            self.free.insert(i, [offset, size])
+
+
+class ExportPool:
+    """A holder's staging buffer on one GPU, mapped once by each consumer on that GPU (steps 5–6 above).
+    Slots are taken and given back on the holder's event loop only."""
+
+    def __init__(self, index: int, nbytes: int):
+        self.id = secrets.token_hex(4)  # a new pool (a restarted holder's) is never taken for a mapped one
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", index))
+        self.slots = Slots(nbytes)
+
+    def describe(self) -> CudaIpc:
+        """The pool for one more consumer to map: its own reference, released when it unmaps."""
+        return export(self.buffer, None)
+
+    def stage(self, tensor: torch.Tensor, ready: torch.cuda.Event | None, offset: int) -> None:
+        """``tensor``'s bytes into the slot at ``offset``, complete when this returns. Blocks: run it off
+        the event loop (concurrent stages share the idle stream: each waits for what was queued)."""
+        index = self.buffer.device.index
+        stream = _stream(index)
+        flat = tensor.detach().reshape(-1).view(torch.uint8)
+        with torch.cuda.device(index), torch.cuda.stream(stream):
+            if ready is not None:
+                stream.wait_event(ready)
+            self.buffer[offset:offset + flat.numel()].copy_(flat, non_blocking=True)
+            stream.synchronize()
+
+
+class PoolMapping:
+    """A consumer's mapping of one holder's export pool, kept while that holder serves it."""
+
+    def __init__(self, pool: str, ipc: CudaIpc, nbytes: int, device: torch.device):
+        self.pool = pool
+        self.device = device
+        index = device.index
+        with torch.cuda.device(index), torch.cuda.stream(_stream(index)):
+            try:
+                storage = torch.UntypedStorage._new_shared_cuda(index, ipc.handle, ipc.block_bytes, ipc.block_offset,
+                                                                ipc.counter, ipc.counter_offset, ipc.event,
+                                                                ipc.event_sync)
+            except (RuntimeError, TypeError, ValueError) as err:
+                release(ipc)
+                raise Unavailable(str(err)) from None
+            self.base = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, ipc.byte_offset, (nbytes,))
+
+    def copy(self, offset: int, nbytes: int, out: torch.Tensor | None) -> torch.Tensor:
+        """The slot's bytes in ``out`` (flat uint8 on this mapping's device) or a new flat buffer, complete
+        when this returns. Blocks: run it off the event loop."""
+        if offset < 0 or offset + nbytes > self.base.numel():
+            raise ValueError("a slot outside the mapped pool")
+        index = self.device.index
+        stream = _stream(index)
+        caller = torch.cuda.current_stream(self.device)
+        with torch.cuda.device(index), torch.cuda.stream(stream):
+            if out is not None:
+                stream.wait_stream(caller)
+            target = out if out is not None else torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            target.copy_(self.base[offset:offset + nbytes], non_blocking=True)
+            stream.synchronize()
+        if out is None:
+            target.record_stream(caller)
+        return target
+
+    def close(self) -> None:
+        """Unmap (blocks, as unmapping does: call it off the event loop); torch's deleter synchronizes the
+        current stream, the idle one here."""
+        index = self.device.index
+        with torch.cuda.device(index), torch.cuda.stream(_stream(index)):
+            self.base = None

@@ -25,7 +25,7 @@ from shared.dataplane.zmq_transport import ZmqClient, ZmqServer
 class DataPlane:
     def __init__(self, transport: str = "zmq", host: str = "127.0.0.1", advertise: str = "",
                  max_bytes: int = 8 << 30, lease_seconds: float = 60.0, pull_timeout: float = 60.0,
-                 cuda_ipc: bool = True):
+                 cuda_ipc: bool = True, cuda_ipc_pool_mb: int = 256):
         if transport not in TRANSPORTS:
             raise ValueError(f"data plane transport {transport!r} is not one of {', '.join(TRANSPORTS)}")
         self.transport = transport
@@ -34,6 +34,7 @@ class DataPlane:
         self.store = TensorStore(max_bytes, lease_seconds)
         self.pull_timeout = pull_timeout
         self.cuda_ipc = cuda_ipc and transport != "inproc"  # inproc hands the tensor itself over
+        self.cuda_ipc_pool_bytes = cuda_ipc_pool_mb << 20  # per GPU, allocated at the first same-GPU pull
         self._context: zmq.asyncio.Context | None = None
         self._server = self._make_server()
         self._clients: dict[str, TransportClient] = {}
@@ -43,7 +44,8 @@ class DataPlane:
     @classmethod
     def from_settings(cls, settings) -> "DataPlane":
         return cls(settings.transport, settings.data_host, settings.data_advertise,
-                   settings.data_max_mb << 20, settings.lease_seconds, cuda_ipc=settings.data_cuda_ipc)
+                   settings.data_max_mb << 20, settings.lease_seconds, cuda_ipc=settings.data_cuda_ipc,
+                   cuda_ipc_pool_mb=settings.data_cuda_ipc_pool_mb)
 
     @property
     def address(self) -> str:
@@ -109,11 +111,15 @@ class DataPlane:
             await self._empty.wait()
 
     def stats(self) -> dict:
-        return self.store.stats()
+        stats = self.store.stats()
+        if isinstance(self._server, ZmqServer):
+            stats |= self._server.stats()
+        return stats
 
     def _make_server(self) -> TransportServer:
         if self.transport == "zmq":
-            return ZmqServer(self.store, self.host, self.advertise, self._zmq_context(), self.cuda_ipc)
+            return ZmqServer(self.store, self.host, self.advertise, self._zmq_context(), self.cuda_ipc,
+                             self.cuda_ipc_pool_bytes)
         if self.transport == "ucx":
             return UcxServer(self.store, self.host, self.advertise)
         return InprocServer(self.store)

@@ -53,6 +53,7 @@ class TensorStore:
         self.expired = 0
         self.refused = 0  # publishes turned away because the store was full
         self.mapped = 0  # pulls answered with a CUDA IPC description instead of bytes (same GPU)
+        self.pooled = 0  # of them, answered with a slot of the export pool (``cuda_ipc.ExportPool``)
         self.on_empty = lambda: None  # called (any thread, lock released) when the last tensor is freed
 
     @property
@@ -130,7 +131,8 @@ class TensorStore:
 
     def stats(self) -> dict:
         return {"bytes_held": self._bytes, "tensors": len(self._entries), "served": self.served,
-                "pulls": self.pulls, "expired": self.expired, "refused": self.refused, "mapped": self.mapped}
+                "pulls": self.pulls, "expired": self.expired, "refused": self.refused, "mapped": self.mapped,
+                "pooled": self.pooled}
 
     def sweep(self) -> int:
         with self._lock:

@@ -1,7 +1,8 @@
 """What the network transports say to each other, and how a tensor becomes bytes and back.
 
 A pull is three messages: the consumer's ``PullRequest``, the holder's ``PullReply`` followed by the raw
-tensor bytes (or, holder and consumer on one GPU, a CUDA IPC description instead: ``cuda_ipc``), and
+tensor bytes (or, holder and consumer on one GPU, a slot of the holder's export pool or a CUDA IPC
+description instead: ``cuda_ipc``), and
 the consumer's ``PullAck`` once it holds them. The holder counts a pull as done only
 on the ack, so a consumer that dies mid-transfer leaves the tensor to its lease, never half-counted.
 Control messages are small msgspec structs (MessagePack); nothing is ever unpickled.
@@ -31,11 +32,14 @@ class PullRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="
     id: int = 0  # matches the reply to the request when many are in flight on one connection
     to_device: bool = False  # the consumer receives into GPU memory (UCX): GPU tensors go as they are
     gpu: str = ""  # the GPU the consumer receives on (ZMQ): a holder of the tensor on it answers with ``ipc``
+    pool: str = ""  # the holder's export pool this consumer has mapped already (``cuda_ipc.ExportPool``)
 
 
 class PullAck(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="ack"):
     key: str
     token: str
+    slot: int = -1  # the export pool's slot the bytes were copied from: the holder frees it
+    done: bool = True  # the pull counts (False: only the slot is given back; the bytes come by another pull)
 
 
 class PullReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -43,6 +47,8 @@ class PullReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_de
     code: str = ""
     message: str = ""
     ipc: CudaIpc | None = None  # same GPU: map the holder's memory, no payload follows (``cuda_ipc``)
+    slot: int = -1  # same GPU: the bytes are at this offset of the export pool ``pool`` (``ipc``: the pool)
+    pool: str = ""
 
 
 ConsumerMessage = PullRequest | PullAck

@@ -5,8 +5,9 @@ payload]`` with the tensor's raw bytes sent without a copy; the consumer then se
 PullAck]``. Many pulls share one connection, matched by request id. Requests are size-capped and
 schema-checked; nothing is unpickled. TCP across hosts; ``ipc://DIR`` as the data host for a Unix socket
 between processes of one host. A consumer that receives on a GPU names it in its request; a holder of the
-tensor on that same GPU replies with a CUDA IPC description and an empty payload, and the consumer acks
-once its device-to-device copy is done (``cuda_ipc``).
+tensor on that same GPU stages it in a slot of its export pool and replies with the slot (and the pool's
+CUDA IPC description, the first time), or else with the tensor's own description, and an empty payload;
+the consumer acks once its device-to-device copy is done, naming the slot (``cuda_ipc``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import time
 import uuid
+from dataclasses import dataclass
 
 import msgspec
 import torch
@@ -30,11 +33,23 @@ from shared.logging import get_logger
 log = get_logger(__name__)
 
 
+@dataclass
+class _Slot:
+    """A slot of an export pool staged for one pull, until its consumer acks (or the lease passes)."""
+    pool: cuda_ipc.ExportPool
+    token: str
+    nbytes: int
+    expires: float
+
+
 class ZmqServer:
     def __init__(self, store: TensorStore, host: str, advertise: str, context: zmq.asyncio.Context,
-                 mappable: bool = False):
+                 mappable: bool = False, pool_bytes: int = 0):
         self.store = store
         self.mappable = mappable  # GPU tensors may be answered with a CUDA IPC description
+        self.pool_bytes = pool_bytes  # per GPU; 0: every same-GPU pull maps the tensor's own block
+        self._pools: dict[int, cuda_ipc.ExportPool | None] = {}  # device index → pool (None: not allocatable)
+        self._slots: dict[tuple[str, int], _Slot] = {}  # (key, offset) → the slot staged for a pull of key
         self.host = host
         self.advertise = "" if host.startswith("ipc://") else resolve_advertise(advertise, host)
         self.context = context
@@ -64,6 +79,8 @@ class ZmqServer:
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._socket:
             self._socket.close(0)
+        self._pools.clear()  # consumers' mappings keep the memory until they unmap
+        self._slots.clear()
         if self.address.startswith("ipc://"):
             try:
                 os.unlink(self.address[len("ipc://"):])
@@ -89,13 +106,18 @@ class ZmqServer:
         except (msgspec.DecodeError, msgspec.ValidationError):
             return await self._refuse(sock, identity, request_id, "bad_request", "malformed pull request")
         if isinstance(message, wire.PullAck):
-            return self.store.ack(message.key, message.token)
+            if message.slot >= 0:
+                self._free_slot(message.key, message.token, message.slot)
+            return self.store.ack(message.key, message.token) if message.done else None
         reply, tensor = wire.lookup(self.store, message)
         if tensor is None:
             return await self._refuse(sock, identity, request_id, reply.code, reply.message)
         if tensor.device.type == "cpu":
             return await self._send(sock, identity, request_id, wire.host_bytes(tensor))
         if self.mappable and message.gpu and message.nbytes and message.gpu == cuda_ipc.gpu_id(tensor.device.index):
+            staged = self._take_slot(tensor.device.index, message)
+            if staged is not None:
+                return self._spawn(self._stage_and_reply(sock, identity, request_id, message, tensor, *staged))
             try:
                 ipc = cuda_ipc.export(tensor, self.store.ready(message.key))
             except (RuntimeError, TypeError, ValueError):  # an allocation torch cannot share: the bytes go
@@ -103,9 +125,64 @@ class ZmqServer:
             else:
                 self.store.mapped += 1
                 return await self._send(sock, identity, request_id, b"", wire.PullReply(True, ipc=ipc))
-        task = asyncio.create_task(self._stage_and_send(sock, identity, request_id, tensor))
+        self._spawn(self._stage_and_send(sock, identity, request_id, tensor))
+
+    def stats(self) -> dict:
+        """The export pools' bytes in slots (staged for pulls not yet acked)."""
+        return {"pool_bytes_used": sum(pool.slots.used for pool in self._pools.values() if pool is not None)}
+
+    def _spawn(self, work) -> None:
+        task = asyncio.create_task(work)
         self._staging.add(task)
         task.add_done_callback(self._staging.discard)
+
+    def _pool(self, index: int) -> cuda_ipc.ExportPool | None:
+        if index not in self._pools:
+            try:
+                self._pools[index] = cuda_ipc.ExportPool(index, self.pool_bytes) if self.pool_bytes else None
+            except (RuntimeError, torch.OutOfMemoryError) as err:
+                log.warning("dataplane.export_pool_unavailable", device=index, mb=self.pool_bytes >> 20,
+                            error=str(err)[:200])
+                self._pools[index] = None
+        return self._pools[index]
+
+    def _take_slot(self, index: int, message: wire.PullRequest) -> tuple[cuda_ipc.ExportPool, int] | None:
+        """A slot of the GPU's export pool for this pull (None: no pool, or no room even after dropping the
+        slots whose consumers never acked within the lease)."""
+        pool = self._pool(index)
+        if pool is None:
+            return None
+        offset = pool.slots.take(message.nbytes)
+        if offset is None:
+            now = time.monotonic()
+            for key, offset in [k for k, slot in self._slots.items() if slot.expires < now]:
+                slot = self._slots.pop((key, offset))
+                slot.pool.slots.give(offset, slot.nbytes)
+            offset = pool.slots.take(message.nbytes)
+            if offset is None:
+                return None
+        self._slots[(message.key, offset)] = _Slot(pool, message.token, message.nbytes,
+                                                   time.monotonic() + self.store.lease_seconds)
+        return pool, offset
+
+    def _free_slot(self, key: str, token: str, offset: int) -> None:
+        slot = self._slots.get((key, offset))
+        if slot is not None and slot.token == token:
+            del self._slots[(key, offset)]
+            slot.pool.slots.give(offset, slot.nbytes)
+
+    async def _stage_and_reply(self, sock, identity: bytes, request_id: bytes, message: wire.PullRequest,
+                               tensor: torch.Tensor, pool: cuda_ipc.ExportPool, offset: int) -> None:
+        try:
+            await asyncio.to_thread(pool.stage, tensor, self.store.ready(message.key), offset)
+            ipc = None if message.pool == pool.id else pool.describe()
+        except Exception:
+            self._free_slot(message.key, message.token, offset)
+            log.exception("dataplane.export_pool_stage_failed")
+            return await self._stage_and_send(sock, identity, request_id, tensor)
+        self.store.mapped += 1
+        self.store.pooled += 1
+        await self._send(sock, identity, request_id, b"", wire.PullReply(True, ipc=ipc, slot=offset, pool=pool.id))
 
     async def _stage_and_send(self, sock, identity: bytes, request_id: bytes, tensor: torch.Tensor) -> None:
         try:
@@ -140,6 +217,8 @@ class _Peer:
         self.dead = False
         self.closed = False
         self.mappable = True  # until mapping this holder's GPU memory fails once
+        self.pools: dict[str, asyncio.Future] = {}  # the holder's export pools mapped here: id → PoolMapping
+        self.pool_ids: dict[str, str] = {}  # GPU → the id of the pool mapped for pulls onto it
         self.gone = asyncio.Event()
         # request id → (waiter, handle); an entry outlives a caller that gave up, so its late reply is
         # still acknowledged (the holder frees the tensor then, not at lease expiry).
@@ -148,16 +227,19 @@ class _Peer:
         self.reader = asyncio.create_task(self._read(), name=f"zmq-peer-{address}")
         self.watcher = asyncio.create_task(self._watch(), name=f"zmq-peer-monitor-{address}")
 
-    async def pull(self, handle: TensorHandle, timeout: float, gpu: str = "") -> torch.Tensor | cuda_ipc.CudaIpc:
-        """The tensor's bytes, or (``gpu`` named and the holder's tensor on it) its CUDA IPC description,
-        which the caller copies from and then ``ack``s."""
+    async def pull(self, handle: TensorHandle, timeout: float,
+                   gpu: str = "") -> torch.Tensor | cuda_ipc.CudaIpc | wire.PullReply:
+        """The tensor's bytes, or (``gpu`` named and the holder's tensor on it) a reply naming the slot of
+        the holder's export pool it was staged in, or its CUDA IPC description; the caller copies from
+        either and then ``ack``s."""
         if self.dead or self.closed:
             raise DataPlaneError("unreachable", "the holder is gone")
         self._forget_expired()
         request_id = next(self.ids).to_bytes(8, "little")
         future = asyncio.get_running_loop().create_future()
         self.pending[request_id] = (future, handle)
-        request = [request_id, wire.encode(wire.PullRequest(handle.key, handle.token, handle.nbytes, gpu=gpu))]
+        request = [request_id, wire.encode(wire.PullRequest(handle.key, handle.token, handle.nbytes, gpu=gpu,
+                                                            pool=self.pool_ids.get(gpu, "") if gpu else ""))]
         try:
             await self._send(request, timeout)
             return await asyncio.wait_for(future, timeout)
@@ -198,7 +280,12 @@ class _Peer:
             except DataPlaneError as err:
                 result = err
             else:
-                if not isinstance(result, cuda_ipc.CudaIpc):
+                if isinstance(result, wire.PullReply):  # a slot of the export pool
+                    if future.done():  # nobody will copy it: the holder may reuse the slot
+                        if result.ipc is not None:
+                            cuda_ipc.release(result.ipc)
+                        self.ack(handle, result.slot)
+                elif not isinstance(result, cuda_ipc.CudaIpc):
                     self.ack(handle)
                 elif future.done():  # a mapping nobody will make: the holder may free its block
                     cuda_ipc.release(result)
@@ -210,13 +297,45 @@ class _Peer:
             else:
                 future.set_result(result)
 
-    def ack(self, handle: TensorHandle) -> None:
-        """Best effort, never blocking: a holder that misses it frees the tensor at its lease."""
+    def ack(self, handle: TensorHandle, slot: int = -1, done: bool = True) -> None:
+        """Best effort, never blocking: a holder that misses it frees the tensor (and the slot) at its lease.
+        ``done``: the pull counts (else only the slot is given back)."""
         if self.closed:
             return
-        sent = self.socket.send_multipart([b"ack", wire.encode(wire.PullAck(handle.key, handle.token))],
+        sent = self.socket.send_multipart([b"ack", wire.encode(wire.PullAck(handle.key, handle.token, slot, done))],
                                           flags=zmq.NOBLOCK)
         sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # zmq.Again: not sent, and that is fine
+
+    async def mapping(self, reply: wire.PullReply, gpu: str, device: torch.device) -> cuda_ipc.PoolMapping:
+        """The holder's export pool named in ``reply``, mapped here once (concurrent first pulls share the
+        one mapping; a description that came with a later reply is released). Raises ``Unavailable``."""
+        pending = self.pools.get(reply.pool)
+        if pending is None:
+            if reply.ipc is None:
+                raise cuda_ipc.Unavailable("the holder's pool is not mapped here")
+            pending = self.pools[reply.pool] = asyncio.ensure_future(asyncio.to_thread(
+                cuda_ipc.PoolMapping, reply.pool, reply.ipc, reply.ipc.block_bytes, device))
+        elif reply.ipc is not None:
+            cuda_ipc.release(reply.ipc)
+        try:
+            mapping = await asyncio.shield(pending)
+        except cuda_ipc.Unavailable:
+            self.pools.pop(reply.pool, None)
+            raise
+        if mapping.device != device:
+            raise cuda_ipc.Unavailable("the holder's pool is mapped onto another device here")
+        self.pool_ids[gpu] = reply.pool
+        return mapping
+
+    async def _unmap(self) -> None:
+        """Drop every mapping of the holder's pools (the holder is gone, or this connection closes)."""
+        pools, self.pools, self.pool_ids = list(self.pools.values()), {}, {}
+        for pending in pools:
+            try:
+                mapping = await pending
+            except Exception:  # never mapped
+                continue
+            await asyncio.to_thread(mapping.close)
 
     async def _watch(self) -> None:
         await self.monitor.recv_multipart()  # the first event: disconnected, or connection refused
@@ -225,6 +344,7 @@ class _Peer:
         for future, _ in self.pending.values():
             if not future.done():
                 future.set_exception(DataPlaneError("unreachable", "the holder closed the connection or is gone"))
+        await self._unmap()  # now, not when this peer is next used: a holder that is gone never is
 
     async def _next_reply(self):
         while True:
@@ -240,6 +360,8 @@ class _Peer:
             raise DataPlaneError("bad_request", "malformed reply from holder") from None
         if not reply.ok:
             raise DataPlaneError(reply.code, reply.message)
+        if reply.slot >= 0:
+            return reply
         if reply.ipc is not None:
             return reply.ipc
         if len(payload) != handle.nbytes:
@@ -264,6 +386,7 @@ class _Peer:
         self.socket.disable_monitor()
         self.monitor.close(0)
         self.socket.close(0)
+        await self._unmap()
 
 
 def _index(device: torch.device) -> int:
@@ -291,15 +414,17 @@ class ZmqClient:
             peer = self._peers[handle.address] = _Peer(self.context, handle.address)
         target = out.device if out is not None else device
         if self.mapping and peer.mappable and target is not None and target.type == "cuda":
-            got = await peer.pull(handle, timeout, cuda_ipc.gpu_id(_index(target)))
-            if isinstance(got, cuda_ipc.CudaIpc):
-                try:
-                    return await self._copy(peer, got, handle, target, out)
-                except cuda_ipc.Unavailable as err:
-                    peer.mappable = False
-                    log.warning("dataplane.cuda_ipc_unavailable", holder=handle.address, error=str(err)[:200])
-            else:  # another GPU, or a holder that does not map: the bytes came
+            gpu = cuda_ipc.gpu_id(_index(target))
+            got = await peer.pull(handle, timeout, gpu)
+            if not isinstance(got, (wire.PullReply, cuda_ipc.CudaIpc)):  # another GPU, or a holder that does not map
                 return wire.deliver(wire.flat_bytes(got), handle, device, out)
+            try:
+                if isinstance(got, wire.PullReply):
+                    return await self._copy_slot(peer, got, gpu, handle, target, out)
+                return await self._copy(peer, got, handle, target, out)
+            except cuda_ipc.Unavailable as err:
+                peer.mappable = False
+                log.warning("dataplane.cuda_ipc_unavailable", holder=handle.address, error=str(err)[:200])
         tensor = await peer.pull(handle, timeout)  # lands in ZMQ's own buffer: one copy into ``out``
         return wire.deliver(wire.flat_bytes(tensor), handle, device, out)
 
@@ -317,6 +442,26 @@ class ZmqClient:
             peer.ack(handle)
             raise
         peer.ack(handle)
+        return wire.deliver(flat, handle, None, out)
+
+    @staticmethod
+    async def _copy_slot(peer: _Peer, reply: wire.PullReply, gpu: str, handle: TensorHandle, target: torch.device,
+                         out: torch.Tensor | None) -> torch.Tensor:
+        """Device to device from the slot of the holder's mapped export pool, then the ack that frees the
+        slot (also when the caller gives up or the pool cannot be mapped: the bytes are pulled next)."""
+        flat_out = wire.check_out(out, handle) if out is not None else None
+        device = torch.device("cuda", _index(target))
+        try:
+            mapping = await peer.mapping(reply, gpu, device)
+        except BaseException:
+            peer.ack(handle, reply.slot, done=False)  # the slot only: the bytes are pulled next, and that pull counts
+            raise
+        try:
+            flat = await asyncio.to_thread(mapping.copy, reply.slot, handle.nbytes, flat_out)
+        except ValueError:
+            raise DataPlaneError("bad_request", "the holder's slot lies outside its pool") from None
+        finally:
+            peer.ack(handle, reply.slot)
         return wire.deliver(flat, handle, None, out)
 
     async def close(self) -> None:
