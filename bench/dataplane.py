@@ -23,6 +23,9 @@ the holder stages the tensor in its pool, which the consumer mapped once, and th
 device, ``shared.dataplane.cuda_ipc``), ``zmq-cuda-ipc-each`` the same without a pool (each pull maps the
 tensor's own block and unmaps it); ``inproc`` hands the tensor over within one process.
 
+A payload is pulled into new tensors (``new``: ``DataPlane.pull_many``, so ZMQ's same-GPU path stages
+one holder's tensors together and answers them at once) or into reused buffers (``into``: one pull each).
+
 ``--busy``: the consumer process also runs an engine's stand-in, a thread of 10 ms steps of GEMMs on a
 stream of its own, each step synchronized; each figure then comes with ``stall_ms``, the longest any
 other Python thread of the consumer waited (a 1 ms sleeper's worst lateness: the GIL held by a pull). GPU runs add
@@ -193,9 +196,11 @@ class Consumer:
         self.expected = expected
 
     async def pull(self, handles: list[TensorHandle], outs: list | None) -> list[torch.Tensor]:
+        if not self.via_host and outs is None:  # one batch per holder where it can (ZMQ, same GPU)
+            return await self.plane.pull_many(handles, device=self.device)
         if not self.via_host:
             return await asyncio.gather(*(self.plane.pull(h, device=self.device, out=o)
-                                          for h, o in zip(handles, outs or [None] * len(handles))))
+                                          for h, o in zip(handles, outs)))
         hosts = await asyncio.gather(*(self.plane.pull(h, out=o[0] if outs else None)
                                        for h, o in zip(handles, outs or [None] * len(handles))))
         if outs:

@@ -118,6 +118,36 @@ async def test_same_gpu_pulls_map_the_holders_memory(holder):
 
 
 @needs_gpu
+async def test_a_batch_of_one_holders_tensors_comes_in_one_slot_or_one_by_one(holder):
+    """``pull_many`` (a request's embeddings): with a pool, one reply and one copy for all (the tensors are
+    views of one buffer); without, the holder answers ``unbatched`` and they come one by one."""
+    want = expected()
+    async with consumer() as plane:
+        before = holder.stats()
+        handles = {n: h for n, h in holder.publish().items() if h.nbytes}
+        got = await plane.pull_many(list(handles.values()), device="cuda")
+        assert all(t.device.type == "cuda" and same_bits(t, want[n]) for n, t in zip(handles, got))
+        buffers = {t.untyped_storage().data_ptr() for t in got}
+        assert len(buffers) == (1 if holder.pool_mb else len(handles))
+        del got
+        stats = await settled(holder)
+        assert stats["mapped"] - before["mapped"] == len(handles)
+        assert stats["pooled"] - before["pooled"] == (len(handles) if holder.pool_mb else 0)
+        assert stats["pulls"] - before["pulls"] == stats["served"] - before["served"] == len(handles)
+        assert stats["bytes_held"] == stats["pool_bytes_used"] == 0 and stats["allocated_above_start"] <= 0, stats
+
+
+@needs_gpu
+async def test_a_batch_with_a_wrong_token_is_pulled_one_by_one_and_that_one_refused(holder):
+    async with consumer() as plane:
+        handles = [h for h in holder.publish().values() if h.nbytes]
+        handles[1] = TensorHandle(**{f: getattr(handles[1], f) for f in handles[1].__struct_fields__} | {"token": "x"})
+        with pytest.raises(DataPlaneError) as err:
+            await plane.pull_many(handles, device="cuda")
+        assert err.value.code == "forbidden"
+
+
+@needs_gpu
 async def test_the_export_pool_is_mapped_once_and_a_tensor_too_big_for_it_maps_its_own_block(monkeypatch):
     """Two rounds of pulls from a holder with a 16 MB pool: one mapping of the pool for every pull that
     fits it; the 64 and 128 MB tensors map their own blocks, each pull anew."""
@@ -248,6 +278,31 @@ async def test_a_consumer_naming_a_gpu_gets_a_host_tensors_bytes():
         assert holder.stats()["mapped"] == 0
     finally:
         await client.close()
+        await holder.stop()
+
+
+async def test_a_holder_of_host_tensors_answers_a_batch_unbatched():
+    """Any machine: a batch of the largest size fits the request cap, and a holder whose tensors are not on
+    the GPU named says ``unbatched`` (the consumer then pulls them one by one)."""
+    from shared.dataplane import wire
+    from shared.dataplane.zmq_transport import _Peer
+    holder = DataPlane("zmq")
+    await holder.start()
+    peer = _Peer(holder._zmq_context(), holder.address)
+    try:
+        handles = [holder.publish(torch.arange(i + 1, dtype=torch.float32)) for i in range(wire.MAX_BATCH)]
+        gpu = "GPU-" + "f" * 8 + "-ffff-ffff-ffff-" + "f" * 12
+        batch = wire.PullBatch([h.key for h in handles], [h.token for h in handles], [h.nbytes for h in handles],
+                               gpu, "f" * 8)
+        assert len(wire.encode(batch)) <= wire.BATCH_BYTES
+        with pytest.raises(DataPlaneError) as err:
+            await peer.pull_batch(handles, 10.0, gpu)
+        assert err.value.code == "unbatched"
+        assert holder.stats()["served"] == 0  # nothing counted for a batch not served
+        got = await asyncio.gather(*(holder.pull(h) for h in handles[:2]))  # still there, one by one
+        assert [t.tolist() for t in got] == [[0.0], [0.0, 1.0]]
+    finally:
+        await peer.close()
         await holder.stop()
 
 

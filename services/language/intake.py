@@ -8,8 +8,6 @@ no placeholder without an image (videos: the video placeholder, in one run or on
 
 from __future__ import annotations
 
-import asyncio
-
 from shared.bus.service_api import Endpoint, Handler
 from shared.bus.subjects import QUEUE, Subjects
 from shared.dataplane.plane import DataPlane
@@ -129,12 +127,10 @@ class PromptIntake:
     async def pull_embeddings(self, slots: list[ImageSlot]) -> list:
         """Each slot's embeddings on the engine's device (a slot without them, encoded here: None)."""
 
-        async def none():
-            return None
-
         try:
-            return list(await asyncio.gather(*(none() if s.embedding is None else
-                                               self.plane.pull(s.embedding, device=self.device) for s in slots)))
+            pulled = iter(await self.plane.pull_many([s.embedding for s in slots if s.embedding is not None],
+                                                     device=self.device))
+            return [None if s.embedding is None else next(pulled) for s in slots]
         except DataPlaneError as err:
             if err.code in _GONE_CODES:
                 raise ServiceError(EMBEDDINGS_GONE, f"image embeddings are gone: {err.message}") from None

@@ -226,16 +226,18 @@ class ExportPool:
         """The pool for one more consumer to map: its own reference, released when it unmaps."""
         return export(self.buffer, None)
 
-    def stage(self, tensor: torch.Tensor, ready: torch.cuda.Event | None, offset: int) -> None:
-        """``tensor``'s bytes into the slot at ``offset``, complete when this returns. Blocks: run it off
-        the event loop (concurrent stages share the idle stream: each waits for what was queued)."""
+    def stage(self, tensors: list[torch.Tensor], ready: list[torch.cuda.Event | None], offsets: list[int]) -> None:
+        """Each tensor's bytes into the pool at its offset (after its publish event), complete when this
+        returns: one wait for all. Blocks: run it off the event loop (concurrent stages share the idle
+        stream: each waits for what was queued)."""
         index = self.buffer.device.index
         stream = _stream(index)
-        flat = tensor.detach().reshape(-1).view(torch.uint8)
         with torch.cuda.device(index), torch.cuda.stream(stream):
-            if ready is not None:
-                stream.wait_event(ready)
-            self.buffer[offset:offset + flat.numel()].copy_(flat, non_blocking=True)
+            for tensor, event, offset in zip(tensors, ready, offsets):
+                if event is not None:
+                    stream.wait_event(event)
+                flat = tensor.detach().reshape(-1).view(torch.uint8)
+                self.buffer[offset:offset + flat.numel()].copy_(flat, non_blocking=True)
             stream.synchronize()
 
 

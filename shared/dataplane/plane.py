@@ -101,6 +101,32 @@ class DataPlane:
         except TimeoutError:
             raise DataPlaneError("timeout", f"no answer from the holder within {self.pull_timeout:g}s") from None
 
+    async def pull_many(self, handles: list[TensorHandle], device: torch.device | str | None = None) -> list[torch.Tensor]:
+        """``pull`` of each handle, in order; those of one holder on this process's GPU come in one batch
+        (ZMQ: staged together in the holder's export pool, one reply and one copy for all)."""
+        target = torch.device(device) if device is not None else None
+        if target is None or target.type != "cuda":
+            return list(await asyncio.gather(*(self.pull(h, target) for h in handles)))
+        groups: dict[tuple[str, str], list[int]] = {}
+        for i, handle in enumerate(handles):
+            groups.setdefault((handle.transport, handle.address), []).append(i)
+        pulled: list = [None] * len(handles)
+
+        async def group(transport: str, address: str, indices: list[int]) -> None:
+            mine = [handles[i] for i in indices]
+            if transport == "zmq" and address != self.address and len(mine) > 1:
+                try:
+                    tensors = await self._client("zmq").pull_many(mine, self.pull_timeout, target)
+                except TimeoutError:
+                    raise DataPlaneError("timeout", f"no answer from the holder within {self.pull_timeout:g}s") from None
+            else:
+                tensors = await asyncio.gather(*(self.pull(h, target) for h in mine))
+            for i, tensor in zip(indices, tensors):
+                pulled[i] = tensor
+
+        await asyncio.gather(*(group(t, a, i) for (t, a), i in groups.items()))
+        return pulled
+
     async def handed_out(self) -> None:
         """Until everything published here has been pulled, released or let lapse (a draining holder
         keeps serving what its consumers were promised)."""

@@ -83,8 +83,9 @@ class TensorStore:
             self._bytes += nbytes
         return key, token, expires_at
 
-    def get(self, key: str, token: str) -> torch.Tensor:
-        """The tensor, if ``token`` is right and the lease holds. Does not count as a completed pull."""
+    def get(self, key: str, token: str, count: bool = True) -> torch.Tensor:
+        """The tensor, if ``token`` is right and the lease holds. Does not count as a completed pull
+        (``count``: as served; a batch counts its tensors once it knows it serves them all)."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
@@ -96,7 +97,7 @@ class TensorStore:
             if time.time() > entry.expires_at:
                 self._expire_locked(key)
                 raise DataPlaneError("expired", "the tensor's lease expired before it was pulled")
-            self.served += 1
+            self.served += count
             return entry.tensor
 
     def ready(self, key: str):

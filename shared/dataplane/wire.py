@@ -21,6 +21,8 @@ from shared.dataplane.handle import ELEMENT_SIZES, TensorHandle
 from shared.dataplane.store import DataPlaneError, TensorStore
 
 CONTROL_BYTES = 256  # every control frame (UCX) is exactly this long; ZMQ caps requests at this size
+BATCH_BYTES = 4096  # ... and batches of pulls (``PullBatch``) at this one
+MAX_BATCH = 32  # handles a batch names (so it fits BATCH_BYTES)
 MAX_MESSAGE_CHARS = 160  # error messages are cut to fit a control frame
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in ELEMENT_SIZES}  # the handles' dtypes
 
@@ -33,6 +35,18 @@ class PullRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="
     to_device: bool = False  # the consumer receives into GPU memory (UCX): GPU tensors go as they are
     gpu: str = ""  # the GPU the consumer receives on (ZMQ): a holder of the tensor on it answers with ``ipc``
     pool: str = ""  # the holder's export pool this consumer has mapped already (``cuda_ipc.ExportPool``)
+
+
+class PullBatch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="batch"):
+    """Same GPU, several tensors of one holder at once (a request's image embeddings): staged together
+    in one slot of the holder's export pool, answered by one ``PullReply`` naming it. A holder that
+    cannot (no pool, no room, a tensor elsewhere or refused) answers ``unbatched`` and the consumer
+    pulls them one by one, each with its own answer."""
+    keys: list[str]
+    tokens: list[str]
+    nbytes: list[int]
+    gpu: str
+    pool: str = ""
 
 
 class PullAck(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="ack"):
@@ -51,7 +65,7 @@ class PullReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_de
     pool: str = ""
 
 
-ConsumerMessage = PullRequest | PullAck
+ConsumerMessage = PullRequest | PullBatch | PullAck
 
 _encoder = msgspec.msgpack.Encoder()
 consumer_decoder = msgspec.msgpack.Decoder(ConsumerMessage)
@@ -65,6 +79,15 @@ def encode(message: msgspec.Struct) -> bytes:
 
 def refusal(code: str, message: str) -> PullReply:
     return PullReply(False, code, message[:MAX_MESSAGE_CHARS])
+
+
+def batch_offsets(nbytes: list[int], align: int) -> list[int]:
+    """Where each tensor of a batch starts in its slot (every start aligned), and the slot's size last."""
+    offsets, end = [], 0
+    for n in nbytes:
+        offsets.append(end)
+        end += -(-n // align) * align
+    return offsets + [end]
 
 
 def lookup(store: TensorStore, request: PullRequest) -> tuple[PullReply, torch.Tensor | None]:

@@ -60,7 +60,7 @@ class ZmqServer:
 
     async def start(self) -> None:
         sock = self.context.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.MAXMSGSIZE, wire.CONTROL_BYTES)
+        sock.setsockopt(zmq.MAXMSGSIZE, wire.BATCH_BYTES)
         sock.setsockopt(zmq.LINGER, 0)
         if self.host.startswith("ipc://"):
             path = os.path.join(self.host[len("ipc://"):], f"epd-{uuid.uuid4().hex[:12]}.sock")
@@ -109,15 +109,20 @@ class ZmqServer:
             if message.slot >= 0:
                 self._free_slot(message.key, message.token, message.slot)
             return self.store.ack(message.key, message.token) if message.done else None
+        if isinstance(message, wire.PullBatch):
+            return await self._answer_batch(sock, identity, request_id, message)
+        if len(body) > wire.CONTROL_BYTES:
+            return await self._refuse(sock, identity, request_id, "bad_request", "pull request too long")
         reply, tensor = wire.lookup(self.store, message)
         if tensor is None:
             return await self._refuse(sock, identity, request_id, reply.code, reply.message)
         if tensor.device.type == "cpu":
             return await self._send(sock, identity, request_id, wire.host_bytes(tensor))
         if self.mappable and message.gpu and message.nbytes and message.gpu == cuda_ipc.gpu_id(tensor.device.index):
-            staged = self._take_slot(tensor.device.index, message)
+            staged = self._take_slot(tensor.device.index, message.nbytes, message.key, message.token)
             if staged is not None:
-                return self._spawn(self._stage_and_reply(sock, identity, request_id, message, tensor, *staged))
+                return self._spawn(self._stage_and_reply(sock, identity, request_id, message.pool, [message.key],
+                                                         [tensor], [0], *staged))
             try:
                 ipc = cuda_ipc.export(tensor, self.store.ready(message.key))
             except (RuntimeError, TypeError, ValueError):  # an allocation torch cannot share: the bytes go
@@ -146,24 +151,53 @@ class ZmqServer:
                 self._pools[index] = None
         return self._pools[index]
 
-    def _take_slot(self, index: int, message: wire.PullRequest) -> tuple[cuda_ipc.ExportPool, int] | None:
-        """A slot of the GPU's export pool for this pull (None: no pool, or no room even after dropping the
-        slots whose consumers never acked within the lease)."""
+    def _take_slot(self, index: int, nbytes: int, key: str, token: str) -> tuple[cuda_ipc.ExportPool, int] | None:
+        """A slot of the GPU's export pool for a pull of ``key`` (a batch: its first key), freed by an ack
+        with its token (None: no pool, or no room even after dropping the slots whose consumers never acked
+        within the lease)."""
         pool = self._pool(index)
         if pool is None:
             return None
-        offset = pool.slots.take(message.nbytes)
+        offset = pool.slots.take(nbytes)
         if offset is None:
             now = time.monotonic()
-            for key, offset in [k for k, slot in self._slots.items() if slot.expires < now]:
-                slot = self._slots.pop((key, offset))
-                slot.pool.slots.give(offset, slot.nbytes)
-            offset = pool.slots.take(message.nbytes)
+            for stale, at in [k for k, slot in self._slots.items() if slot.expires < now]:
+                slot = self._slots.pop((stale, at))
+                slot.pool.slots.give(at, slot.nbytes)
+            offset = pool.slots.take(nbytes)
             if offset is None:
                 return None
-        self._slots[(message.key, offset)] = _Slot(pool, message.token, message.nbytes,
-                                                   time.monotonic() + self.store.lease_seconds)
+        self._slots[(key, offset)] = _Slot(pool, token, nbytes, time.monotonic() + self.store.lease_seconds)
         return pool, offset
+
+    def _batchable(self, message: wire.PullBatch) -> list[torch.Tensor] | None:
+        """The batch's tensors, if one slot can serve them all: this holder maps, each is held for this
+        token with the size named, on the GPU named, none empty (else the consumer pulls one by one)."""
+        n = len(message.keys)
+        if not (self.mappable and 0 < n <= wire.MAX_BATCH and len(message.tokens) == len(message.nbytes) == n):
+            return None
+        tensors = []
+        for key, token, nbytes in zip(message.keys, message.tokens, message.nbytes):
+            try:
+                tensor = self.store.get(key, token, count=False)
+            except DataPlaneError:
+                return None
+            device = tensors[0].device if tensors else tensor.device
+            if (not tensor.is_cuda or nbytes <= 0 or tensor.numel() * tensor.element_size() != nbytes
+                    or tensor.device != device or cuda_ipc.gpu_id(device.index) != message.gpu):
+                return None
+            tensors.append(tensor)
+        return tensors
+
+    async def _answer_batch(self, sock, identity: bytes, request_id: bytes, message: wire.PullBatch) -> None:
+        tensors = self._batchable(message)
+        offsets = wire.batch_offsets(message.nbytes, cuda_ipc.ALIGN)
+        staged = tensors and self._take_slot(tensors[0].device.index, offsets[-1], message.keys[0], message.tokens[0])
+        if not staged:
+            return await self._refuse(sock, identity, request_id, "unbatched", "pull these one by one")
+        self.store.served += len(tensors)
+        self._spawn(self._stage_and_reply(sock, identity, request_id, message.pool, message.keys, tensors,
+                                          offsets[:-1], *staged))
 
     def _free_slot(self, key: str, token: str, offset: int) -> None:
         slot = self._slots.get((key, offset))
@@ -171,18 +205,27 @@ class ZmqServer:
             del self._slots[(key, offset)]
             slot.pool.slots.give(offset, slot.nbytes)
 
-    async def _stage_and_reply(self, sock, identity: bytes, request_id: bytes, message: wire.PullRequest,
-                               tensor: torch.Tensor, pool: cuda_ipc.ExportPool, offset: int) -> None:
+    async def _stage_and_reply(self, sock, identity: bytes, request_id: bytes, mapped: str, keys: list[str],
+                               tensors: list[torch.Tensor], offsets: list[int], pool: cuda_ipc.ExportPool,
+                               slot: int) -> None:
+        """Stage the tensors at their offsets in the slot, then reply with it (and the pool's description
+        unless the consumer has ``mapped`` it). A failed stage frees the slot; a single pull then sends
+        the bytes, a batch answers ``unbatched``."""
         try:
-            await asyncio.to_thread(pool.stage, tensor, self.store.ready(message.key), offset)
-            ipc = None if message.pool == pool.id else pool.describe()
+            await asyncio.to_thread(pool.stage, tensors, [self.store.ready(k) for k in keys],
+                                    [slot + o for o in offsets])
+            ipc = None if mapped == pool.id else pool.describe()
         except Exception:
-            self._free_slot(message.key, message.token, offset)
+            entry = self._slots.pop((keys[0], slot), None)
+            if entry is not None:
+                pool.slots.give(slot, entry.nbytes)
             log.exception("dataplane.export_pool_stage_failed")
-            return await self._stage_and_send(sock, identity, request_id, tensor)
-        self.store.mapped += 1
-        self.store.pooled += 1
-        await self._send(sock, identity, request_id, b"", wire.PullReply(True, ipc=ipc, slot=offset, pool=pool.id))
+            if len(tensors) > 1:
+                return await self._refuse(sock, identity, request_id, "unbatched", "pull these one by one")
+            return await self._stage_and_send(sock, identity, request_id, tensors[0])
+        self.store.mapped += len(tensors)
+        self.store.pooled += len(tensors)
+        await self._send(sock, identity, request_id, b"", wire.PullReply(True, ipc=ipc, slot=slot, pool=pool.id))
 
     async def _stage_and_send(self, sock, identity: bytes, request_id: bytes, tensor: torch.Tensor) -> None:
         try:
@@ -232,14 +275,27 @@ class _Peer:
         """The tensor's bytes, or (``gpu`` named and the holder's tensor on it) a reply naming the slot of
         the holder's export pool it was staged in, or its CUDA IPC description; the caller copies from
         either and then ``ack``s."""
+        request = wire.PullRequest(handle.key, handle.token, handle.nbytes, gpu=gpu,
+                                   pool=self.pool_ids.get(gpu, "") if gpu else "")
+        return await self._request(request, handle, timeout)
+
+    async def pull_batch(self, handles: list[TensorHandle], timeout: float, gpu: str) -> wire.PullReply:
+        """Several tensors staged in one slot of the holder's export pool (``wire.PullBatch``): the reply
+        naming it, which the caller copies from and then acks for each handle. Raises DataPlaneError
+        (``unbatched``: pull them one by one)."""
+        request = wire.PullBatch([h.key for h in handles], [h.token for h in handles], [h.nbytes for h in handles],
+                                 gpu, self.pool_ids.get(gpu, ""))
+        return await self._request(request, handles, timeout)
+
+    async def _request(self, request: wire.PullRequest | wire.PullBatch, handle: TensorHandle | list[TensorHandle],
+                       timeout: float):
         if self.dead or self.closed:
             raise DataPlaneError("unreachable", "the holder is gone")
         self._forget_expired()
         request_id = next(self.ids).to_bytes(8, "little")
         future = asyncio.get_running_loop().create_future()
         self.pending[request_id] = (future, handle)
-        request = [request_id, wire.encode(wire.PullRequest(handle.key, handle.token, handle.nbytes, gpu=gpu,
-                                                            pool=self.pool_ids.get(gpu, "") if gpu else ""))]
+        request = [request_id, wire.encode(request)]
         try:
             await self._send(request, timeout)
             return await asyncio.wait_for(future, timeout)
@@ -284,7 +340,7 @@ class _Peer:
                     if future.done():  # nobody will copy it: the holder may reuse the slot
                         if result.ipc is not None:
                             cuda_ipc.release(result.ipc)
-                        self.ack(handle, result.slot)
+                        self.ack_slot(handle, result.slot)
                 elif not isinstance(result, cuda_ipc.CudaIpc):
                     self.ack(handle)
                 elif future.done():  # a mapping nobody will make: the holder may free its block
@@ -296,6 +352,13 @@ class _Peer:
                 future.set_exception(result)
             else:
                 future.set_result(result)
+
+    def ack_slot(self, handle: TensorHandle | list[TensorHandle], slot: int, done: bool = True) -> None:
+        """Give back a slot (registered under a batch's first handle) and, if ``done``, count every pull."""
+        handles = handle if isinstance(handle, list) else [handle]
+        self.ack(handles[0], slot, done)
+        for other in handles[1:] if done else ():
+            self.ack(other)
 
     def ack(self, handle: TensorHandle, slot: int = -1, done: bool = True) -> None:
         """Best effort, never blocking: a holder that misses it frees the tensor (and the slot) at its lease.
@@ -353,7 +416,7 @@ class _Peer:
                 return frames
 
     @staticmethod
-    def _result(header: bytes, payload, handle: TensorHandle) -> torch.Tensor | cuda_ipc.CudaIpc:
+    def _result(header: bytes, payload, handle: TensorHandle | list[TensorHandle]):
         try:
             reply = wire.reply_decoder.decode(header)
         except (msgspec.DecodeError, msgspec.ValidationError):
@@ -362,6 +425,8 @@ class _Peer:
             raise DataPlaneError(reply.code, reply.message)
         if reply.slot >= 0:
             return reply
+        if isinstance(handle, list):
+            raise DataPlaneError("bad_request", "a batch's reply without its slot")
         if reply.ipc is not None:
             return reply.ipc
         if len(payload) != handle.nbytes:
@@ -369,7 +434,8 @@ class _Peer:
         return wire.tensor_from_buffer(payload.buffer, handle)
 
     def _forget_expired(self) -> None:
-        stale = [rid for rid, (future, handle) in self.pending.items() if future.done() and handle.expired]
+        stale = [rid for rid, (future, handle) in self.pending.items()
+                 if future.done() and (handle[0] if isinstance(handle, list) else handle).expired]
         for rid in stale:
             del self.pending[rid]
 
@@ -405,13 +471,7 @@ class ZmqClient:
             raise DataPlaneError("bad_request", "zmq handle with a non-zmq address")
         if out is not None:
             wire.check_out(out, handle)
-        peer = self._peers.get(handle.address)
-        if peer is not None and peer.dead:
-            del self._peers[handle.address]  # before awaiting: a pull racing this one must not reuse it
-            await peer.close()
-            peer = self._peers.get(handle.address)  # another pull may have made the new one meanwhile
-        if peer is None:
-            peer = self._peers[handle.address] = _Peer(self.context, handle.address)
+        peer = await self._peer(handle.address)
         target = out.device if out is not None else device
         if self.mapping and peer.mappable and target is not None and target.type == "cuda":
             gpu = cuda_ipc.gpu_id(_index(target))
@@ -444,6 +504,63 @@ class ZmqClient:
         peer.ack(handle)
         return wire.deliver(flat, handle, None, out)
 
+    async def pull_many(self, handles: list[TensorHandle], timeout: float, device: torch.device) -> list[torch.Tensor]:
+        """Tensors of one holder onto ``device``: where it is a GPU that the holder's tensors are on, staged
+        together in one slot of its export pool (``wire.PullBatch``, up to MAX_BATCH a request), else one
+        by one."""
+        address = handles[0].address if handles else ""
+        if not (self.mapping and device.type == "cuda" and len(handles) > 1 and address.startswith(("tcp://", "ipc://"))
+                and all(h.address == address and h.nbytes for h in handles)):
+            return list(await asyncio.gather(*(self.pull(h, timeout, device, None) for h in handles)))
+        if len(handles) > wire.MAX_BATCH:
+            parts = [handles[i:i + wire.MAX_BATCH] for i in range(0, len(handles), wire.MAX_BATCH)]
+            return [t for part in await asyncio.gather(*(self.pull_many(p, timeout, device) for p in parts))
+                    for t in part]
+        peer = await self._peer(address)
+        if peer.mappable:
+            gpu = cuda_ipc.gpu_id(_index(device))
+            try:
+                reply = await peer.pull_batch(handles, timeout, gpu)
+            except DataPlaneError as err:
+                if err.code in ("unreachable", "timeout"):
+                    raise
+            else:
+                try:
+                    return await self._copy_batch(peer, reply, gpu, handles, device)
+                except cuda_ipc.Unavailable as err:
+                    peer.mappable = False
+                    log.warning("dataplane.cuda_ipc_unavailable", holder=address, error=str(err)[:200])
+        return list(await asyncio.gather(*(self.pull(h, timeout, device, None) for h in handles)))
+
+    async def _peer(self, address: str) -> _Peer:
+        peer = self._peers.get(address)
+        if peer is not None and peer.dead:
+            del self._peers[address]  # before awaiting: a pull racing this one must not reuse it
+            await peer.close()
+            peer = self._peers.get(address)  # another pull may have made the new one meanwhile
+        if peer is None:
+            peer = self._peers[address] = _Peer(self.context, address)
+        return peer
+
+    @staticmethod
+    async def _copy_batch(peer: _Peer, reply: wire.PullReply, gpu: str, handles: list[TensorHandle],
+                          target: torch.device) -> list[torch.Tensor]:
+        """One copy of the batch's slot, split into its tensors (views of one buffer), then the acks."""
+        offsets = wire.batch_offsets([h.nbytes for h in handles], cuda_ipc.ALIGN)
+        device = torch.device("cuda", _index(target))
+        try:
+            mapping = await peer.mapping(reply, gpu, device)
+        except BaseException:
+            peer.ack_slot(handles, reply.slot, done=False)  # they are pulled one by one next
+            raise
+        try:
+            flat = await asyncio.to_thread(mapping.copy, reply.slot, offsets[-1], None)
+        except ValueError:
+            raise DataPlaneError("bad_request", "the holder's slot lies outside its pool") from None
+        finally:
+            peer.ack_slot(handles, reply.slot)
+        return [wire.as_tensor(flat[o:o + h.nbytes], h) for o, h in zip(offsets, handles)]
+
     @staticmethod
     async def _copy_slot(peer: _Peer, reply: wire.PullReply, gpu: str, handle: TensorHandle, target: torch.device,
                          out: torch.Tensor | None) -> torch.Tensor:
@@ -454,14 +571,14 @@ class ZmqClient:
         try:
             mapping = await peer.mapping(reply, gpu, device)
         except BaseException:
-            peer.ack(handle, reply.slot, done=False)  # the slot only: the bytes are pulled next, and that pull counts
+            peer.ack_slot(handle, reply.slot, done=False)  # the slot only: the bytes are pulled next, and that pull counts
             raise
         try:
             flat = await asyncio.to_thread(mapping.copy, reply.slot, handle.nbytes, flat_out)
         except ValueError:
             raise DataPlaneError("bad_request", "the holder's slot lies outside its pool") from None
         finally:
-            peer.ack(handle, reply.slot)
+            peer.ack_slot(handle, reply.slot)
         return wire.deliver(flat, handle, None, out)
 
     async def close(self) -> None:
