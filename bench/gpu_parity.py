@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """HF parity on the GPU through the aggregated worker, whose ViT runs on a CUDA stream of its own during
-engine steps (``--vit-overlap``) or between them (the default).
+engine steps (``--vit-overlap``) or between them (the default), and through E/PD (an encoder beside a
+joined language worker under MPS: the embeddings cross processes through the encoder's export pool,
+``--layouts``).
 
 The CPU suite checks the same code paths, but on CPU there are no streams: whether the engine reads an
 image's embeddings only after the forward that makes them, and whether the tower's graph buffers and
@@ -12,7 +14,7 @@ each other. On the GPU our fp32 kernels are not bit-equal to HF's on CPU, so an 
 HF's at a near-tie in either mode; a race would part the modes. Exits 1 when they part.
 
     python3 bench/gpu_parity.py                      # Qwen2.5-VL tiny
-    python3 bench/gpu_parity.py --family qwen3_vl_moe
+    python3 bench/gpu_parity.py --family qwen3_vl_moe --layouts overlap,aggregated,E/PD+MPS
 """
 
 from __future__ import annotations
@@ -42,10 +44,17 @@ def requests(count: int) -> list[tuple[str, list]]:
     return out
 
 
-def serve(path: Path, overlap: bool, cases: list, tokens: int, device: str) -> tuple[list[str], dict]:
-    env = {"EPD_DEVICE": device, "EPD_DTYPE": "float32", "EPD_VIT_OVERLAP": str(overlap).lower(),
-           "EPD_ENCODER_CACHE_MB": "0"}
-    stack = UpStack(path, "--topology", "aggregated", env=env)
+LAYOUTS = {  # name → (epd up flags, environment)
+    "overlap": (["--topology", "aggregated"], {"EPD_VIT_OVERLAP": "true"}),
+    "aggregated": (["--topology", "aggregated"], {"EPD_VIT_OVERLAP": "false"}),
+    "E/PD+MPS": (["--topology", "colocated", "--pd", "joined", "--mps", "auto"], {}),
+}
+
+
+def serve(path: Path, layout: str, cases: list, tokens: int, device: str) -> tuple[list[str], dict]:
+    flags, extra = LAYOUTS[layout]
+    env = {"EPD_DEVICE": device, "EPD_DTYPE": "float32", "EPD_ENCODER_CACHE_MB": "0", **extra}
+    stack = UpStack(path, *flags, env=env)
     try:
         stop = threading.Event()
 
@@ -61,7 +70,7 @@ def serve(path: Path, overlap: bool, cases: list, tokens: int, device: str) -> t
         stop.set()
         runner.join(timeout=300)
         stats = {labels.get("stat"): value for labels, value in stack.series("epd_service_stat")
-                 if labels.get("service") == "epd-aggregated"}
+                 if labels.get("service") in ("epd-aggregated", "epd-language")}
         texts = [r["choices"][0]["message"]["content"] if r["status"] == 200 else f"HTTP {r['status']}: {r}"
                  for r in results]
         return texts, stats
@@ -76,24 +85,28 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=24)
     parser.add_argument("--device", default="cuda", help="cpu: the same run without streams (a smoke test)")
     parser.add_argument("--out", help="JSON report")
+    parser.add_argument("--layouts", default="overlap,aggregated", help=f"of {', '.join(LAYOUTS)}")
     args = parser.parse_args()
+    layouts = args.layouts.split(",")
+    if unknown := set(layouts) - set(LAYOUTS):
+        parser.error(f"--layouts: unknown {', '.join(sorted(unknown))}")
     path = write_tiny_checkpoint(Path(tempfile.mkdtemp(prefix="epd-parity-")), args.family)
     cases = requests(args.requests)
     reference = Reference(path)
     want = [reference.text(reference.generate(text, images, args.tokens, ignore_eos=True)) for text, images in cases]
     report = {"family": args.family, "requests": args.requests, "tokens": args.tokens}
     answers = []
-    for overlap in (True, False):
-        texts, stats = serve(path, overlap, cases, args.tokens, args.device)
+    for layout in layouts:
+        texts, stats = serve(path, layout, cases, args.tokens, args.device)
         answers.append(texts)
         matches = sum(t == w for t, w in zip(texts, want))
-        mode = "overlap" if overlap else "no-overlap"
-        report[mode] = {"matches": matches, "texts": texts, "stats": stats}
-        print(f"{args.family} {mode}: {matches}/{len(want)} answers equal HF's; ViT batches "
+        report[layout] = {"matches": matches, "texts": texts, "stats": stats}
+        print(f"{args.family} {layout}: {matches}/{len(want)} answers equal HF's; ViT batches "
               f"{stats.get('batches')} ({stats.get('batches_during_steps')} during engine steps), images in place "
-              f"{stats.get('images_in_place')}", flush=True)
-    same = sum(a == b for a, b in zip(*answers))
-    print(f"{args.family}: the two modes give the same answer to {same}/{len(cases)} requests", flush=True)
+              f"{stats.get('images_in_place')}, prompts {stats.get('prompts')}", flush=True)
+    same = sum(len(set(a)) == 1 for a in zip(*answers))
+    print(f"{args.family}: the {len(layouts)} layouts give the same answer to {same}/{len(cases)} requests",
+          flush=True)
     report["hf"], report["modes_agree"] = want, same
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
