@@ -127,25 +127,31 @@ def copy(ipc: CudaIpc, nbytes: int, device: torch.device, out: torch.Tensor | No
     with torch.cuda.device(index), torch.cuda.stream(stream):
         if out is not None:
             stream.wait_stream(caller)  # the caller's reused buffer may still be read by its queued kernels
-        try:
-            storage = torch.UntypedStorage._new_shared_cuda(index, ipc.handle, ipc.block_bytes, ipc.block_offset,
-                                                            ipc.counter, ipc.counter_offset, ipc.event,
-                                                            ipc.event_sync)
-        except (RuntimeError, TypeError, ValueError) as err:
-            release(ipc)
-            raise Unavailable(str(err)) from None
-        source = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, ipc.byte_offset, (nbytes,))
+        source = _map(ipc, device, nbytes)
         target = out if out is not None else torch.empty(nbytes, dtype=torch.uint8, device=device)
         target.copy_(source, non_blocking=True)  # after the holder's event: ``_new_shared_cuda`` queued the wait
         stream.synchronize()  # the mapping must outlive the copy; the caller's streams may read ``target`` now
         # unmapped and the holder's block released here: torch's deleter first synchronizes the current
         # stream, which must be this idle one, not the caller's (the engine's queued steps)
-        del source, storage
+        del source
     if out is None:
         # a block of the copy stream's pool, read and freed on the caller's stream: not recycled before that
         # stream's work at its free has passed
         target.record_stream(caller)
     return target
+
+
+def _map(ipc: CudaIpc, device: torch.device, nbytes: int) -> torch.Tensor:
+    """The described bytes, mapped here: a flat uint8 tensor that holds the mapping while it lives (its
+    deleter unmaps, after synchronizing the then-current stream). Raises ``Unavailable`` (the reference
+    released) when the block cannot be mapped."""
+    try:
+        storage = torch.UntypedStorage._new_shared_cuda(device.index, ipc.handle, ipc.block_bytes, ipc.block_offset,
+                                                        ipc.counter, ipc.counter_offset, ipc.event, ipc.event_sync)
+    except (RuntimeError, TypeError, ValueError) as err:
+        release(ipc)
+        raise Unavailable(str(err)) from None
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, ipc.byte_offset, (nbytes,))
 
 
 def release(ipc: CudaIpc) -> None:
@@ -247,16 +253,8 @@ class PoolMapping:
     def __init__(self, pool: str, ipc: CudaIpc, nbytes: int, device: torch.device):
         self.pool = pool
         self.device = device
-        index = device.index
-        with torch.cuda.device(index), torch.cuda.stream(_stream(index)):
-            try:
-                storage = torch.UntypedStorage._new_shared_cuda(index, ipc.handle, ipc.block_bytes, ipc.block_offset,
-                                                                ipc.counter, ipc.counter_offset, ipc.event,
-                                                                ipc.event_sync)
-            except (RuntimeError, TypeError, ValueError) as err:
-                release(ipc)
-                raise Unavailable(str(err)) from None
-            self.base = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, ipc.byte_offset, (nbytes,))
+        with torch.cuda.device(device.index), torch.cuda.stream(_stream(device.index)):
+            self.base = _map(ipc, device, nbytes)
 
     def copy(self, offset: int, nbytes: int, out: torch.Tensor | None) -> torch.Tensor:
         """The slot's bytes in ``out`` (flat uint8 on this mapping's device) or a new flat buffer, complete
