@@ -141,10 +141,14 @@ async def test_a_batch_of_one_holders_tensors_comes_in_one_slot_or_one_by_one(ho
 async def test_a_batch_with_a_wrong_token_is_pulled_one_by_one_and_that_one_refused(holder):
     async with consumer() as plane:
         handles = [h for h in holder.publish().values() if h.nbytes]
-        handles[1] = TensorHandle(**{f: getattr(handles[1], f) for f in handles[1].__struct_fields__} | {"token": "x"})
+        right = handles[1]
+        handles[1] = TensorHandle(**{f: getattr(right, f) for f in right.__struct_fields__} | {"token": "x"})
         with pytest.raises(DataPlaneError) as err:
             await plane.pull_many(handles, device="cuda")
         assert err.value.code == "forbidden"
+        await plane.pull(right, device="cuda")  # the others' pulls go on; this one's tensor is still held
+        stats = await settled(holder)  # so the next test starts from nothing held
+        assert stats["bytes_held"] == stats["pool_bytes_used"] == 0, stats
 
 
 @needs_gpu
