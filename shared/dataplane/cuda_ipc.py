@@ -259,8 +259,12 @@ class PoolMapping:
 
     def copy(self, offset: int, nbytes: int, out: torch.Tensor | None) -> torch.Tensor:
         """The slot's bytes in ``out`` (flat uint8 on this mapping's device) or a new flat buffer, complete
-        when this returns. Blocks: run it off the event loop."""
-        if offset < 0 or offset + nbytes > self.base.numel():
+        when this returns. Blocks: run it off the event loop. Raises ``Unavailable`` once unmapped (the
+        holder is gone), ValueError for a slot outside the pool."""
+        base = self.base  # the slice below keeps the mapping alive through the copy, even if closed meanwhile
+        if base is None:
+            raise Unavailable("the pool was unmapped: its holder is gone")
+        if offset < 0 or offset + nbytes > base.numel():
             raise ValueError("a slot outside the mapped pool")
         index = self.device.index
         stream = _stream(index)
@@ -269,7 +273,7 @@ class PoolMapping:
             if out is not None:
                 stream.wait_stream(caller)
             target = out if out is not None else torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            target.copy_(self.base[offset:offset + nbytes], non_blocking=True)
+            target.copy_(base[offset:offset + nbytes], non_blocking=True)
             stream.synchronize()
         if out is None:
             target.record_stream(caller)
