@@ -124,6 +124,41 @@ async def test_pull_into_a_reused_buffer(transport):
     await stopped(consumer, holder)
 
 
+async def test_pull_many_keeps_the_order_across_holders_and_this_process():
+    """Handles of two holders and of the consumer's own store, interleaved: each tensor comes back in its
+    handle's place (grouped by holder, each group one batch where the transport can)."""
+    first, second, consumer = await started(DataPlane("zmq"), DataPlane("zmq"), DataPlane("zmq"))
+    tensors = [torch.full((i + 1, 3), float(i)) for i in range(7)]
+    holders = [first, second, consumer, first, first, second, consumer]
+    handles = [h.publish(t) for h, t in zip(holders, tensors)]
+    got = await consumer.pull_many(handles)
+    assert all(torch.equal(g, t) for g, t in zip(got, tensors))
+    await until(lambda: first.stats()["bytes_held"] == second.stats()["bytes_held"] == 0, 5, "every pull acked")
+    assert await consumer.pull_many([]) == []
+    await stopped(consumer, second, first)
+
+
+async def test_a_pull_request_over_the_control_size_is_refused():
+    """Requests are capped (batches at 4 KiB, single pulls at 256 bytes); the holder answers, and keeps
+    serving."""
+    from shared.dataplane import wire
+    from shared.dataplane.zmq_transport import _Peer
+    holder, = await started(DataPlane("zmq"))
+    peer = _Peer(holder._zmq_context(), holder.address)
+    tensor = torch.arange(10)
+    handle = holder.publish(tensor)
+    try:
+        long = msgspec.structs.replace(handle, token="x" * 300)
+        with pytest.raises(DataPlaneError) as err:
+            await peer.pull(long, 10.0)
+        assert err.value.code == "bad_request" and len(wire.encode(wire.PullRequest(long.key, long.token, 80))) > \
+            wire.CONTROL_BYTES
+        assert torch.equal(await peer.pull(handle, 10.0), tensor)
+    finally:
+        await peer.close()
+        await stopped(holder)
+
+
 # -- refusals, leases, bounds ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("transport", ALL)

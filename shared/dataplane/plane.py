@@ -105,8 +105,6 @@ class DataPlane:
         """``pull`` of each handle, in order; those of one holder on this process's GPU come in one batch
         (ZMQ: staged together in the holder's export pool, one reply and one copy for all)."""
         target = torch.device(device) if device is not None else None
-        if target is None or target.type != "cuda":
-            return list(await asyncio.gather(*(self.pull(h, target) for h in handles)))
         groups: dict[tuple[str, str], list[int]] = {}
         for i, handle in enumerate(handles):
             groups.setdefault((handle.transport, handle.address), []).append(i)

@@ -504,12 +504,13 @@ class ZmqClient:
         peer.ack(handle)
         return wire.deliver(flat, handle, None, out)
 
-    async def pull_many(self, handles: list[TensorHandle], timeout: float, device: torch.device) -> list[torch.Tensor]:
+    async def pull_many(self, handles: list[TensorHandle], timeout: float,
+                        device: torch.device | None) -> list[torch.Tensor]:
         """Tensors of one holder onto ``device``: where it is a GPU that the holder's tensors are on, staged
         together in one slot of its export pool (``wire.PullBatch``, up to MAX_BATCH a request), else one
         by one."""
         address = handles[0].address if handles else ""
-        if not (self.mapping and device.type == "cuda" and len(handles) > 1 and address.startswith(("tcp://", "ipc://"))
+        if not (self.mapping and device is not None and device.type == "cuda" and len(handles) > 1 and address.startswith(("tcp://", "ipc://"))
                 and all(h.address == address and h.nbytes for h in handles)):
             return list(await asyncio.gather(*(self.pull(h, timeout, device, None) for h in handles)))
         if len(handles) > wire.MAX_BATCH:
