@@ -164,7 +164,7 @@ def test_the_language_workers_split_of_first_token_reaches_the_record():
         lines = []
         for instance in "ab":  # two workers, each half of it
             for stage, seconds in (("prompt_wait", wait), ("prompt_prefill", prefill), ("prompt_intake", intake),
-                                   ("prompt_pull", pull)):
+                                   ("prompt_pull", pull), ("prompt_handoff", pull / 3)):
                 lines += [f'epd_service_stat{{instance="language-{instance}",service="epd-language",'
                           f'stat="{stage}_seconds_total"}} {seconds / 2}',
                           f'epd_service_stat{{instance="language-{instance}",service="epd-language",'
@@ -173,10 +173,11 @@ def test_the_language_workers_split_of_first_token_reaches_the_record():
 
     _, workers = stage_means(parse(reading(0.0, 0.0, 0.0, 0.0, 0)), parse(reading(0.1, 0.5, 0.2, 0.15, 10)))
     assert workers == {"prompt_wait": pytest.approx(10.0), "prompt_prefill": pytest.approx(50.0),
-                       "prompt_intake": pytest.approx(20.0), "prompt_pull": pytest.approx(15.0)}
+                       "prompt_intake": pytest.approx(20.0), "prompt_pull": pytest.approx(15.0),
+                       "prompt_handoff": pytest.approx(5.0)}
     assert first_token_split({"first_token": 95.0}, workers) == \
-        "  first token: intake 20.0 (pulls 15.0) + wait 10.0 + prefill 50.0, rest 15.0"
-    del workers["prompt_pull"]  # records from before the pulls were timed apart
+        "  first token: intake 20.0 (pulls 15.0, to the engine thread 5.0) + wait 10.0 + prefill 50.0, rest 15.0"
+    del workers["prompt_pull"], workers["prompt_handoff"]  # records from before these were timed apart
     assert first_token_split({"first_token": 95.0}, workers) == \
         "  first token: intake 20.0 + wait 10.0 + prefill 50.0, rest 15.0"
     assert first_token_split({"first_token": 95.0}, {}) == ""

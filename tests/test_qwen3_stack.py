@@ -100,6 +100,10 @@ def test_the_aggregated_process_serves_the_same(family_model, nats_url, vit, in_
         # that came with embeddings (the text-only one, or all of them through the encoder subjects)
         assert worker["prompt_wait_count"] == worker["prompt_prefill_count"] == len(cases)
         assert worker["prompt_intake_count"] == (1 if in_place else len(cases))
+        # the intake's parts: its pulls, then the engine thread taking the prompt, within the whole
+        assert worker["prompt_pull_count"] == worker["prompt_handoff_count"] == worker["prompt_intake_count"]
+        assert worker["prompt_pull_seconds_total"] + worker["prompt_handoff_seconds_total"] <= \
+            worker["prompt_intake_seconds_total"]
     finally:
         running.stop()
 

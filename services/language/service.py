@@ -28,8 +28,9 @@ class LanguageService(Service):
         self.plane = DataPlane.from_settings(settings)
         self.worker = LanguageWorker(settings, self.role, self.subjects, self.instance)
         self.intake: PromptIntake | None = None
-        # a job in → its prompt in the engine (pulls, checks, the step); of it, the checks and pulls
-        self.times = StageTimes(("prompt_intake", "prompt_pull"))
+        # a job in → its prompt in the engine (pulls, checks, the step); of it, the checks and pulls, and
+        # from there to the engine thread taking the prompt (the step it was running then)
+        self.times = StageTimes(("prompt_intake", "prompt_pull", "prompt_handoff"))
 
     async def setup(self) -> None:
         await self.open_plane()
@@ -53,9 +54,11 @@ class LanguageService(Service):
         """The job's prompt into the engine (its embeddings pulled first)."""
         started = time.monotonic()
         seq = await self.intake.sequence(job)
-        self.times.add("prompt_pull", time.monotonic() - started)
+        pulled = time.monotonic()
+        self.times.add("prompt_pull", pulled - started)
         self.worker.refuse_cancelled(job.request_id)  # cancelled while its embeddings came
-        await self.worker.add_prompt(seq, tracked)
+        taken = await self.worker.add_prompt(seq, tracked)
+        self.times.add("prompt_handoff", taken - pulled)
         self.times.add("prompt_intake", time.monotonic() - started)
 
     async def drain(self) -> None:

@@ -18,6 +18,7 @@ the first. Prefill, decode, language and aggregated are thin compositions of thi
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -98,11 +99,17 @@ class LanguageWorker:
             self._idle.set()
         return tracked
 
-    async def add_prompt(self, seq: Sequence, tracked: Tracked) -> None:
-        """Track ``seq`` and queue its prompt; a prompt the engine refuses is a 400."""
+    async def add_prompt(self, seq: Sequence, tracked: Tracked) -> float:
+        """Track ``seq`` and queue its prompt; a prompt the engine refuses is a 400. Returns when (monotonic)
+        the engine thread took it: after the step it was running then."""
+
+        def add(engine) -> float:
+            engine.add_prompt(seq)
+            return time.monotonic()
+
         self.track(seq.request_id, tracked)
         try:
-            await self.loop.call(lambda engine: engine.add_prompt(seq))
+            return await self.loop.call(add)
         except ValueError as err:
             self.end(seq.request_id, "refused")
             raise ServiceError(400, str(err)) from None
