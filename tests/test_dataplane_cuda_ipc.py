@@ -330,3 +330,32 @@ def test_pool_slots_are_first_fit_aligned_and_merge_when_given_back():
     with pytest.raises(ValueError):
         slots.give(0, cuda_ipc.ALIGN)  # already free
     assert cuda_ipc.Slots(0).take(1) is None
+
+
+def test_export_pool_slots_go_back_on_their_ack_or_after_the_lease():
+    """The holder's slot book-keeping (no GPU: a pool's slots without its buffer): a slot is freed by an
+    ack with its key and token only; when the pool is full, slots whose consumers never acked within the
+    lease are taken back."""
+    from types import SimpleNamespace
+
+    import zmq.asyncio
+
+    from shared.dataplane.store import TensorStore
+    from shared.dataplane.zmq_transport import ZmqServer
+
+    store = TensorStore(1 << 20, lease_seconds=0.05)
+    server = ZmqServer(store, "127.0.0.1", "", zmq.asyncio.Context.instance(), mappable=True, pool_bytes=4096)
+    pool = SimpleNamespace(slots=cuda_ipc.Slots(4 * cuda_ipc.ALIGN))
+    server._pools[0] = pool
+    a = server._take_slot(0, 2 * cuda_ipc.ALIGN, "a", "token-a")
+    b = server._take_slot(0, 2 * cuda_ipc.ALIGN, "b", "token-b")
+    assert a == (pool, 0) and b == (pool, 2 * cuda_ipc.ALIGN)
+    assert server.stats()["pool_bytes_used"] == 4 * cuda_ipc.ALIGN
+    server._free_slot("a", "wrong", 0)  # not its token: kept
+    server._free_slot("b", "token-b", 0)  # not its slot: kept
+    assert server._take_slot(0, cuda_ipc.ALIGN, "c", "token-c") is None  # full, nothing expired yet
+    server._free_slot("a", "token-a", 0)
+    assert server._take_slot(0, cuda_ipc.ALIGN, "c", "token-c") == (pool, 0)
+    time.sleep(0.06)  # b's and c's consumers never ack
+    assert server._take_slot(0, 4 * cuda_ipc.ALIGN, "d", "token-d") == (pool, 0)  # both taken back
+    assert server.stats()["pool_bytes_used"] == 4 * cuda_ipc.ALIGN and set(server._slots) == {("d", 0)}
