@@ -129,9 +129,10 @@ def first_token_split(stages: dict, workers: dict) -> str:
         return ""
     intake = workers.get("prompt_intake", 0.0)
     rest = stages["first_token"] - workers["prompt_wait"] - workers["prompt_prefill"] - intake
-    pull = f" (pulls {workers['prompt_pull']:.1f})" if "prompt_pull" in workers else ""
-    if pull and "prompt_handoff" in workers:  # the pulls → the engine thread takes the prompt → the loop hears
-        pull = pull[:-1] + f", to the engine thread {workers['prompt_handoff']:.1f})"
+    parts = [f"pulls {workers['prompt_pull']:.1f}"] if "prompt_pull" in workers else []
+    if parts and "prompt_handoff" in workers:  # the pulls → the engine thread takes the prompt → the loop hears
+        parts.append(f"to the engine thread {workers['prompt_handoff']:.1f}")
+    pull = f" ({', '.join(parts)})" if parts else ""
     return (f"  first token: intake {intake:.1f}{pull} + wait {workers['prompt_wait']:.1f} + prefill "
             f"{workers['prompt_prefill']:.1f}, rest {rest:.1f}")
 

@@ -186,6 +186,14 @@ class Slots:
     def rounded(nbytes: int) -> int:
         return max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
 
+    @classmethod
+    def layout(cls, nbytes: list[int]) -> list[int]:
+        """Where each tensor of a batch starts in its one slot (every start aligned), the slot's size last."""
+        offsets = [0]
+        for n in nbytes:
+            offsets.append(offsets[-1] + cls.rounded(n))
+        return offsets
+
     def take(self, nbytes: int) -> int | None:
         need = self.rounded(nbytes)
         for i, (offset, length) in enumerate(self.free):

@@ -81,15 +81,6 @@ def refusal(code: str, message: str) -> PullReply:
     return PullReply(False, code, message[:MAX_MESSAGE_CHARS])
 
 
-def batch_offsets(nbytes: list[int], align: int) -> list[int]:
-    """Where each tensor of a batch starts in its slot (every start aligned), and the slot's size last."""
-    offsets, end = [], 0
-    for n in nbytes:
-        offsets.append(end)
-        end += -(-n // align) * align
-    return offsets + [end]
-
-
 def lookup(store: TensorStore, request: PullRequest) -> tuple[PullReply, torch.Tensor | None]:
     """The holder's answer to a pull: its reply, and the tensor to send when the reply is ok."""
     try:

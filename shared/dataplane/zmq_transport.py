@@ -191,7 +191,7 @@ class ZmqServer:
 
     async def _answer_batch(self, sock, identity: bytes, request_id: bytes, message: wire.PullBatch) -> None:
         tensors = self._batchable(message)
-        offsets = wire.batch_offsets(message.nbytes, cuda_ipc.ALIGN)
+        offsets = cuda_ipc.Slots.layout(message.nbytes)
         staged = tensors and self._take_slot(tensors[0].device.index, offsets[-1], message.keys[0], message.tokens[0])
         if not staged:
             return await self._refuse(sock, identity, request_id, "unbatched", "pull these one by one")
@@ -547,7 +547,7 @@ class ZmqClient:
     async def _copy_batch(peer: _Peer, reply: wire.PullReply, gpu: str, handles: list[TensorHandle],
                           target: torch.device) -> list[torch.Tensor]:
         """One copy of the batch's slot, split into its tensors (views of one buffer), then the acks."""
-        offsets = wire.batch_offsets([h.nbytes for h in handles], cuda_ipc.ALIGN)
+        offsets = cuda_ipc.Slots.layout([h.nbytes for h in handles])
         device = torch.device("cuda", _index(target))
         try:
             mapping = await peer.mapping(reply, gpu, device)
