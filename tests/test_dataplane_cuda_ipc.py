@@ -330,6 +330,8 @@ def test_pool_slots_are_first_fit_aligned_and_merge_when_given_back():
     with pytest.raises(ValueError):
         slots.give(0, cuda_ipc.ALIGN)  # already free
     assert cuda_ipc.Slots(0).take(1) is None
+    unit = cuda_ipc.ALIGN  # a batch's tensors in one slot: each start aligned, the slot's size last
+    assert cuda_ipc.Slots.layout([1, unit + 1, unit]) == [0, unit, 3 * unit, 4 * unit]
 
 
 def test_export_pool_slots_go_back_on_their_ack_or_after_the_lease():
