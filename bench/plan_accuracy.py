@@ -8,7 +8,7 @@ topology's measured and predicted mean TTFT (calibrated from its own unloaded re
 predicts) and their ratio, the plan's pick and whether it is the measured best (within the sweep's
 TIE). `--stages`: each topology's frontend stages (media / encode / to first token), measured against
 the model's own terms, and its encode stage split by the encoder's own means (per image): the ViT
-queue and forward, `settle` (from the forward's end to the job resuming on the event loop: job_encode −
+queue and forward (with, where kept, its launch on the host and its span on the GPU), `settle` (from the forward's end to the job resuming on the event loop: job_encode −
 queue − forward) and `rest` (encode stage − queue − forward − pull: NATS, replies, the last image); and,
 in runs that kept them, the to-first-token stage by the language-model workers' per-prompt means
 (intake, wait in the engine, prefill, rest). `--replay`: the point's own requests (arrival times, image counts) through
@@ -110,14 +110,20 @@ def stage_text(stages: dict) -> str:
 
 
 def encode_split(stages: dict, encoder: dict) -> str:
-    """The encode stage by the encoder's per-image means (``--stages``); empty where they were not kept."""
-    parts = ("vit_queue", "vit_forward", "job_pull", "job_encode")
-    if "encode" not in stages or not all(k in encoder for k in parts):
+    """The encode stage by the encoder's per-image means (``--stages``); empty where they were not kept.
+    In place (no encode jobs: no pull, no settle) the rest is the stage less queue and forward. The
+    forward's launch (host) and GPU span, where kept: host-bound when the launch takes the forward's time."""
+    if "encode" not in stages or not all(k in encoder for k in ("vit_queue", "vit_forward")):
         return ""
     queue, forward = encoder["vit_queue"], encoder["vit_forward"]
-    settle = encoder["job_encode"] - queue - forward
-    rest = stages["encode"] - queue - forward - encoder["job_pull"]
-    return f"  encode: queue {queue:.1f} + forward {forward:.1f}, settle {settle:.1f}, rest {rest:.1f}"
+    spans = [f"{name} {encoder[key]:.1f}" for name, key in (("launch", "vit_forward_launch"),
+                                                           ("GPU", "vit_forward_gpu")) if key in encoder]
+    text = f"  encode: queue {queue:.1f} + forward {forward:.1f}" + (f" ({', '.join(spans)})" if spans else "")
+    if "job_encode" in encoder and "job_pull" in encoder:
+        settle = encoder["job_encode"] - queue - forward
+        rest = stages["encode"] - queue - forward - encoder["job_pull"]
+        return f"{text}, settle {settle:.1f}, rest {rest:.1f}"
+    return f"{text}, rest {stages['encode'] - queue - forward:.1f}"
 
 
 def first_token_split(stages: dict, workers: dict) -> str:

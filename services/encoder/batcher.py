@@ -78,6 +78,13 @@ class _Item:
         return t * h * w
 
 
+def _timing_event() -> torch.cuda.Event:
+    """An event recorded now on the current stream, for ``elapsed_time``."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
 @dataclass
 class _Launched:
     """A forward launched during an engine step: its outputs are valid once ``end`` has passed on the GPU
@@ -130,7 +137,7 @@ class VisionBatcher:
         self.patches = 0
         self.batch_sizes = BatchSizes(max_images)
         self.images_rate = RateMeter()
-        self.times = StageTimes(("queue", "forward"))
+        self.times = StageTimes(("queue", "forward", "forward_launch", "forward_gpu"))
 
     @property
     def queued(self) -> int:
@@ -263,6 +270,8 @@ class VisionBatcher:
         while self._settling and self._settling[0].finished(block):
             launched = self._settling.pop(0)
             self.times.add("forward", launched.seconds(), count=len(launched.batch))
+            if launched.end is not None:
+                self.times.add("forward_gpu", launched.seconds(), count=len(launched.batch))
             for item, out in zip(launched.batch, launched.outputs):
                 self.loop.call_soon_threadsafe(settle, item.future, out, None)
 
@@ -276,15 +285,22 @@ class VisionBatcher:
 
     def _forward_and_settle(self, batch: list[_Item]) -> None:
         started = self._starting(batch)
+        timed = self.device.type == "cuda"
         try:
             with torch.cuda.stream(self.stream) if self.overlapping and self.stream is not None else nullcontext():
+                begin = _timing_event() if timed else None
                 outputs = self._forward(batch)
-                if self.device.type == "cuda":
-                    torch.cuda.current_stream(self.device).synchronize()  # complete before anyone reads them
+                queued = time.monotonic()
+                if timed:
+                    end = _timing_event()
+                    end.synchronize()  # complete before anyone reads them
         except Exception as err:
             self._failed(batch, err)
             return
         self.times.add("forward", time.monotonic() - started, count=len(batch))
+        if timed:  # host-bound when the launch takes the forward's time; else the GPU span says how long
+            self.times.add("forward_launch", queued - started, count=len(batch))
+            self.times.add("forward_gpu", begin.elapsed_time(end) / 1e3, count=len(batch))
         self._hand_over(batch, outputs)
         for item, out in zip(batch, outputs):
             self.loop.call_soon_threadsafe(settle, item.future, out, None)
