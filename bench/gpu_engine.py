@@ -27,7 +27,8 @@ model) with random bf16 weights (timing does not depend on weight values):
               option (penalties, bias, top-k/p, min-p, seed, logprobs), one row under a JSON-schema grammar, every
               row with every option: what one request's options cost the others' steps
   vit_graphs  the vision tower through CUDA graphs between its attentions (--vit-graph-patches, as
-              EPD_VIT_GRAPH_PATCHES) against eager: 1, 4, 10 x 448x448, 1 and 2 x 1080p
+              EPD_VIT_GRAPH_PATCHES) and through a graph of each layout's whole forward (EPD_VIT_LAYOUT_GRAPHS)
+              against eager: 1, 4, 10 x 448x448, 1 and 2 x 1080p; also beside a thread of pure Python
   preprocess  one 1080p image to patches: HF's PIL processor on one CPU thread against the torch path on
               the GPU (pixels copied over included), and how far apart their patches are
   video       10 s and 30 s 720p clips (2 sampled frames a second, the video processor's token budget):
@@ -52,6 +53,7 @@ import json
 import math
 import statistics
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -867,6 +869,43 @@ def _without_pieces(model):
         model.pieces = held
 
 
+@contextlib.contextmanager
+def _without_layouts(tower):
+    """``tower``'s forwards skip its layout graphs inside the block (the pieces alone)."""
+    held = tower.pieces.layouts if tower.pieces is not None else None
+    if held is not None:
+        tower.pieces.layouts = None
+    try:
+        yield
+    finally:
+        if held is not None:
+            tower.pieces.layouts = held
+
+
+def _layout_captured(tower, grids) -> bool:
+    layouts = tower.pieces.layouts if tower.pieces is not None else None
+    return layouts is not None and tuple(map(tuple, grids)) in layouts.entries
+
+
+@contextlib.contextmanager
+def _busy_interpreter():
+    """A thread of pure Python beside the block (at the default switch interval): a host-bound forward
+    waits for the GIL as it would beside a serving process's event loop."""
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            sum(range(2000))
+
+    thread = threading.Thread(target=spin, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def prefill_sizes(ctx):
     """Text prefills from chat-sized to image-sized prompts: time, both floors, kernels by name."""
     build_lm(ctx)
@@ -1305,7 +1344,7 @@ def vit_graphs(ctx):
     limit = ctx["vit_graph_patches"]
     started = time.perf_counter()
     if dev.type == "cuda":
-        pieces.capture(tower, limit)
+        pieces.capture(tower, limit, layouts=8)
     else:  # the same pieces, eagerly
         tower.pieces = pieces.vision_pieces(tower, limit)
     capture_s = time.perf_counter() - started
@@ -1317,23 +1356,36 @@ def vit_graphs(ctx):
             with _without_pieces(tower):
                 eager_ms = timer.ms(lambda: tower(patches, grids), repeat=5 if ctx["big"] else 2, warmup=2)
                 eager = tower(patches, grids).float()
-            graphs_ms = timer.ms(lambda: tower(patches, grids), repeat=5 if ctx["big"] else 2, warmup=2)
-            pieced = tower(patches, grids).float()
+            with _without_layouts(tower):
+                graphs_ms = timer.ms(lambda: tower(patches, grids), repeat=5 if ctx["big"] else 2, warmup=2)
+                pieced = tower(patches, grids).float()
+                with _busy_interpreter():  # another thread wants the GIL, as a serving process's event loop
+                    graphs_busy_ms = timer.ms(lambda: tower(patches, grids), repeat=5 if ctx["big"] else 2, warmup=1)
+            layout_ms = timer.ms(lambda: tower(patches, grids), repeat=5 if ctx["big"] else 2, warmup=2)
+            whole = tower(patches, grids).float()
+            with _busy_interpreter():
+                layout_busy_ms = timer.ms(lambda: tower(patches, grids), repeat=5 if ctx["big"] else 2, warmup=1)
             with _without_pieces(tower):  # where each path's GPU time goes, kernel by kernel
                 eager_kernels, eager_us = _kernel_table(ctx, lambda: tower(patches, grids))
-            graph_kernels, graph_us = _kernel_table(ctx, lambda: tower(patches, grids))
+            with _without_layouts(tower):
+                graph_kernels, graph_us = _kernel_table(ctx, lambda: tower(patches, grids))
         covered = tower.pieces.bucket(patches.shape[0]) is not None
         # full attention in every block (Qwen2-VL, Qwen3-VL): the FLOPs are exact; windowed towers do fewer
         floor = vit_flops(cfg.vision, grid[1] * grid[2], images) / ctx.get("matmul_rate", math.inf) * 1e3 \
             if cfg.vision.window_size == 0 else None
         row = {"shape": f"{images} x {label}", "patches": patches.shape[0], "covered": covered, "eager_ms": eager_ms,
-               "graphs_ms": graphs_ms, "compute_floor_ms": floor, "max_abs_diff": float((pieced - eager).abs().max()),
+               "graphs_ms": graphs_ms, "graphs_busy_ms": graphs_busy_ms, "layout_ms": layout_ms,
+               "layout_busy_ms": layout_busy_ms, "layout_captured": _layout_captured(tower, grids),
+               "layout_max_abs_diff": float((whole - pieced).abs().max()),
+               "compute_floor_ms": floor, "max_abs_diff": float((pieced - eager).abs().max()),
                "scale": float(eager.abs().max()), "eager_kernel_us": eager_us, "graphs_kernel_us": graph_us,
                "eager_kernels": eager_kernels, "graphs_kernels": graph_kernels}
         rows.append(row)
         log(f"vit graphs {row['shape']} ({row['patches']} patches{'' if covered else ', above the limit: eager'}): "
             f"eager {eager_ms:.2f} ms ({eager_us / 1e3:.2f} ms of kernels), graphs {graphs_ms:.2f} ms "
-            f"({graph_us / 1e3:.2f}); compute floor {floor and round(floor, 2)} ms; "
+            f"({graph_us / 1e3:.2f}), busy interpreter {graphs_busy_ms:.2f}; layout graph {layout_ms:.2f} ms, "
+            f"busy {layout_busy_ms:.2f} (captured: {row['layout_captured']}, diff {row['layout_max_abs_diff']:.3g}); "
+            f"compute floor {floor and round(floor, 2)} ms; "
             f"max diff {row['max_abs_diff']:.3g} of {row['scale']:.3g}")
         for name, table in (("eager", eager_kernels), ("graphs", graph_kernels)):
             for k in table[:8]:

@@ -93,7 +93,8 @@ class Encoder:
         tower = await asyncio.to_thread(load_vision_tower, path, config, s.torch_device(), s.torch_dtype(),
                                         s.load_format)
         if s.torch_device().type == "cuda" and s.vit_graph_patches:
-            await asyncio.to_thread(pieces.capture, tower, min(s.vit_graph_patches, s.max_batch_patches))
+            await asyncio.to_thread(pieces.capture, tower, min(s.vit_graph_patches, s.max_batch_patches),
+                                    s.vit_layout_graphs)
         self.preprocess_mode = preprocess_mode(s.preprocess, s.torch_device())
         self.geometry = ImageGeometry.from_checkpoint(path)
         self.video = VideoPreprocessor.from_checkpoint(path, s.torch_dtype())

@@ -30,6 +30,7 @@ fails falls back (cuDNN → flash → SDPA's own choice). On CPU both are the re
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 
@@ -163,6 +164,7 @@ class _Sightings(threading.local):
     def __init__(self):
         self.work: dict[tuple, float] = {}  # shape → FLOPs the flash kernel did at it; inf: flash for good
         self.promoted: set[tuple] = set()
+        self.settled: str | None = None  # ``settled``'s choice while inside it
 
 
 _sightings = _Sightings()
@@ -173,11 +175,28 @@ def promoted() -> int:
     return len(_sightings.promoted)
 
 
+@contextlib.contextmanager
+def settled(choice: str):
+    """Inside, ``recurring`` runs every shape in ``choice``'s kernel ("cudnn": cuDNN where usable, else
+    flash; "flash") in the calling thread, as if the shape's count were done: for work captured into a
+    CUDA graph, which replays what it ran at capture and never counts again."""
+    seen = _sightings
+    before, seen.settled = seen.settled, choice
+    try:
+        yield
+    finally:
+        seen.settled = before
+
+
 def recurring(q, k, v):
     """Bidirectional attention over ``[B, H, n, D]`` at shapes that may come back (see the module's
     docstring): the flash kernel until it has done ``PROMOTE_FLOPS`` at the shape in this thread, then cuDNN."""
     if not _half(q):
         return reference(q, k, v, False)
+    if _sightings.settled is not None:
+        if _sightings.settled == "cudnn" and usable("cudnn", q.device, q.dtype, q.shape[1], k.shape[1], q.shape[3]):
+            return _cudnn(q, k, v, False)[0]
+        return flash(q, k, v)
     key = (tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), q.dtype, q.device)
     seen = _sightings
     if key in seen.promoted:

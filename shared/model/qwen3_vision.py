@@ -15,6 +15,7 @@ as one packed batch with attention confined to each image. What differs:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -144,9 +145,17 @@ class Qwen3VisionTower(nn.Module):
     def forward(self, patches: torch.Tensor, grids: Sequence[Grid], grouped: bool | None = None) -> torch.Tensor:
         """``patches`` ``[N, patch_dim]`` of all images, concatenated → ``[N / merge², embedding_width]``."""
         grouped = patches.is_cuda if grouped is None else grouped
-        device = patches.device
-        x = self.patch_embed(patches)
-        x = x + self.pos_embed(grids).to(x.dtype)
+        layouts = self.pieces.layouts if self.pieces is not None and patches.is_cuda else None
+        if layouts is not None:
+            out = layouts.run(tuple(map(tuple, grids)), patches, lambda: self.layout(grids, patches.device, grouped),
+                              self.run)
+            if out is not None:
+                return out
+        return self.run(patches, self.layout(grids, patches.device, grouped), pieces=True)
+
+    def layout(self, grids: Sequence[Grid], device: torch.device, grouped: bool) -> "_Layout":
+        """What a batch of images of ``grids`` needs on the device besides its patches."""
+        pos = self.pos_embed(grids)
         coords = torch.cat([block_major_coords(g, self.config.merge_size) for g in grids]).to(device)
         cos, sin = self.rotary(coords)
         cu = [0]
@@ -154,16 +163,32 @@ class Qwen3VisionTower(nn.Module):
             first = cu[-1]  # not read inside the generator: extend appends as it iterates
             cu.extend(first + h * w * (i + 1) for i in range(t))
         attend = SegmentAttention(cu, device, grouped, recurring=all(t == 1 for t, _, _ in grids))  # video: flash
+        return _Layout(pos, cos, sin, attend)
+
+    def run(self, patches: torch.Tensor, layout: "_Layout", pieces: bool = False) -> torch.Tensor:
+        """The forward over ``patches`` laid out as ``layout`` says (``pieces``: through the pieces' graphs
+        where they hold the batch; device work alone either way)."""
+        x = self.patch_embed(patches)
+        x = x + layout.pos.to(x.dtype)
         levels = []
         layers = self.config.deepstack_layers
-        if in_pieces(self, x):
+        if pieces and in_pieces(self, x):
             between = {i: lambda hidden, i=i: levels.append(self.deepstack_merger_list[layers.index(i)](hidden))
                        for i in layers}
-            x, residual = self.pieces.run(x, lambda i, qkv: self.blocks[i].attn.attend(qkv, cos, sin, attend), between)
+            x, residual = self.pieces.run(
+                x, lambda i, qkv: self.blocks[i].attn.attend(qkv, layout.cos, layout.sin, layout.attend), between)
             x = residual + x
         else:
             for i, block in enumerate(self.blocks):
-                x = block(x, cos, sin, attend)
+                x = block(x, layout.cos, layout.sin, layout.attend)
                 if i in layers:
                     levels.append(self.deepstack_merger_list[layers.index(i)](x))
         return torch.cat([self.merger(x), *levels], dim=-1)
+
+
+@dataclass
+class _Layout:
+    pos: torch.Tensor  # [N, width] position embeddings
+    cos: torch.Tensor
+    sin: torch.Tensor
+    attend: SegmentAttention

@@ -258,6 +258,18 @@ def packed_layout(grids: Sequence[Grid], config: VisionConfig) -> PackedLayout:
                         cu_windows=cu_windows if window else cu_images, rows_cols=torch.cat(coords))
 
 
+@dataclass
+class DeviceLayout:
+    """A packed batch's layout on the device: window order and its inverse, rotary tables, attentions."""
+
+    order: torch.Tensor
+    restore: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    full: SegmentAttention
+    windowed: SegmentAttention
+
+
 class VisionTower(nn.Module):
     pieces = None  # shared.model.pieces.Pieces once captured: forwards of up to their patches run there
 
@@ -272,24 +284,39 @@ class VisionTower(nn.Module):
     def forward(self, patches: torch.Tensor, grids: Sequence[Grid], grouped: bool | None = None) -> torch.Tensor:
         """``patches`` ``[N, patch_dim]`` of all images, concatenated → ``[N / merge², out_dim]``."""
         grouped = patches.is_cuda if grouped is None else grouped
-        layout = packed_layout(grids, self.config)
+        layouts = self.pieces.layouts if self.pieces is not None and patches.is_cuda else None
+        if layouts is not None:
+            out = layouts.run(tuple(map(tuple, grids)), patches, lambda: self.layout(grids, patches.device, grouped),
+                              self.run)
+            if out is not None:
+                return out
+        return self.run(patches, self.layout(grids, patches.device, grouped), pieces=True)
+
+    def layout(self, grids: Sequence[Grid], device: torch.device, grouped: bool) -> DeviceLayout:
+        """What a batch of images of ``grids`` needs on the device besides its patches."""
+        packed = packed_layout(grids, self.config)
         unit = self.config.merge_size ** 2
-        device = patches.device
-        x = self.patch_embed(patches)
-        x = self._to_window_order(x, layout.order.to(device), unit)
-        cos, sin = self.rotary(self._to_window_order(layout.rows_cols.to(device), layout.order.to(device), unit))
+        order = packed.order.to(device)
+        cos, sin = self.rotary(self._to_window_order(packed.rows_cols.to(device), order, unit))
         images = all(t == 1 for t, _, _ in grids)  # video: the flash kernel only (``_attention``)
-        full = SegmentAttention(layout.cu_images, device, grouped, images)
-        windowed = SegmentAttention(layout.cu_windows, device, grouped, images) \
-            if layout.cu_windows != layout.cu_images else full
-        if in_pieces(self, x):
-            x, residual = self.pieces.run(x, lambda i, qkv: self.blocks[i].attn.attend(
-                qkv, cos, sin, full if i in self.config.fullatt_blocks else windowed))
+        full = SegmentAttention(packed.cu_images, device, grouped, images)
+        windowed = SegmentAttention(packed.cu_windows, device, grouped, images) \
+            if packed.cu_windows != packed.cu_images else full
+        return DeviceLayout(order, packed.restore.to(device), cos, sin, full, windowed)
+
+    def run(self, patches: torch.Tensor, layout: DeviceLayout, pieces: bool = False) -> torch.Tensor:
+        """The forward over ``patches`` laid out as ``layout`` says (``pieces``: through the pieces' graphs
+        where they hold the batch; device work alone either way)."""
+        x = self._to_window_order(self.patch_embed(patches), layout.order, self.config.merge_size ** 2)
+        cos, sin = layout.cos, layout.sin
+        attend = [layout.full if i in self.config.fullatt_blocks else layout.windowed for i in range(len(self.blocks))]
+        if pieces and in_pieces(self, x):
+            x, residual = self.pieces.run(x, lambda i, qkv: self.blocks[i].attn.attend(qkv, cos, sin, attend[i]))
         else:
             residual = None
             for i, block in enumerate(self.blocks):
-                x, residual = block(x, residual, cos, sin, full if i in self.config.fullatt_blocks else windowed)
-        return self.merger(x + residual)[layout.restore.to(device)]
+                x, residual = block(x, residual, cos, sin, attend[i])
+        return self.merger(x + residual)[layout.restore]
 
     @staticmethod
     def _to_window_order(x: torch.Tensor, order: torch.Tensor, unit: int) -> torch.Tensor:

@@ -88,9 +88,10 @@ def measure_clip_media(data: bytes, geometry: VideoGeometry) -> tuple[float, "De
 class VisionProbe:
     """The vision tower, loaded once, timed on batches of images of any size, preprocessed as the
     encoders do (``mode`` torch: on the device, inside the timed forward; pil: on CPU, timed apart);
-    ``graph_patches``: forwards of up to that many patches as CUDA graphs (``EPD_VIT_GRAPH_PATCHES``)."""
+    ``graph_patches``: forwards of up to that many patches as CUDA graphs (``EPD_VIT_GRAPH_PATCHES``), and
+    ``layout_graphs`` whole forwards of recurring batch layouts (``EPD_VIT_LAYOUT_GRAPHS``)."""
 
-    def __init__(self, settings, config, path, mode: str, graph_patches: int = 0):
+    def __init__(self, settings, config, path, mode: str, graph_patches: int = 0, layout_graphs: int = 0):
         from shared.model.loader import load_vision_tower
 
         self.device, self.dtype = settings.torch_device(), settings.torch_dtype()
@@ -99,7 +100,7 @@ class VisionProbe:
         if self.device.type == "cuda" and graph_patches:  # as encoders with EPD_VIT_GRAPH_PATCHES run it
             from shared.model import pieces
 
-            pieces.capture(self.tower, graph_patches)
+            pieces.capture(self.tower, graph_patches, layout_graphs)
         self.timer = Timer(self.device)
         self._video = None
 

@@ -59,6 +59,9 @@ class FloorSettings(EngineSettings):
     corun_seconds: float = Field(1.0, ge=0, description="seconds of each co-run measurement (0: skip them)")
     vit_graph_patches: int = Field(EncoderSettings.model_fields["vit_graph_patches"].default, ge=0, description="the encoders' EPD_VIT_GRAPH_PATCHES: the measured tower's "
                                                         "forwards of up to this many patches as CUDA graphs")
+    vit_layout_graphs: int = Field(EncoderSettings.model_fields["vit_layout_graphs"].default, ge=0,
+                                   description="the encoders' EPD_VIT_LAYOUT_GRAPHS: whole forwards of recurring "
+                                               "batch layouts as CUDA graphs")
 
 
 class ShapeWorkload(Workload, VideoWorkload):
@@ -123,7 +126,7 @@ def _vision(settings, path, config, mode, shapes) -> tuple[VisionProbe, dict]:
     """The tower, and per resolution (tokens per image, preprocess ms, {images: ViT ms}, grid)."""
     from tools.plan.costs import VisionProbe
 
-    vision = VisionProbe(settings, config, path, mode, settings.vit_graph_patches)
+    vision = VisionProbe(settings, config, path, mode, settings.vit_graph_patches, settings.vit_layout_graphs)
     seen: dict[str, tuple] = {}
     for (resolution, _), counts in shapes.items():
         width, height = parse_resolution(resolution)
