@@ -206,6 +206,11 @@ def class_keys(w: dict) -> dict[str, str]:
     return keys
 
 
+# warm-up requests a resolution gets before its unloaded ones: the encoders capture a batch layout's graph at
+# its second forward (shared.model.pieces.LayoutGraphs, ~0.2 s once), which the unloaded TTFT must not carry
+WARM_UPS = 2
+
+
 def warm_shape(w: dict) -> str:
     """What a stack's first request of a kind warms up: text, a resolution's images, a clip size."""
     if w.get("video_count"):
@@ -372,10 +377,10 @@ class TopologyRun:
         for number, cls in enumerate(classes):
             started = time.monotonic()
             shape = warm_shape(cls.workload)
-            if shape not in warm:  # warm-up: the stack's first request of this resolution
+            if shape not in warm:  # warm-up: the stack's first requests of this resolution
                 warm.add(shape)
-                await self.meter.measure(self._settings(cls.workload, self.args.seed + 10_000 + 2 * number, 1,
-                                                        math.inf, UNLOADED_TOKENS), details=False)
+                await self.meter.measure(self._settings(cls.workload, self.args.seed + 10_000 + 2 * number,
+                                                        WARM_UPS, math.inf, UNLOADED_TOKENS), details=False)
             prompts = 2 if self.args.tiny else self.args.unloaded
             record = await self.meter.measure(self._settings(cls.workload, self.args.seed + 10_001 + 2 * number,
                                                              prompts, math.inf, UNLOADED_TOKENS))
@@ -806,7 +811,7 @@ def clip_s(w: dict) -> tuple[float, float]:
 def estimate(args, chosen: list[Topology], classes: list[RequestClass], todo: list[Point]) -> dict[str, float]:
     """Seconds each part should take on one H200 (from BASELINES.md-like costs): for --dry-run."""
     warm_ups = {warm_shape(c.workload): c.workload for c in classes}
-    requests = [(c.workload, args.unloaded) for c in classes] + [(w, 1) for w in warm_ups.values()]
+    requests = [(c.workload, args.unloaded) for c in classes] + [(w, WARM_UPS) for w in warm_ups.values()]
     unloaded = sum(n * (0.5 + sum(clip_s(w))) for w, n in requests)
     loaded = 0.0
     for p in todo:  # arrivals, the last request's decode (~10 ms a token), reading the metrics; making clips
@@ -829,7 +834,7 @@ def dry_run(args, chosen, classes, todo, floor: Floor | None) -> int:
         prompts = 3 if args.tiny else max(args.min_prompts, min(150, round(p.rate * args.seconds)))
         print(f"  point {p.case.name:12} {p.rate:6g} req/s" + (f" ({p.fraction:.0%} of capacity)" if p.fraction else "")
               + f", {prompts} requests, seed {p.seed}")
-    print("unloaded classes (one request at a time; one warm-up request per resolution first): "
+    print(f"unloaded classes (one request at a time; {WARM_UPS} warm-up requests per resolution first): "
           + "; ".join(c.key for c in classes))
     for t in chosen:
         settings = "".join(f"{name}={value} " for name, value in args.stack_env)
