@@ -25,7 +25,7 @@ from torch import nn
 from shared.model.config import VisionConfig
 from shared.model.geometry import Grid
 from shared.model.rope import VisionRotaryEmbedding
-from shared.model.vision import SegmentAttention, VisionAttention, in_pieces
+from shared.model.vision import SegmentAttention, VisionAttention, in_pieces, layout_forward
 
 
 class PatchEmbed(nn.Module):
@@ -144,14 +144,7 @@ class Qwen3VisionTower(nn.Module):
 
     def forward(self, patches: torch.Tensor, grids: Sequence[Grid], grouped: bool | None = None) -> torch.Tensor:
         """``patches`` ``[N, patch_dim]`` of all images, concatenated → ``[N / merge², embedding_width]``."""
-        grouped = patches.is_cuda if grouped is None else grouped
-        layouts = self.pieces.layouts if self.pieces is not None and patches.is_cuda else None
-        if layouts is not None:
-            out = layouts.run(tuple(map(tuple, grids)), patches, lambda: self.layout(grids, patches.device, grouped),
-                              self.run)
-            if out is not None:
-                return out
-        return self.run(patches, self.layout(grids, patches.device, grouped), pieces=True)
+        return layout_forward(self, patches, grids, patches.is_cuda if grouped is None else grouped)
 
     def layout(self, grids: Sequence[Grid], device: torch.device, grouped: bool) -> "_Layout":
         """What a batch of images of ``grids`` needs on the device besides its patches."""

@@ -186,6 +186,18 @@ def _add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None):
     return norm(residual), residual
 
 
+def layout_forward(tower: nn.Module, patches: torch.Tensor, grids: Sequence[Grid], grouped: bool) -> torch.Tensor:
+    """A tower's forward: ``tower.run`` over ``tower.layout`` of ``grids``, through the layout's whole-forward
+    graph where it has one or captures it now (``shared.model.pieces.LayoutGraphs``, GPU only)."""
+    layouts = tower.pieces.layouts if tower.pieces is not None and patches.is_cuda else None
+    if layouts is not None:
+        out = layouts.run(tuple(map(tuple, grids)), patches, lambda: tower.layout(grids, patches.device, grouped),
+                          tower.run)
+        if out is not None:
+            return out
+    return tower.run(patches, tower.layout(grids, patches.device, grouped), pieces=True)
+
+
 def in_pieces(tower: nn.Module, x: torch.Tensor) -> bool:
     """Whether a tower's forward over ``x`` (its patches' hidden states) runs through its ``pieces``."""
     return tower.pieces is not None and tower.pieces.bucket(x.shape[0]) is not None
@@ -283,14 +295,7 @@ class VisionTower(nn.Module):
 
     def forward(self, patches: torch.Tensor, grids: Sequence[Grid], grouped: bool | None = None) -> torch.Tensor:
         """``patches`` ``[N, patch_dim]`` of all images, concatenated → ``[N / merge², out_dim]``."""
-        grouped = patches.is_cuda if grouped is None else grouped
-        layouts = self.pieces.layouts if self.pieces is not None and patches.is_cuda else None
-        if layouts is not None:
-            out = layouts.run(tuple(map(tuple, grids)), patches, lambda: self.layout(grids, patches.device, grouped),
-                              self.run)
-            if out is not None:
-                return out
-        return self.run(patches, self.layout(grids, patches.device, grouped), pieces=True)
+        return layout_forward(self, patches, grids, patches.is_cuda if grouped is None else grouped)
 
     def layout(self, grids: Sequence[Grid], device: torch.device, grouped: bool) -> DeviceLayout:
         """What a batch of images of ``grids`` needs on the device besides its patches."""
