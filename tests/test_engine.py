@@ -207,6 +207,61 @@ def test_preprocessing_on_the_device_matches_the_checkpoints_processor(tiny_mode
         assert difference.mean().item() <= step / 2, (height, width)
 
 
+def test_the_device_preprocessor_prepares_images_of_one_size_together_as_each_alone(tiny_model):
+    """Images of one size stacked ``[n, H, W, 3]`` give each image's patches, in order, bit for bit as
+    one at a time: resized (both passes), or already on the grid."""
+    import numpy as np
+
+    from shared.model.processor import TorchImagePreprocessor
+
+    prepare = TorchImagePreprocessor(tiny_model)
+    for height, width in [(100, 150), (56, 56), (600, 900)]:
+        images = [torch.from_numpy(np.asarray(make_image(seed, height, width)).copy()) for seed in (7, 8, 9)]
+        together = prepare(torch.stack(images))
+        alone = torch.cat([prepare(image) for image in images])
+        assert together.shape == alone.shape and torch.equal(together, alone), (height, width)
+
+
+def test_the_vision_batcher_prepares_a_forwards_images_of_one_size_together(model_parts, tiny_model):
+    """A forward whose images share a size prepares them in one call (stacked), the others one by one,
+    and each image's embeddings are those it gets in a forward of its own."""
+    import asyncio
+
+    import numpy as np
+
+    from services.encoder.batcher import VisionBatcher
+    from shared.model.processor import TorchImagePreprocessor
+
+    _, _, tower = model_parts
+    prepare = TorchImagePreprocessor(tiny_model)
+    calls: list[int] = []
+
+    class Counting(TorchImagePreprocessor):
+        def __call__(self, pixels):
+            calls.append(1 if pixels.dim() == 3 else pixels.shape[0])
+            return super().__call__(pixels)
+
+    counting = Counting(tiny_model)
+    images = [np.asarray(make_image(s, h, w)) for s, h, w in [(21, 100, 150), (22, 100, 150), (23, 56, 56),
+                                                              (24, 100, 150)]]
+
+    async def encode(prepare, max_images) -> list[torch.Tensor]:
+        batcher = VisionBatcher(tower, asyncio.get_running_loop(), max_images=max_images, max_patches=10_000,
+                                prepare=prepare)
+        jobs = [batcher.encode(torch.from_numpy(i.copy()), prepare.grid(*i.shape[:2]), group="r") for i in images]
+        batcher.start()
+        try:
+            return await asyncio.gather(*jobs)
+        finally:
+            await asyncio.to_thread(batcher.stop)
+
+    alone = asyncio.run(encode(prepare, 1))
+    together = asyncio.run(encode(counting, 4))
+    assert calls == [2, 1, 1]  # the first two (one size), the third (another), the fourth (after it)
+    for a, b in zip(alone, together):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
 def test_the_device_preprocessor_reads_the_settings_hf_resolves(tiny_model, tmp_path):
     """``PixelSteps`` (read without transformers) are the HF processor's own: from the checkpoint's config,
     and the class defaults where a config leaves them out."""

@@ -394,12 +394,31 @@ class VisionBatcher:
         return any(self.pending(group) > 0 for group in {item.group for item in batch if item.group})
 
     @torch.inference_mode()
+    def _patches(self, batch: list[_Item]) -> list[torch.Tensor]:
+        """Each item's patches on the device; pixels of one size that one batching ``prepare`` takes
+        (``TorchImagePreprocessor``) cross to the device and are prepared together, in one chain of kernels
+        instead of one an image (ten 448² images: ~100 launches fewer a forward)."""
+        out, i = [], 0
+        while i < len(batch):
+            item, j = batch[i], i + 1
+            if item.prepare is None:
+                out.append(item.source.to(self.device, self.dtype, non_blocking=True))
+                i = j
+                continue
+            if getattr(item.prepare, "batches", False):
+                while (j < len(batch) and batch[j].prepare is item.prepare and batch[j].source.shape == item.source.shape
+                       and batch[j].source.device == item.source.device):
+                    j += 1
+            pixels = item.source if j == i + 1 else torch.stack([b.source for b in batch[i:j]])
+            out.append(item.prepare(pixels.to(self.device)).to(self.dtype))
+            i = j
+        return out
+
     def _forward(self, batch: list[_Item]) -> list[torch.Tensor]:
         for item in batch:
             if item.ready is not None:
                 torch.cuda.current_stream(self.device).wait_event(item.ready)
-        patches = torch.cat([item.source.to(self.device, self.dtype, non_blocking=True) if item.prepare is None
-                             else item.prepare(item.source.to(self.device)).to(self.dtype) for item in batch])
+        patches = torch.cat(self._patches(batch))
         grids = [item.grid for item in batch]
         embeds = self.tower(patches, grids)
         self.batches += 1

@@ -133,11 +133,16 @@ class TorchImagePreprocessor:
     def grid(self, height: int, width: int) -> Grid:
         return self.geometry.grid(height, width)
 
+    batches = True  # takes images of one size stacked (``VisionBatcher``: one chain of kernels for them all)
+
     def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
+        """One image ``[H, W, 3]``, or ``[n, H, W, 3]`` images of one size: their patches one image after
+        another, each as it would come alone (every step works per image)."""
         g = self.geometry
-        height, width = int(pixels.shape[0]), int(pixels.shape[1])
+        images = pixels if pixels.dim() == 4 else pixels.unsqueeze(0)
+        n, height, width = (int(x) for x in images.shape[:3])
         h, w = g.resized(height, width)
-        image = pixels.permute(2, 0, 1).unsqueeze(0).float()
+        image = images.permute(0, 3, 1, 2).float()
         # two passes as PIL makes them, each back to 8 bits (clipping the bicubic overshoot)
         first = (h, width) if vertical_pass_first(height, width, h, w, self._pillow) else (height, w)
         for size in (first, (h, w)):
@@ -146,12 +151,12 @@ class TorchImagePreprocessor:
                 image = image.round_().clamp_(0, 255)
         if self._scale.device != image.device:  # once: the constants live where the pixels are
             self._scale, self._shift = self._scale.to(image.device), self._shift.to(image.device)
-        image = image[0] * self._scale + self._shift  # [3, h, w]
+        image = image * self._scale + self._shift  # [n, 3, h, w]
         m, p, t = g.merge_size, g.patch_size, g.temporal_patch_size
         gh, gw = h // p, w // p
-        patches = image.view(3, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)  # gh gw mh mw C ph pw
-        patches = patches.unsqueeze(5).expand(*patches.shape[:5], t, p, p)  # a still image fills every frame
-        return patches.reshape(gh * gw, 3 * t * p * p).to(self.dtype)
+        patches = image.view(n, 3, gh // m, m, p, gw // m, m, p).permute(0, 2, 5, 3, 6, 1, 4, 7)  # n gh gw mh mw C ph pw
+        patches = patches.unsqueeze(6).expand(*patches.shape[:6], t, p, p)  # a still image fills every frame
+        return patches.reshape(n * gh * gw, 3 * t * p * p).to(self.dtype)
 
 
 def load_tokenizer(path: str | Path):

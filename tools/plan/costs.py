@@ -123,8 +123,9 @@ class VisionProbe:
             prepare, source = TorchImagePreprocessor(self.path, self.dtype), torch.from_numpy(pixels.copy())
             grid = prepare.grid(height, width)
 
-            def forward() -> torch.Tensor:
-                return self.tower(torch.cat([prepare(source.to(self.device)) for _ in range(batch)]), [grid] * batch)
+            def forward() -> torch.Tensor:  # as an encoder's batch of one size: stacked, prepared together
+                pixels = source if batch == 1 else torch.stack([source] * batch)
+                return self.tower(prepare(pixels.to(self.device)), [grid] * batch)
             return forward, grid, 0.0
         preprocess = ImagePreprocessor(self.path)
         preprocess_ms = self.timer.ms(lambda: preprocess(pixels))
