@@ -188,7 +188,7 @@ def capture(model: nn.Module, limit: int, layouts: int = 0) -> Pieces:
 
 
 @dataclass
-class _Layout:
+class _LayoutGraph:
     graph: torch.cuda.CUDAGraph
     rows: int
     output: torch.Tensor  # the graph's, in its pool: copied out after every replay
@@ -220,7 +220,7 @@ class LayoutGraphs:
         self.after = after
         self.device = like.device
         self.input = torch.zeros(rows, like.shape[1], device=like.device, dtype=like.dtype)
-        self.entries: dict[tuple, _Layout] = {}
+        self.entries: dict[tuple, _LayoutGraph] = {}
         self.seen: dict[tuple, int] = {}  # forwards per layout not captured yet (bounded as ``sdpa`` does)
         self.failed: set[tuple] = set()
         self.replays = 0
@@ -235,11 +235,12 @@ class LayoutGraphs:
             if entry is None:
                 return None
         self.input[:entry.rows].copy_(patches.to(self.input.dtype))
-        entry.graph.replay()
+        with torch.cuda.device(self.device):  # the graph launches on the current stream of the current device
+            entry.graph.replay()
         self.replays += 1
         return entry.output.clone()
 
-    def _due(self, key, patches, prepare, body) -> _Layout | None:
+    def _due(self, key, patches, prepare, body) -> _LayoutGraph | None:
         rows = patches.shape[0]
         if key in self.failed or len(self.entries) >= self.limit or rows > self.rows:
             return None
@@ -263,7 +264,7 @@ class LayoutGraphs:
         return entry
 
     @torch.inference_mode()
-    def _capture(self, rows: int, prepare, body) -> _Layout:
+    def _capture(self, rows: int, prepare, body) -> _LayoutGraph:
         context = prepare()
         x = self.input[:rows]
         caller = torch.cuda.current_stream(self.device)
@@ -276,7 +277,7 @@ class LayoutGraphs:
             with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
                 output = body(x, context)
         caller.wait_stream(stream)
-        return _Layout(graph, rows, output, context)
+        return _LayoutGraph(graph, rows, output, context)
 
 
 def _add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
