@@ -207,7 +207,9 @@ def test_preprocessing_on_the_device_matches_the_checkpoints_processor(tiny_mode
         assert difference.mean().item() <= step / 2, (height, width)
 
 
-def test_the_device_preprocessor_prepares_images_of_one_size_together_as_each_alone(tiny_model):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the GPU's kernels: on the GPU machine"))])
+def test_the_device_preprocessor_prepares_images_of_one_size_together_as_each_alone(tiny_model, device):
     """Images of one size stacked ``[n, H, W, 3]`` give each image's patches, in order, bit for bit as
     one at a time: resized (both passes), or already on the grid."""
     import numpy as np
@@ -216,7 +218,7 @@ def test_the_device_preprocessor_prepares_images_of_one_size_together_as_each_al
 
     prepare = TorchImagePreprocessor(tiny_model)
     for height, width in [(100, 150), (56, 56), (600, 900)]:
-        images = [torch.from_numpy(np.asarray(make_image(seed, height, width)).copy()) for seed in (7, 8, 9)]
+        images = [torch.from_numpy(np.asarray(make_image(seed, height, width)).copy()).to(device) for seed in (7, 8, 9)]
         together = prepare(torch.stack(images))
         alone = torch.cat([prepare(image) for image in images])
         assert together.shape == alone.shape and torch.equal(together, alone), (height, width)

@@ -406,8 +406,8 @@ class VisionBatcher:
                 i = j
                 continue
             if getattr(item.prepare, "batches", False):
-                while (j < len(batch) and batch[j].prepare is item.prepare and batch[j].source.shape == item.source.shape
-                       and batch[j].source.device == item.source.device):
+                while (j < len(batch) and batch[j].prepare is item.prepare
+                       and batch[j].source.shape == item.source.shape and batch[j].source.device == item.source.device):
                     j += 1
             pixels = item.source if j == i + 1 else torch.stack([b.source for b in batch[i:j]])
             out.append(item.prepare(pixels.to(self.device)).to(self.dtype))

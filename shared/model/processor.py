@@ -154,7 +154,8 @@ class TorchImagePreprocessor:
         image = image * self._scale + self._shift  # [n, 3, h, w]
         m, p, t = g.merge_size, g.patch_size, g.temporal_patch_size
         gh, gw = h // p, w // p
-        patches = image.view(n, 3, gh // m, m, p, gw // m, m, p).permute(0, 2, 5, 3, 6, 1, 4, 7)  # n gh gw mh mw C ph pw
+        # n gh gw mh mw C ph pw
+        patches = image.view(n, 3, gh // m, m, p, gw // m, m, p).permute(0, 2, 5, 3, 6, 1, 4, 7)
         patches = patches.unsqueeze(6).expand(*patches.shape[:6], t, p, p)  # a still image fills every frame
         return patches.reshape(n * gh * gw, 3 * t * p * p).to(self.dtype)
 
