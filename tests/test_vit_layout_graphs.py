@@ -89,8 +89,8 @@ def test_layouts_are_keyed_by_every_image_and_its_order(tiny):
 
 @torch.inference_mode()
 def test_the_limits_leave_forwards_eager(tiny):
-    """No more than ``limit`` layouts are captured, none over the pieces' largest bucket; a capture that
-    fails leaves its layout eager (and correct) for good."""
+    """No more than ``limit`` layouts are captured, none over the pieces' largest bucket; a layout whose
+    captures fail (with cuDNN's attention, then the flash kernel's) stays eager (and correct) for good."""
     config = tiny[1]
     tower = _tower(tiny, layouts=1)
     layouts = tower.pieces.layouts
@@ -115,6 +115,31 @@ def test_the_limits_leave_forwards_eager(tiny):
     for _ in range(3):
         assert torch.equal(tower(patches, second), _eager(tower, patches, second))
     assert layouts.failed == {tuple(second)} and not layouts.entries
+
+
+@torch.inference_mode()
+def test_a_capture_that_fails_in_cudnn_retries_with_the_flash_kernel(tiny):
+    """A layout whose capture fails with cuDNN's attention (refused inside a graph) is captured with the
+    flash kernel's instead."""
+    from shared.kernels import sdpa
+
+    _, config, grids = tiny
+    tower = _tower(tiny, torch.bfloat16)
+    layouts = tower.pieces.layouts
+    run = tower.run
+
+    def refusing_cudnn(x, layout, pieces=False):
+        if torch.cuda.is_current_stream_capturing() and sdpa._sightings.settled == "cudnn":
+            raise RuntimeError("cuDNN refused")
+        return run(x, layout, pieces)
+
+    tower.run = refusing_cudnn
+    patches = _patches(config, grids, torch.bfloat16)
+    eager = _eager(tower, patches, grids).float()
+    for _ in range(3):
+        out = tower(patches, grids).float()
+    assert tuple(grids) in layouts.entries and not layouts.failed
+    torch.testing.assert_close(out, eager, rtol=5e-2, atol=5e-2)
 
 
 @torch.inference_mode()

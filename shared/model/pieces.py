@@ -209,9 +209,10 @@ class LayoutGraphs:
     output copied out after the replay (the layouts share the pieces' pool).
 
     A layout is captured at its ``after``-th forward (one-off mixes of images stay eager), attention in
-    cuDNN where usable (``sdpa.settled``: a layout that recurs pays cuDNN's plan once, at capture), at
-    most ``limit`` layouts and only those of up to ``rows`` patches (larger forwards are bound by their
-    kernels). A capture that fails leaves its layout eager for good, with a warning."""
+    cuDNN where usable (``sdpa.settled``: a layout that recurs pays cuDNN's plan once, at capture; the flash
+    kernel where that capture fails), at most ``limit`` layouts and only those of up to ``rows`` patches
+    (larger forwards are bound by their kernels). A layout whose captures both fail stays eager for good,
+    with a warning."""
 
     def __init__(self, pool, limit: int, rows: int, like: torch.Tensor, after: int = 2):
         self.pool = pool
@@ -251,26 +252,29 @@ class LayoutGraphs:
             return None
         del self.seen[key]
         started = time.perf_counter()
-        try:
-            entry = self._capture(rows, prepare, body)
-        except Exception as err:  # noqa: BLE001 -- any capture failure leaves the layout eager
-            self.failed.add(key)
-            log.warning("layout_graph.capture_failed", patches=rows, error=f"{type(err).__name__}: {err}"[:300])
-            torch.cuda.synchronize(self.device)
-            return None
-        self.entries[key] = entry
-        log.info("layout_graph.captured", patches=rows, layouts=len(self.entries),
-                 seconds=round(time.perf_counter() - started, 3))
-        return entry
+        for attention in ("cudnn", "flash"):  # a shape cuDNN refuses inside a capture gets the flash kernel
+            try:
+                entry = self._capture(rows, prepare, body, attention)
+            except Exception as err:  # noqa: BLE001 -- any capture failure leaves the layout eager
+                log.warning("layout_graph.capture_failed", patches=rows, attention=attention,
+                            error=f"{type(err).__name__}: {err}"[:300])
+                torch.cuda.synchronize(self.device)
+                continue
+            self.entries[key] = entry
+            log.info("layout_graph.captured", patches=rows, layouts=len(self.entries), attention=attention,
+                     seconds=round(time.perf_counter() - started, 3))
+            return entry
+        self.failed.add(key)
+        return None
 
     @torch.inference_mode()
-    def _capture(self, rows: int, prepare, body) -> _LayoutGraph:
+    def _capture(self, rows: int, prepare, body, attention: str) -> _LayoutGraph:
         context = prepare()
         x = self.input[:rows]
         caller = torch.cuda.current_stream(self.device)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(caller)
-        with sdpa.settled("cudnn"), torch.cuda.device(self.device), torch.cuda.stream(stream):
+        with sdpa.settled(attention), torch.cuda.device(self.device), torch.cuda.stream(stream):
             body(x, context)  # warm-up: cuDNN's plan, Triton's compiles, cuBLAS's workspace
             graph = torch.cuda.CUDAGraph()
             # thread-local: the process's other threads (the event loop's pulls) keep using the device
