@@ -181,3 +181,18 @@ def test_the_language_workers_split_of_first_token_reaches_the_record():
     assert first_token_split({"first_token": 95.0}, workers) == \
         "  first token: intake 20.0 + wait 10.0 + prefill 50.0, rest 15.0"
     assert first_token_split({"first_token": 95.0}, {}) == ""
+
+
+def test_the_encode_stage_splits_with_and_without_encode_jobs():
+    """`plan_accuracy --stages` splits the encode stage by the encoders' means: with encode jobs (pull,
+    settle), and in place (the aggregated worker: no jobs, the rest is the stage less queue and forward);
+    the forward's launch and GPU span where the record kept them."""
+    from bench.plan_accuracy import encode_split
+
+    jobs = {"vit_queue": 2.0, "vit_forward": 30.0, "job_pull": 1.5, "job_encode": 33.0}
+    assert encode_split({"encode": 45.0}, jobs) == "  encode: queue 2.0 + forward 30.0, settle 1.0, rest 11.5"
+    in_place = {"vit_queue": 8.0, "vit_forward": 34.0, "vit_forward_launch": 29.0, "vit_forward_gpu": 33.5}
+    assert encode_split({"encode": 47.0}, in_place) == \
+        "  encode: queue 8.0 + forward 34.0 (launch 29.0, GPU 33.5), rest 5.0"
+    assert encode_split({"encode": 47.0}, {"vit_queue": 8.0}) == ""
+    assert encode_split({}, in_place) == ""
