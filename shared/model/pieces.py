@@ -276,10 +276,16 @@ class LayoutGraphs:
         stream.wait_stream(caller)
         with sdpa.settled(attention), torch.cuda.device(self.device), torch.cuda.stream(stream):
             body(x, context)  # warm-up: cuDNN's plan, Triton's compiles, cuBLAS's workspace
+            stream.synchronize()
             graph = torch.cuda.CUDAGraph()
+            # not ``torch.cuda.graph``: it synchronizes the device and empties the allocator's caches (device
+            # and pinned host memory), which a serving process would refill with fresh allocations; and
             # thread-local: the process's other threads (the event loop's pulls) keep using the device
-            with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
+            graph.capture_begin(*(() if self.pool is None else (self.pool,)), capture_error_mode="thread_local")
+            try:
                 output = body(x, context)
+            finally:
+                graph.capture_end()
         caller.wait_stream(stream)
         return _LayoutGraph(graph, rows, output, context)
 
