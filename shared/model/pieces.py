@@ -222,7 +222,7 @@ class LayoutGraphs:
         self.device = like.device
         self.input = torch.zeros(rows, like.shape[1], device=like.device, dtype=like.dtype)
         self.entries: dict[tuple, _LayoutGraph] = {}
-        self.seen: dict[tuple, int] = {}  # forwards per layout not captured yet (bounded as ``sdpa`` does)
+        self.seen: dict[tuple, int] = {}  # forwards per layout not captured yet (at most 1,024 layouts counted)
         self.failed: set[tuple] = set()
         self.replays = 0
 
@@ -245,8 +245,8 @@ class LayoutGraphs:
         rows = patches.shape[0]
         if key in self.failed or len(self.entries) >= self.limit or rows > self.rows:
             return None
-        if key not in self.seen and len(self.seen) >= 1024:
-            return None
+        if key not in self.seen and len(self.seen) >= 1024:  # a long tail of one-off layouts: forget them
+            self.seen.clear()
         self.seen[key] = self.seen.get(key, 0) + 1
         if self.seen[key] < self.after:
             return None
