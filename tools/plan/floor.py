@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field
 
 from services.encoder.settings import EncoderSettings
+from services.frontend.settings import FrontendSettings
 from shared.engine.settings import EngineSettings
 from shared.settings import parse_settings
 from tools.bench.settings import VideoWorkload, Workload, parse_resolution
@@ -54,7 +55,7 @@ class FloorSettings(EngineSettings):
     decode_batch: int = Field(32, ge=2, description="the larger batch decode steps are timed at")
     preprocess: Literal["auto", "pil", "torch"] = Field("auto", description="where encoders preprocess images")
     preprocess_threads: int = Field(2, ge=1, description="image preprocessing threads per encoder (pil)")
-    media_threads: int = Field(4, ge=1, description="the frontend's image-decoding threads")
+    media_threads: int = Field(FrontendSettings.model_fields["media_threads"].default, ge=1, description="the frontend's image-decoding threads")
     image_format: Literal["png", "jpeg"] = Field("jpeg", description="how clients send images")
     corun_seconds: float = Field(1.0, ge=0, description="seconds of each co-run measurement (0: skip them)")
     vit_graph_patches: int = Field(EncoderSettings.model_fields["vit_graph_patches"].default, ge=0, description="the encoders' EPD_VIT_GRAPH_PATCHES: the measured tower's "

@@ -15,6 +15,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from services.frontend.settings import FrontendSettings
 from tools.plan.cost_table import Costs
 from tools.plan.layouts import Layout, layouts
 from tools.plan.model import Planner, Prediction, Traffic, traffic  # noqa: F401 - the planner's public names
@@ -41,7 +42,7 @@ class PlanSettings(EngineSettings, Workload):
     preprocess: Literal["auto", "pil", "torch"] = Field("auto", description="where encoders preprocess images "
                                                                           "(as `epd encoder --preprocess`)")
     preprocess_threads: int = Field(2, ge=1, description="image preprocessing threads per encoder (pil)")
-    media_threads: int = Field(4, ge=1, description="the frontend's image-decoding threads (as `epd frontend`)")
+    media_threads: int = Field(FrontendSettings.model_fields["media_threads"].default, ge=1, description="the frontend's image-decoding threads (as `epd frontend`)")
     image_format: Literal["png", "jpeg"] = Field("jpeg", description="how clients send images (the frontend "
                                                                     "decodes them)")
     data_plane_gbs: float = Field(5.0, gt=0, description="assumed data-plane bandwidth between processes (GB/s)")
