@@ -136,6 +136,8 @@ def first_token_split(stages: dict, workers: dict) -> str:
     intake = workers.get("prompt_intake", 0.0)
     rest = stages["first_token"] - workers["prompt_wait"] - workers["prompt_prefill"] - intake
     parts = [f"pulls {workers['prompt_pull']:.1f}"] if "prompt_pull" in workers else []
+    if parts and workers.get("pull_serve"):  # the encoders' side of them: staged in the pool, replied
+        parts[0] += f" [holder {workers['pull_serve']:.1f}]"
     if parts and "prompt_handoff" in workers:  # the pulls → the engine thread takes the prompt → the loop hears
         parts.append(f"to the engine thread {workers['prompt_handoff']:.1f}")
     pull = f" ({', '.join(parts)})" if parts else ""

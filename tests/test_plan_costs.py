@@ -177,6 +177,9 @@ def test_the_language_workers_split_of_first_token_reaches_the_record():
                        "prompt_handoff": pytest.approx(5.0)}
     assert first_token_split({"first_token": 95.0}, workers) == \
         "  first token: intake 20.0 (pulls 15.0, to the engine thread 5.0) + wait 10.0 + prefill 50.0, rest 15.0"
+    assert first_token_split({"first_token": 95.0}, {**workers, "pull_serve": 4.0}) == \
+        "  first token: intake 20.0 (pulls 15.0 [holder 4.0], to the engine thread 5.0) + wait 10.0 + prefill 50.0, " \
+        "rest 15.0"
     del workers["prompt_pull"], workers["prompt_handoff"]  # records from before these were timed apart
     assert first_token_split({"first_token": 95.0}, workers) == \
         "  first token: intake 20.0 + wait 10.0 + prefill 50.0, rest 15.0"

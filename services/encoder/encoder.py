@@ -298,6 +298,7 @@ class Encoder:
             "queue_depth": b.queued if b else 0,
             "in_flight": sum(e.in_flight for e in self._encode_endpoints),
             "bytes_held": self.plane.store.bytes_held,  # data plane: embeddings waiting for their pull
+            **{k: v for k, v in self.plane.stats().items() if k.startswith("pull_serve_")},  # pulls from its pool
             "pulls_mapped": self.plane.store.mapped,  # of them, pulled over CUDA IPC (a consumer on this GPU)
             "cache_hits": c.hits,
             "cache_misses": c.misses,

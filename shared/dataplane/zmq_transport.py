@@ -57,6 +57,8 @@ class ZmqServer:
         self._socket: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task | None = None
         self._staging: set[asyncio.Task] = set()  # device-to-host copies of GPU tensors being served
+        self.pool_serve_seconds = 0.0  # pulls answered from the export pool: staging them until the reply
+        self.pool_serves = 0
 
     async def start(self) -> None:
         sock = self.context.socket(zmq.ROUTER)
@@ -133,8 +135,10 @@ class ZmqServer:
         self._spawn(self._stage_and_send(sock, identity, request_id, tensor))
 
     def stats(self) -> dict:
-        """The export pools' bytes in slots (staged for pulls not yet acked)."""
-        return {"pool_bytes_used": sum(pool.slots.used for pool in self._pools.values() if pool is not None)}
+        """The export pools' bytes in slots (staged for pulls not yet acked), and the time pulls served from
+        them took here (a batch counts once: the stage after its publish events, the reply sent)."""
+        return {"pool_bytes_used": sum(pool.slots.used for pool in self._pools.values() if pool is not None),
+                "pull_serve_seconds_total": round(self.pool_serve_seconds, 6), "pull_serve_count": self.pool_serves}
 
     def _spawn(self, work) -> None:
         task = asyncio.create_task(work)
@@ -211,6 +215,7 @@ class ZmqServer:
         """Stage the tensors at their offsets in the slot, then reply with it (and the pool's description
         unless the consumer has ``mapped`` it). A failed stage frees the slot; a single pull then sends
         the bytes, a batch answers ``unbatched``."""
+        started = time.monotonic()
         try:
             await asyncio.to_thread(pool.stage, tensors, [self.store.ready(k) for k in keys],
                                     [slot + o for o in offsets])
@@ -226,6 +231,8 @@ class ZmqServer:
         self.store.mapped += len(tensors)
         self.store.pooled += len(tensors)
         await self._send(sock, identity, request_id, b"", wire.PullReply(True, ipc=ipc, slot=slot, pool=pool.id))
+        self.pool_serve_seconds += time.monotonic() - started
+        self.pool_serves += 1
 
     async def _stage_and_send(self, sock, identity: bytes, request_id: bytes, tensor: torch.Tensor) -> None:
         try:

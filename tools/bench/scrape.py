@@ -11,7 +11,8 @@
   the first_token stage, per prompt: ``prompt_intake`` (a joined or aggregated worker: the job in → its
   prompt in the engine: embeddings pulled, checks, the engine step in progress; of it ``prompt_pull``, a
   joined worker's checks and pulls, and ``prompt_handoff``, from there to its engine thread taking the
-  prompt), ``prompt_wait`` (in the
+  prompt; beside it the encoders' ``pull_serve``, a pull served from their export pool: its stage until
+  the reply), ``prompt_wait`` (in the
   engine → the step with its first chunk begins), ``prompt_prefill`` (that step → its first token) — as
   ``<stage>_seconds_total`` /
   ``<stage>_count`` summed over instances; and their counters ``batches``
@@ -36,7 +37,7 @@ import httpx
 
 ENCODER_STAGES = ("vit_queue", "vit_forward", "vit_forward_launch", "vit_forward_gpu", "job_pull", "job_encode",
                   "prompt_encode", "prompt_intake", "prompt_pull", "prompt_handoff", "prompt_wait",
-                  "prompt_prefill")
+                  "prompt_prefill", "pull_serve")
 ENCODER_COUNTS = ("batches", "batches_waited", "batches_during_steps")  # counters: increments, never means
 _STAGE = re.compile(r'^epd_stage_seconds_(sum|count)\{stage="(\w+)"\} (\S+)$', re.M)
 _STAT = re.compile(r'^epd_service_stat\{([^}]*)\} (\S+)$', re.M)
