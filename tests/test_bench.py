@@ -376,6 +376,7 @@ def test_simulation_schedules_as_the_code_and_one_request_costs_its_floor():
     assert sim.STEP_BUDGET_S == STEP_BUDGET_S
     assert sim.MAX_BATCH_IMAGES == EncoderSettings.model_fields["max_batch_images"].default
     assert sim.MAX_BATCH_PATCHES == EncoderSettings.model_fields["max_batch_patches"].default
+    assert sim.MIX_PATCHES == EncoderSettings.model_fields["vit_graph_patches"].default
     assert sim.PRIORITY_WINDOW_S == EngineSettings.model_fields["prefill_priority_window"].default
     planner = Planner(h200_like(), 5.0, 3584 * 2)
     t = traffic(DYNAMO, 1e-3)

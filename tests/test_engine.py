@@ -264,6 +264,42 @@ def test_the_vision_batcher_prepares_a_forwards_images_of_one_size_together(mode
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
 
+def test_the_vision_batcher_mixes_requests_only_up_to_the_graphs_patches(model_parts):
+    """Past ``mix_patches`` a forward takes no other request's images (they wait for the next forward),
+    while one request's own images still ride one forward past it; below it, requests share forwards.
+    Each image's embeddings are the same however the forwards fell."""
+    import asyncio
+
+    from services.encoder.batcher import VisionBatcher
+
+    _, _, tower = model_parts
+    grid = (1, 8, 12)  # 96 patches an image
+    dim = tower.config.patch_dim
+
+    def patches(seed: int) -> torch.Tensor:
+        return torch.randn(96, dim, generator=torch.Generator().manual_seed(seed))
+
+    async def encode(groups: list[str], mix: int | None) -> tuple[list[torch.Tensor], list[int]]:
+        batcher = VisionBatcher(tower, asyncio.get_running_loop(), max_images=32, max_patches=10_000,
+                                mix_patches=mix)
+        sizes: list[int] = []
+        forward = batcher._forward
+        batcher._forward = lambda batch: sizes.append(len(batch)) or forward(batch)
+        jobs = [batcher.encode(patches(i), grid, group=g) for i, g in enumerate(groups)]
+        batcher.start()
+        try:
+            return await asyncio.gather(*jobs), sizes
+        finally:
+            await asyncio.to_thread(batcher.stop)
+
+    for groups, mixed in ((["a", "a", "a", "b"], [3, 1]), (["a", "b", "b"], [2, 1])):
+        together, one = asyncio.run(encode(groups, None))
+        apart, sizes = asyncio.run(encode(groups, 200))
+        assert one == [len(groups)] and sizes == mixed, groups
+        for x, y in zip(together, apart):
+            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)
+
+
 def test_the_device_preprocessor_reads_the_settings_hf_resolves(tiny_model, tmp_path):
     """``PixelSteps`` (read without transformers) are the HF processor's own: from the checkpoint's config,
     and the class defaults where a config leaves them out."""

@@ -111,10 +111,11 @@ class _Launched:
 class VisionBatcher:
     def __init__(self, tower: VisionTower, loop: asyncio.AbstractEventLoop, max_images: int, max_patches: int,
                  prepare: Callable[[torch.Tensor], torch.Tensor] | None = None, sibling_wait_s: float = 0.0,
-                 pending: Callable[[str], int] = lambda group: 0):
+                 pending: Callable[[str], int] = lambda group: 0, mix_patches: int | None = None):
         self.tower = tower
         self.sibling_wait_s = sibling_wait_s
         self.pending = pending  # a request's images received but not queued yet (read from the vision thread)
+        self.mix_patches = mix_patches  # past these, a forward holds one request's images only (``_fits``)
         self.prepare = prepare  # pixels on the tower's device → patches; None: items carry patches
         self.loop = loop
         self.max_images = max_images
@@ -335,8 +336,7 @@ class VisionBatcher:
         """The next batch: up to ``max_images`` and ``max_patches``, what was held back first; None once
         stopped (thread mode). ``wait``: for the batch's requests' images still on their way."""
         batch, patches = [], 0
-        while self._held and len(batch) < self.max_images and (
-                not batch or patches + self._held[0].patches <= self.max_patches):
+        while self._held and len(batch) < self.max_images and (not batch or self._fits(batch, patches, self._held[0])):
             batch.append(self._held.pop(0))
             patches += batch[-1].patches
         if self._held:
@@ -377,11 +377,25 @@ class VisionBatcher:
             if item is None:
                 self._queue.put(None)
                 return
-            if patches + item.patches > self.max_patches:
+            if not self._fits(batch, patches, item):
                 self._held.append(item)  # starts the next batch
                 return
             batch.append(item)
             patches += item.patches
+
+    def _fits(self, batch: list[_Item], patches: int, item: _Item) -> bool:
+        """Whether ``item`` joins ``batch`` (``patches`` so far): within ``max_patches``, and past
+        ``mix_patches`` only as one more image of the one request the batch holds. A GPU's forward past its
+        graphs (``mix_patches``: ``EPD_VIT_GRAPH_PATCHES``) runs eagerly, waiting on the host, and gains
+        nothing from its size, so two requests' images that do not fit one graph go in two forwards through
+        theirs (the first request done first), while a request's own images still ride one forward, as
+        the floor measures them."""
+        total = patches + item.patches
+        if total > self.max_patches:
+            return False
+        if self.mix_patches is None or total <= self.mix_patches:
+            return True
+        return bool(item.group) and all(other.group == item.group for other in batch)
 
     def _holding(self, batch: list[_Item]) -> bool:
         """Overlap: keep ``batch`` back for its requests' images still coming, for at most ``sibling_wait_s``

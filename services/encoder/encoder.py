@@ -106,9 +106,11 @@ class Encoder:
         resources.callback(self._pool.shutdown, wait=False, cancel_futures=True)
         self.fingerprint = await asyncio.to_thread(encoder_fingerprint, path, s.load_format, str(s.torch_dtype()),
                                                    self.preprocess_mode)
+        graphs = s.torch_device().type == "cuda" and s.vit_graph_patches > 0
         self.batcher = VisionBatcher(tower, asyncio.get_running_loop(), s.max_batch_images, s.max_batch_patches,
                                      prepare=self.on_device, sibling_wait_s=s.vit_sibling_wait_ms / 1e3,
-                                     pending=lambda request_id: self.arriving.get(request_id, 0))
+                                     pending=lambda request_id: self.arriving.get(request_id, 0),
+                                     mix_patches=min(s.vit_graph_patches, s.max_batch_patches) if graphs else None)
         if own_thread:
             self.batcher.start(own_stream)
             resources.push_async_callback(asyncio.to_thread, self.batcher.stop)

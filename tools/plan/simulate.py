@@ -35,6 +35,7 @@ from tools.plan.model import Planner, Traffic
 STEP_BUDGET_S = 0.25
 MAX_BATCH_IMAGES = 32
 MAX_BATCH_PATCHES = 65536
+MIX_PATCHES = 8192  # a GPU forward takes another request's images up to the graphs' patches (VisionBatcher._fits)
 PRIORITY_WINDOW_S = 2.0
 PATCHES_PER_TOKEN = 4  # a 2 × 2 merge: an image of k placeholder tokens is 4k patches
 
@@ -81,8 +82,14 @@ class _Vision:
 
     def forward(self, now: float) -> tuple[float, list[_Request]]:
         """One batch of what is queued by ``now``: the time it ends, the requests it finished."""
-        fits = min(MAX_BATCH_IMAGES, max(1, MAX_BATCH_PATCHES // self.patches))
-        taken = [r for queued, r in self.queue[:fits] if queued <= now]  # a prefix: the queue is by time
+        taken: list[_Request] = []
+        for queued, r in self.queue:  # a prefix: the queue is by time
+            total = (len(taken) + 1) * self.patches
+            alone = all(other is r for other in taken)  # one request's own images may pass MIX_PATCHES
+            if queued > now or len(taken) == MAX_BATCH_IMAGES or (taken and total > MAX_BATCH_PATCHES) or (
+                    taken and total > MIX_PATCHES and not alone):
+                break
+            taken.append(r)
         del self.queue[:len(taken)]
         now += self.planner.vit(len(taken)) * self.slowdown
         for r in taken:
