@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -204,16 +205,29 @@ async def _status_is(port: int, status: int) -> bool:
         return False
 
 
+def _encoder_process(port: int, env: dict[str, str]):
+    """``epd encoder`` with its log in a file: a pipe nobody reads fills up with the log lines of its
+    connection attempts, and the process then blocks writing them (also after a SIGTERM)."""
+    log = tempfile.TemporaryFile()
+    process = subprocess.Popen([sys.executable, "-m", "services.encoder", "--health-port", str(port)], env=env,
+                               stdout=subprocess.DEVNULL, stderr=log)
+    return process, log
+
+
+def _tail(log) -> str:
+    log.seek(0)
+    return log.read().decode(errors="replace")[-2000:]
+
+
 def test_epd_encoder_probes(nats_url, tiny_model):
     """A real ``epd encoder`` process with ``--health-port``: ready once it serves, gone after SIGTERM."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
     env.update(EPD_NATS_URL=nats_url, EPD_MODEL=str(tiny_model), EPD_SUBJECT_PREFIX="health" + str(port))
-    process = subprocess.Popen([sys.executable, "-m", "services.encoder", "--health-port", str(port)], env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process, log = _encoder_process(port, env)
     try:
         async def ready() -> bool:
-            assert process.poll() is None, process.stderr.read().decode()[-2000:]
+            assert process.poll() is None, _tail(log)
             try:
                 return (await get(port, "/ready"))[0] == 200
             except OSError:
@@ -237,11 +251,10 @@ def test_a_service_waiting_for_nats_obeys_sigterm(tiny_model):
     port, nowhere = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
     env.update(EPD_NATS_URL=f"nats://127.0.0.1:{nowhere}", EPD_MODEL=str(tiny_model))
-    process = subprocess.Popen([sys.executable, "-m", "services.encoder", "--health-port", str(port)], env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process, log = _encoder_process(port, env)
     try:
         async def live() -> bool:
-            assert process.poll() is None, process.stderr.read().decode()[-2000:]
+            assert process.poll() is None, _tail(log)
             return await _answers(port)
 
         asyncio.run(until(live, timeout=120))
