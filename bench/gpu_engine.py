@@ -1371,8 +1371,9 @@ def vit_graphs(ctx):
                 graph_kernels, graph_us = _kernel_table(ctx, lambda: tower(patches, grids))
         covered = tower.pieces.bucket(patches.shape[0]) is not None
         # full attention in every block (Qwen2-VL, Qwen3-VL): the FLOPs are exact; windowed towers do fewer
-        floor = vit_flops(cfg.vision, grid[1] * grid[2], images) / ctx.get("matmul_rate", math.inf) * 1e3 \
-            if cfg.vision.window_size == 0 else None
+        # (None without the ceilings section, which measures the matmul rate)
+        floor = vit_flops(cfg.vision, grid[1] * grid[2], images) / ctx["matmul_rate"] * 1e3 \
+            if cfg.vision.window_size == 0 and "matmul_rate" in ctx else None
         row = {"shape": f"{images} x {label}", "patches": patches.shape[0], "covered": covered, "eager_ms": eager_ms,
                "graphs_ms": graphs_ms, "graphs_busy_ms": graphs_busy_ms, "layout_ms": layout_ms,
                "layout_busy_ms": layout_busy_ms, "layout_captured": _layout_captured(tower, grids),
