@@ -260,6 +260,7 @@ def test_the_vision_batcher_prepares_a_forwards_images_of_one_size_together(mode
     alone = asyncio.run(encode(prepare, 1))
     together = asyncio.run(encode(counting, 4))
     assert calls == [2, 1, 1]  # the first two (one size), the third (another), the fourth (after it)
+    assert all(t.is_inference() for t in together)  # the forward runs without autograd's bookkeeping
     for a, b in zip(alone, together):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 

@@ -407,7 +407,6 @@ class VisionBatcher:
     def _siblings_coming(self, batch: list[_Item]) -> bool:
         return any(self.pending(group) > 0 for group in {item.group for item in batch if item.group})
 
-    @torch.inference_mode()
     def _patches(self, batch: list[_Item]) -> list[torch.Tensor]:
         """Each item's patches on the device; pixels of one size that one batching ``prepare`` takes
         (``TorchImagePreprocessor``) cross to the device and are prepared together, in one chain of kernels
@@ -428,6 +427,7 @@ class VisionBatcher:
             i = j
         return out
 
+    @torch.inference_mode()
     def _forward(self, batch: list[_Item]) -> list[torch.Tensor]:
         for item in batch:
             if item.ready is not None:

@@ -92,9 +92,10 @@ class Encoder:
             kernels.log_compiles(log)
         tower = await asyncio.to_thread(load_vision_tower, path, config, s.torch_device(), s.torch_dtype(),
                                         s.load_format)
-        if s.torch_device().type == "cuda" and s.vit_graph_patches:
-            await asyncio.to_thread(pieces.capture, tower, min(s.vit_graph_patches, s.max_batch_patches),
-                                    s.vit_layout_graphs)
+        # forwards of up to this many patches run through CUDA graphs (0: none)
+        graph_patches = min(s.vit_graph_patches, s.max_batch_patches) if s.torch_device().type == "cuda" else 0
+        if graph_patches:
+            await asyncio.to_thread(pieces.capture, tower, graph_patches, s.vit_layout_graphs)
         self.preprocess_mode = preprocess_mode(s.preprocess, s.torch_device())
         self.geometry = ImageGeometry.from_checkpoint(path)
         self.video = VideoPreprocessor.from_checkpoint(path, s.torch_dtype())
@@ -106,11 +107,10 @@ class Encoder:
         resources.callback(self._pool.shutdown, wait=False, cancel_futures=True)
         self.fingerprint = await asyncio.to_thread(encoder_fingerprint, path, s.load_format, str(s.torch_dtype()),
                                                    self.preprocess_mode)
-        graphs = s.torch_device().type == "cuda" and s.vit_graph_patches > 0
         self.batcher = VisionBatcher(tower, asyncio.get_running_loop(), s.max_batch_images, s.max_batch_patches,
                                      prepare=self.on_device, sibling_wait_s=s.vit_sibling_wait_ms / 1e3,
                                      pending=lambda request_id: self.arriving.get(request_id, 0),
-                                     mix_patches=min(s.vit_graph_patches, s.max_batch_patches) if graphs else None)
+                                     mix_patches=graph_patches or None)
         if own_thread:
             self.batcher.start(own_stream)
             resources.push_async_callback(asyncio.to_thread, self.batcher.stop)

@@ -235,7 +235,7 @@ class LayoutGraphs:
             entry = self._due(key, patches, prepare, body)
             if entry is None:
                 return None
-        self.input[:entry.rows].copy_(patches.to(self.input.dtype))
+        self.input[:entry.rows].copy_(patches)  # in the tower's dtype, as its patch embedding takes them
         with torch.cuda.device(self.device):  # the graph launches on the current stream of the current device
             entry.graph.replay()
         self.replays += 1
