@@ -116,7 +116,7 @@ def encode_split(stages: dict, encoder: dict) -> str:
     if "encode" not in stages or not all(k in encoder for k in ("vit_queue", "vit_forward")):
         return ""
     queue, forward = encoder["vit_queue"], encoder["vit_forward"]
-    spans = [f"{name} {encoder[key]:.1f}" for name, key in (("launch", "vit_forward_launch"),
+    spans = [f"{name} {encoder[key]:.1f}" for name, key in (("prep", "vit_forward_prep"), ("launch", "vit_forward_launch"),
                                                            ("GPU", "vit_forward_gpu")) if key in encoder]
     text = f"  encode: queue {queue:.1f} + forward {forward:.1f}" + (f" ({', '.join(spans)})" if spans else "")
     if "job_encode" in encoder and "job_pull" in encoder:

@@ -224,6 +224,24 @@ def test_the_device_preprocessor_prepares_images_of_one_size_together_as_each_al
         assert together.shape == alone.shape and torch.equal(together, alone), (height, width)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host pixels to a GPU: on the GPU machine")
+def test_the_vision_batcher_stacks_host_pixels_on_the_device():
+    """An encoder's pulled pixels (host memory, pageable or pinned) land in their slices of one stack on the
+    device, each image intact and in order; pixels already there are stacked there."""
+    from types import SimpleNamespace
+
+    from services.encoder.batcher import VisionBatcher
+
+    batcher = SimpleNamespace(device=torch.device("cuda"))
+    sources = [torch.randint(0, 256, (56, 84, 3), dtype=torch.uint8) for _ in range(3)]
+    sources[1] = sources[1].pin_memory()
+    stacked = VisionBatcher._together(batcher, sources)
+    assert stacked.is_cuda and torch.equal(stacked.cpu(), torch.stack(sources))
+    on_device = VisionBatcher._together(batcher, [s.cuda() for s in sources])
+    assert torch.equal(on_device, stacked)
+    assert torch.equal(VisionBatcher._together(batcher, sources[:1]).cpu(), sources[0])
+
+
 def test_the_vision_batcher_prepares_a_forwards_images_of_one_size_together(model_parts, tiny_model):
     """A forward whose images share a size prepares them in one call (stacked), the others one by one,
     and each image's embeddings are those it gets in a forward of its own."""

@@ -138,7 +138,7 @@ class VisionBatcher:
         self.patches = 0
         self.batch_sizes = BatchSizes(max_images)
         self.images_rate = RateMeter()
-        self.times = StageTimes(("queue", "forward", "forward_launch", "forward_gpu"))
+        self.times = StageTimes(("queue", "forward", "forward_prep", "forward_launch", "forward_gpu"))
 
     @property
     def queued(self) -> int:
@@ -422,17 +422,33 @@ class VisionBatcher:
                 while (j < len(batch) and batch[j].prepare is item.prepare
                        and batch[j].source.shape == item.source.shape and batch[j].source.device == item.source.device):
                     j += 1
-            pixels = item.source if j == i + 1 else torch.stack([b.source for b in batch[i:j]])
-            out.append(item.prepare(pixels.to(self.device)).to(self.dtype))
+            out.append(item.prepare(self._together([b.source for b in batch[i:j]])).to(self.dtype))
             i = j
         return out
+
+    def _together(self, sources: list[torch.Tensor]) -> torch.Tensor:
+        """Pixels of one size on the device: one image as it is, several stacked ``[n, H, W, 3]``. Host
+        pixels (an encoder's pulls) go each straight into its slice of the device's stack: a stack on the
+        host would copy them once more, in a parallel region that a busy host stalls (an E/PD encoder under
+        a Dynamo-1024 load: 77-86 ms a forward, against 5 for the whole launch one image at a time)."""
+        first = sources[0]
+        if len(sources) == 1:
+            return first.to(self.device)
+        if first.device == self.device:
+            return torch.stack(sources)
+        stacked = torch.empty((len(sources), *first.shape), dtype=first.dtype, device=self.device)
+        for slot, source in zip(stacked, sources):
+            slot.copy_(source, non_blocking=True)  # pageable: back once staged; pinned: queued
+        return stacked
 
     @torch.inference_mode()
     def _forward(self, batch: list[_Item]) -> list[torch.Tensor]:
         for item in batch:
             if item.ready is not None:
                 torch.cuda.current_stream(self.device).wait_event(item.ready)
+        started = time.monotonic()
         patches = torch.cat(self._patches(batch))
+        self.times.add("forward_prep", time.monotonic() - started, count=len(batch))  # host: pixels in, prepared
         grids = [item.grid for item in batch]
         embeds = self.tower(patches, grids)
         self.batches += 1

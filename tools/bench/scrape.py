@@ -4,7 +4,8 @@
   its images, as the frontend waits for them), first_token (prefill job submitted → first token);
 - ``epd_service_stat{service,instance,stat}`` (gauges of every worker's NATS stats): the encoders'
   own split of the encode stage — ``vit_queue`` (an image waiting for a ViT forward), ``vit_forward``
-  (the forward its batch took; on a GPU also ``vit_forward_launch``, queuing its kernels, and
+  (the forward its batch took; ``vit_forward_prep``, the host's part of preparing its pixels; on a GPU
+  also ``vit_forward_launch``, queuing its kernels (the preparation included), and
   ``vit_forward_gpu``, its span on the device), ``job_pull`` (pulling its pixels), ``job_encode`` (preprocessing + ViT
   as its job saw it), and in the aggregated process ``prompt_encode`` (a request encoded in place: its
   prompt in → into the engine; per request, not per image); the language-model workers' own split of
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-ENCODER_STAGES = ("vit_queue", "vit_forward", "vit_forward_launch", "vit_forward_gpu", "job_pull", "job_encode",
+ENCODER_STAGES = ("vit_queue", "vit_forward", "vit_forward_prep", "vit_forward_launch", "vit_forward_gpu", "job_pull", "job_encode",
                   "prompt_encode", "prompt_intake", "prompt_pull", "prompt_handoff", "prompt_wait",
                   "prompt_prefill", "pull_serve")
 ENCODER_COUNTS = ("batches", "batches_waited", "batches_during_steps")  # counters: increments, never means
