@@ -6,6 +6,7 @@ flags onto them (flags win over the environment), and an unknown flag or variabl
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar
 
@@ -55,6 +56,11 @@ class CommonSettings(BaseSettings):
                                       "between threads that want it (sys.setswitchinterval; CPython's default 5): "
                                       "a shorter one lets the event loop answer while an engine thread runs Python "
                                       "(bench/gil_handoff.py)")
+    torch_threads: int = Field(0, ge=0, le=1024, description="torch's CPU threads for one operation "
+                               "(torch.set_num_threads). 0: one on a GPU, where the compute is on the device "
+                               "and a parallel region stalls on a busy host (a ten-image stack: 0.6 ms in one "
+                               "thread, 30-146 ms in two beside busy processes); torch's own default on a CPU, "
+                               "or as OMP_NUM_THREADS says when it is set")
 
     @field_validator("subject_prefix")
     @classmethod
@@ -69,6 +75,15 @@ class CommonSettings(BaseSettings):
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def apply_torch_threads(self) -> None:
+        """``torch_threads`` into torch, before the process's first parallel region."""
+        import torch
+
+        if self.torch_threads:
+            torch.set_num_threads(self.torch_threads)
+        elif "OMP_NUM_THREADS" not in os.environ and self.torch_device().type == "cuda":
+            torch.set_num_threads(1)
 
     def torch_dtype(self) -> "torch.dtype":
         import torch
