@@ -419,7 +419,16 @@ def start_stacks(args, chosen: list[Topology]) -> dict[str, tuple[StackProcess, 
     """Tiny: every stack at once, up front, while the floor is measured (CPU smoke runs are dominated by
     process start-up; on GPUs each stack starts in turn, after the floor, which is measured alone)."""
     env = stack_env(args)
-    return {t.label: (StackProcess(list(t.args), env, ROOT), time.monotonic()) for t in chosen}
+    return {t.label: (StackProcess(list(t.args), env, ROOT, stack_log(args, t)), time.monotonic()) for t in chosen}
+
+
+def stack_log(args, topology: Topology) -> Path | None:
+    """``--stack-log``: the file a topology's stack writes its log lines to (``E/PD+MPS`` → ``E-PD+MPS.log``)."""
+    if not getattr(args, "stack_log", ""):
+        return None
+    folder = Path(args.stack_log)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / (topology.label.replace("/", "-") + ".log")
 
 
 def sweep(args, chosen: list[Topology], classes: list[RequestClass], todo: list[Point], tokenizer: str,
@@ -439,8 +448,8 @@ def sweep(args, chosen: list[Topology], classes: list[RequestClass], todo: list[
             info["error"] = f"skipped: the previous topology took {last:.0f} s and --deadline is {args.deadline:g} s"
             print(f"## {topology.label} {info['error']}", flush=True)
             continue
-        stack, t0 = started.pop(topology.label, None) or (StackProcess(list(topology.args), env, ROOT),
-                                                          time.monotonic())
+        stack, t0 = started.pop(topology.label, None) or (StackProcess(list(topology.args), env, ROOT,
+                                                                       stack_log(args, topology)), time.monotonic())
         try:
             api = stack.wait_ready(900)
             info.update(ready=stack.ready_event, start_s=time.monotonic() - t0)
@@ -939,6 +948,8 @@ def parse_args(argv=None):
     parser.add_argument("--stack-env", action="append", default=[], metavar="EPD_NAME=VALUE", type=stack_setting,
                         help="a setting for every process of every stack (repeatable; the stacks see no other EPD_ "
                              "variable of this shell), e.g. EPD_DECODE_STEP_TOKENS=2048")
+    parser.add_argument("--stack-log", default="", metavar="DIR",
+                        help="keep every stack's log lines, one file per topology in DIR")
     parser.add_argument("--model", default="qwen2.5-vl-7b", choices=sorted(PRESETS),
                         help="the preset every stack serves with dummy weights (qwen3-vl-30b-a3b: the MoE model the "
                              "references run EPD on; give it a smaller --kv-cache-mb on one GPU)")

@@ -24,7 +24,8 @@ EVENTS = ("request.resume", "encode.failed", "prefill.worker_gone", "stack.worke
 
 
 class StackProcess:
-    def __init__(self, args: list[str], env: dict[str, str], cwd: Path):
+    def __init__(self, args: list[str], env: dict[str, str], cwd: Path, log: Path | None = None):
+        self.log = log.open("w") if log is not None else None  # every line the stack writes, kept
         self.command = [sys.executable, "-m", "launcher.cli", "up", "--port", "0", *args]
         self.process = subprocess.Popen(self.command, cwd=cwd, env=env, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -39,6 +40,8 @@ class StackProcess:
     def _drain(self) -> None:
         for line in self.process.stderr:
             self.tail.append(line.rstrip())
+            if self.log is not None:
+                self.log.write(line)
             try:
                 event = json.loads(line)
             except ValueError:
@@ -54,6 +57,8 @@ class StackProcess:
                 self.ready_event = event
                 self._ready.set()
         self._ready.set()
+        if self.log is not None:
+            self.log.close()
 
     @property
     def api(self) -> str:
