@@ -58,8 +58,9 @@ class CommonSettings(BaseSettings):
                                       "(bench/gil_handoff.py)")
     torch_threads: int = Field(0, ge=0, le=1024, description="torch's CPU threads for one operation "
                                "(torch.set_num_threads). 0: one on a GPU, where the compute is on the device "
-                               "and a parallel region stalls on a busy host (a ten-image stack: 0.6 ms in one "
-                               "thread, 30-146 ms in two beside busy processes); torch's own default on a CPU, "
+                               "and a parallel region stalls on a busy host (a ten-image stack: 0.8 ms in one "
+                               "thread, 94 ms in two beside busy processes, bench/busy_host_threads.py); torch's "
+                               "own default on a CPU, "
                                "or as OMP_NUM_THREADS says when it is set")
 
     @field_validator("subject_prefix")
