@@ -67,6 +67,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -423,12 +424,13 @@ def start_stacks(args, chosen: list[Topology]) -> dict[str, tuple[StackProcess, 
 
 
 def stack_log(args, topology: Topology) -> Path | None:
-    """``--stack-log``: the file a topology's stack writes its log lines to (``E/PD+MPS`` → ``E-PD+MPS.log``)."""
+    """``--stack-log``: the file a topology's stack writes its log lines to (``E/PD+MPS`` → ``E-PD-MPS.log``:
+    letters, digits, ``.``, ``_`` and ``-`` only, as copying tools accept)."""
     if not getattr(args, "stack_log", ""):
         return None
     folder = Path(args.stack_log)
     folder.mkdir(parents=True, exist_ok=True)
-    return folder / (topology.label.replace("/", "-") + ".log")
+    return folder / (re.sub(r"[^A-Za-z0-9._-]", "-", topology.label) + ".log")
 
 
 def sweep(args, chosen: list[Topology], classes: list[RequestClass], todo: list[Point], tokenizer: str,

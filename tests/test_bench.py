@@ -409,7 +409,7 @@ def eva(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def tiny_sweep(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path_factory.mktemp("eva")
-    return eva("--tiny", "--out", str(out)), out
+    return eva("--tiny", "--stack-log", str(out / "logs"), "--out", str(out)), out
 
 
 # Three stacks start on CPU (the +MPS ones would be their plain twins there): ~1 min on two idle cores.
@@ -454,6 +454,9 @@ def test_tiny_sweep_writes_the_report(tiny_sweep, tmp_path):
         assert heading in markdown
     assert markdown.count("| unloaded |") == 6 * 3  # every workload's table, every topology
     assert (out / "latency_vs_rate.png").read_bytes().startswith(b"\x89PNG")
+    logs = sorted((out / "logs").iterdir())  # --stack-log: every stack's lines, a file per topology
+    assert len(logs) == 3 and all(p.name.endswith(".log") and "/" not in p.stem and "+" not in p.stem for p in logs)
+    assert all('"stack.ready"' in p.read_text() for p in logs)
     again = eva("--report-from", str(out / "results.json"), "--out", str(tmp_path))  # no stack: CPU only
     assert again.returncode == 0, again.stderr[-2000:]
     assert (tmp_path / "results.md").read_text().split("## Floor")[1] == markdown.split("## Floor")[1]
