@@ -1,4 +1,5 @@
-"""Small asyncio helpers: results handed back from worker threads, and tracked background tasks."""
+"""Small asyncio helpers: results handed back from worker threads, tracked background tasks, and a cancel
+that is not lost."""
 
 from __future__ import annotations
 
@@ -18,6 +19,21 @@ def settle(future: asyncio.Future, result=None, error: BaseException | None = No
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+async def cancel_until_done(task: asyncio.Task, timeout: float, every: float = 0.1) -> bool:
+    """Cancel ``task`` and wait at most ``timeout`` seconds for it to end, cancelling again every ``every``
+    seconds: one cancellation can be swallowed. nats-py's connect loop is such a task: its clean-up after a
+    refused connection catches ``CancelledError`` while it awaits its own tasks, and then retries forever
+    (reproduced: ~1 in 10 cancels landing within 3 ms of the first attempt). True when it ended."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not task.done() and loop.time() < deadline:
+        task.cancel()
+        await asyncio.wait({task}, timeout=min(every, max(0.0, deadline - loop.time())))
+    if task.done() and not task.cancelled():
+        task.exception()  # retrieved: a start that failed while it was being cancelled is not an error to log
+    return task.done()
 
 
 class TaskSet:

@@ -22,6 +22,7 @@ from contextlib import AsyncExitStack
 from nats.aio.client import Client
 
 from shared import __version__
+from shared.aio import cancel_until_done
 from shared.bus.connection import connect
 from shared.bus.directory import service_name
 from shared.bus.service_api import Endpoint, Registration
@@ -172,8 +173,9 @@ class Service:
         await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
         stopped.cancel()
         if not starting.done():
-            starting.cancel()
-            await asyncio.gather(starting, return_exceptions=True)
+            # a start that will not end (a swallowed cancel) is left to _end_leftover_tasks: the stop must not wait
+            if not await cancel_until_done(starting, timeout=3.0):
+                log.warning("service.start_would_not_end", kind=self.kind, instance=self.instance)
             return False
         starting.result()  # raises why the start failed
         return True
