@@ -21,19 +21,24 @@ def settle(future: asyncio.Future, result=None, error: BaseException | None = No
         future.set_result(result)
 
 
-async def cancel_until_done(task: asyncio.Task, timeout: float, every: float = 0.1) -> bool:
-    """Cancel ``task`` and wait at most ``timeout`` seconds for it to end, cancelling again every ``every``
-    seconds: one cancellation can be swallowed. nats-py's connect loop is such a task: its clean-up after a
-    refused connection catches ``CancelledError`` while it awaits its own tasks, and then retries forever
-    (reproduced: ~1 in 10 cancels landing within 3 ms of the first attempt). True when it ended."""
+async def cancel_until_done(*tasks: asyncio.Task, timeout: float, every: float = 0.1) -> bool:
+    """Cancel ``tasks`` and wait at most ``timeout`` seconds for them to end, cancelling those still running
+    every ``every`` seconds: one cancellation can be swallowed. nats-py swallows them: its clean-up after a
+    refused connection and its flush both catch ``CancelledError`` (its connect loop then retries forever,
+    reproduced: ~1 in 10 cancels landing within 3 ms of the first attempt; a loop around ``publish`` goes
+    on to its next message). True when all ended; their results and errors are the caller's to read."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while not task.done() and loop.time() < deadline:
-        task.cancel()
-        await asyncio.wait({task}, timeout=min(every, max(0.0, deadline - loop.time())))
-    if task.done() and not task.cancelled():
-        task.exception()  # retrieved: a start that failed while it was being cancelled is not an error to log
-    return task.done()
+    running = {t for t in tasks if not t.done()}
+    while running and loop.time() < deadline:
+        for task in running:
+            task.cancel()
+        await asyncio.wait(running, timeout=min(every, max(0.0, deadline - loop.time())))
+        running = {t for t in running if not t.done()}
+    for task in tasks:
+        if task.done() and not task.cancelled():
+            task.exception()  # retrieved: an error while being cancelled is not "never retrieved"
+    return not running
 
 
 class TaskSet:
@@ -74,8 +79,7 @@ class TaskSet:
         """Wait for every task running now and every one they start meanwhile."""
         await self.idle.wait()
 
-    async def cancel(self) -> None:
-        tasks = list(self.tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    async def cancel(self, timeout: float = 5.0) -> None:
+        """End every task; one that outlives ``timeout`` seconds of cancels is logged and left behind."""
+        if not await cancel_until_done(*self.tasks, timeout=timeout):
+            log.warning("task.would_not_end", tasks=self.name, running=len(self.tasks))

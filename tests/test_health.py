@@ -290,3 +290,26 @@ async def test_a_connect_to_nowhere_ends_when_cancelled_right_after_its_first_at
 
 async def _quiet(error: Exception) -> None:
     """nats-py's error callback: a refused connection is what this test makes"""
+
+
+async def test_a_task_set_ends_a_task_that_swallows_its_first_cancel():
+    """nats-py's flush catches ``CancelledError``: a loop around ``publish`` cancelled mid-flush goes on to its
+    next ``await``. A stop that cancelled once and waited would wait for ever."""
+    from shared.aio import TaskSet
+
+    swallowed = []
+
+    async def publishing_loop() -> None:
+        while True:
+            try:
+                await asyncio.sleep(10)  # the flush, cancelled
+            except asyncio.CancelledError:
+                if swallowed:  # the second cancel ends it, as the next await of a real loop would
+                    raise
+                swallowed.append(True)  # nats-py's ``except asyncio.CancelledError: pass``
+
+    tasks = TaskSet("publishers")
+    task = tasks.spawn(publishing_loop())
+    await asyncio.sleep(0)
+    await asyncio.wait_for(tasks.cancel(), 3)
+    assert swallowed and task.cancelled() and len(tasks) == 0

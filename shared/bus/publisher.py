@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from nats.aio.client import Client
 
+from shared.aio import cancel_until_done
 from shared.bus.subjects import Subjects
 from shared.logging import get_logger
 from shared.messages.control import cancelled_request
@@ -45,8 +46,8 @@ class Publisher:
                 await asyncio.wait_for(self._queue.join(), timeout)
             except asyncio.TimeoutError:
                 log.warning("publish.unsent", messages=self._queue.qsize())
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
+        if not await cancel_until_done(self._task, timeout=timeout):  # a cancel mid-publish can be swallowed
+            log.warning("publish.would_not_stop")
 
 
 class CancelRegistry:
