@@ -37,6 +37,7 @@ from services.frontend.text_protocol import (
 )
 from services.frontend.tokenization import detokenize, tokenize
 from shared import __version__
+from shared.aio import cancel_until_done
 from shared.logging import get_logger
 
 log = get_logger(__name__)
@@ -232,10 +233,8 @@ async def _unless_disconnected(work, request: Request):
         if not task.done():
             # until it ends: one cancel can be lost — Python 3.11's wait_for (as under nats-py's next_msg)
             # returns a result that meets the cancel and drops the cancel, and the answer generated on
-            while not task.done():
-                task.cancel()
-                await asyncio.wait({task}, timeout=0.05)
-            await asyncio.gather(task, return_exceptions=True)
+            if not await cancel_until_done(task, timeout=10.0):
+                log.warning("request.work_would_not_end")
             raise ApiError(499, "client disconnected")
         return task.result()
     finally:

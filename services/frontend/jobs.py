@@ -24,7 +24,7 @@ from services.frontend.gateway import Gateway
 from services.frontend.protocol import ChatCompletionRequest
 from services.frontend.responses import invalid_request
 from services.frontend.settings import FrontendSettings
-from shared.aio import TaskSet
+from shared.aio import TaskSet, cancel_until_done
 from shared.bus.calls import error_headers
 from shared.client import JOB_CONSUMER, JOB_ID_HEADER, MSG_ID_HEADER, JobStreams, valid_job_id
 from shared.logging import get_logger
@@ -207,9 +207,8 @@ class JobWorker:
         task = asyncio.create_task(beat(), name="job-keepalive")
         try:
             yield
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        finally:  # in_progress() publishes, and nats-py's flush can swallow the cancel
+            await cancel_until_done(task, timeout=5.0)
 
     def _backoff(self, attempt: int) -> float:
         s = self.settings
@@ -225,8 +224,7 @@ class JobWorker:
     async def stop(self) -> None:
         self._stopping.set()
         if self._loop_task is not None:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
+            await cancel_until_done(self._loop_task, timeout=5.0)
         await self.tasks.cancel()
 
     def stats(self) -> dict:

@@ -16,6 +16,7 @@ from services.frontend.generation import FLUSH, Finished, Flush, Generation, Tex
 from services.frontend.logprobs import TokenText
 from services.frontend.responses import usage_of
 from services.frontend.text_protocol import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
+from shared.aio import cancel_until_done
 
 
 class TextOutput:
@@ -140,9 +141,7 @@ async def _merged(generations: list[Generation]) -> AsyncIterator[tuple[Generati
             else:
                 yield generation, item
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_until_done(*tasks, timeout=5.0)
 
 
 def completion_id(generation: Generation) -> str:
