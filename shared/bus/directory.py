@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from nats.aio.client import Client
 
+from shared.aio import cancel_until_done
 from shared.bus.calls import endpoint_data, ping, service_stats
 from shared.logging import get_logger
 
@@ -75,9 +76,7 @@ class Directory:
             self._tasks.append(asyncio.create_task(self._refresh_forever(), name="directory"))
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_until_done(*self._tasks, timeout=5.0)  # their NATS requests can swallow one cancel
 
     def of(self, *kinds: str) -> list[Instance]:
         """Listed instances of ``kinds`` that take new work (not draining)."""

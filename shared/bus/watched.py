@@ -12,6 +12,7 @@ import asyncio
 
 from dataclasses import dataclass
 
+from shared.aio import cancel_until_done
 from shared.bus.calls import ServiceCallError, call
 from shared.bus.directory import Directory
 
@@ -40,8 +41,7 @@ async def call_watched(nc, directory: Directory, target: Target, payload: bytes,
         finally:
             watcher.cancel()
             if not request.done():  # the worker is gone, or our caller gave up (a client left)
-                request.cancel()
-                await asyncio.gather(request, return_exceptions=True)
-        if request.cancelled():
+                await cancel_until_done(request, timeout=5.0)  # nats-py's request can swallow one cancel
+        if not request.done() or request.cancelled():
             raise WorkerGone(what)
         return request.result()
