@@ -80,7 +80,7 @@ sys.path.insert(0, str(ROOT))
 
 from shared.model.presets import PRESETS  # noqa: E402
 from tools.bench import scrape  # noqa: E402
-from tools.bench.environment import hardware, versions, visible_gpus  # noqa: E402,F401 - other scripts import them here
+from tools.bench.environment import hardware, host, versions, visible_gpus  # noqa: E402,F401 - other scripts import them here
 from tools.bench.measure import StackMeter, as_result  # noqa: E402
 from tools.bench.metrics import Slo, summarize  # noqa: E402
 from tools.bench.settings import BenchSettings, Workload, parse_resolution  # noqa: E402
@@ -683,7 +683,8 @@ def unloaded_row(topology: str, w: dict, unloaded: list[dict]) -> dict | None:
 
 def report(meta: dict, floor: Floor, runs: list[dict], unloaded: list[dict], plan: list[dict],
            goals: list[dict], stacks: list[dict], cases: list[Case], tiny: bool) -> str:
-    lines = [f"Hardware: {meta['hardware']}", f"Versions: {json.dumps(meta['versions'])}",
+    lines = [f"Hardware: {meta['hardware']}", f"Host: {json.dumps(meta.get('host'))}",
+             f"Versions: {json.dumps(meta['versions'])}",
              f"Command: {' '.join(meta['command'])}", f"Wall time: {meta['wall_s']:.0f} s (floor measured in "
              f"{floor.data.get('seconds', 0):.0f} s)", "",
              f"SLO for goodput: TTFT ≤ {SLO.ttft_ms:g} ms and each request's own p99 inter-token gap ≤ "
@@ -912,7 +913,8 @@ def load_results(paths: list[str]) -> dict:
     runs = [r for d in loaded for r in d["runs"]]
     for run in runs:
         run.setdefault("floor_ms", {})
-    return {"meta": {**{k: first[k] for k in ("hardware", "versions")}, "transport": first.get("transport"),
+    return {"meta": {**{k: first[k] for k in ("hardware", "versions")}, "host": first.get("host"),
+                     "transport": first.get("transport"),
                      "wall_s": sum(d["wall_s"] for d in loaded)},
             "tiny": first["tiny"], "gpus": first["gpus"], "video_seconds": first.get("video_seconds", 0),
             "floor": Floor(first["floor"], first.get("transport", "zmq")), "stacks": stacks, "chosen": chosen,
@@ -1012,7 +1014,8 @@ def main(argv=None) -> int:
             stack.stop()
         raise
     todo = points(args, cases, floor)
-    meta = {"hardware": hardware(), "versions": versions(), "command": sys.argv, "transport": args.transport}
+    meta = {"hardware": hardware(), "host": host(), "versions": versions(), "command": sys.argv,
+            "transport": args.transport}
 
     def checkpoint(unloaded, runs, stacks, partial=True) -> int:
         meta["wall_s"] = time.monotonic() - args.started

@@ -444,12 +444,15 @@ def test_tiny_sweep_measures_every_topology_and_workload(tiny_sweep):
     assert len(results["plan"]) == 7 and all(set(p["predictions"]) == set(labels) for p in results["plan"])
     assert all(p["plan_pick"] in labels and p["measured_best"] in labels for p in results["plan"])
     assert len(results["targets"]) >= 12  # six floors, Dynamo's three, image-heavy's two rates, the plan's two
+    host = results["host"]  # what tells two machines of one kind apart
+    assert host["usable_cores"] >= 1 and all(ms > 0 for ms in host["probe_ms"].values())
 
 
 @pytest.mark.timeout(900)
 def test_tiny_sweep_writes_the_report(tiny_sweep, tmp_path):
     done, out = tiny_sweep
     markdown = (out / "results.md").read_text()
+    assert '"usable_cores"' in markdown.split("\n")[1]  # the Host line under Hardware
     for heading in ("## Floor", "## image-heavy", "## dynamo-1024", "## dynamo-mix", "## epd plan against", "## Targets"):
         assert heading in markdown
     assert markdown.count("| unloaded |") == 6 * 3  # every workload's table, every topology

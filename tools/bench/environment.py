@@ -1,4 +1,5 @@
-"""Where a benchmark ran: the machine, the versions of what it ran with, the GPUs it may use."""
+"""Where a benchmark ran: the machine, how fast its host is, the versions of what it ran with, the GPUs it may
+use."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import os
 import platform
 import re
 import shutil
+import statistics
 import subprocess
+import time
 from importlib import metadata
 
 
@@ -18,6 +21,45 @@ def hardware() -> str:
         if found:
             return found.replace("\n", "; ")
     return f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def host() -> dict:
+    """The host beside the GPUs, and how fast it is now. Two machines of the same kind (same GPU, driver and
+    core count) ran the same stack 45–55 % apart, the frontend's image decode twice as long on the slower
+    (docs/benchmarks.md, "Two machines"): so a run records its CPU, the cores it may use, the GPU's clocks
+    and two single-thread probes (medians of 5), to tell the machines of two runs apart."""
+    from io import BytesIO
+
+    from PIL import Image
+
+    def median_ms(work) -> float:
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            work()
+            times.append((time.perf_counter() - start) * 1e3)
+        return round(statistics.median(times), 3)
+
+    buffer = BytesIO()
+    Image.effect_noise((448, 448), 64).convert("RGB").save(buffer, "JPEG", quality=90)
+    jpeg = buffer.getvalue()
+    out = {"cpu": _cpu_model(), "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
+           "probe_ms": {"python_loop_1e6": median_ms(lambda: sum(i * i for i in range(1_000_000))),
+                        "jpeg_decode_448": median_ms(lambda: Image.open(BytesIO(jpeg)).convert("RGB"))}}
+    if shutil.which("nvidia-smi"):
+        out["gpu_clocks"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=clocks.sm,clocks.max.sm,clocks.mem,clocks_throttle_reasons.active",
+             "--format=csv,noheader"], capture_output=True, text=True).stdout.strip().replace("\n", "; ")
+    return out
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else platform.processor() or platform.machine()
 
 
 def versions() -> dict[str, str]:
