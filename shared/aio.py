@@ -21,12 +21,14 @@ def settle(future: asyncio.Future, result=None, error: BaseException | None = No
         future.set_result(result)
 
 
-async def cancel_until_done(*tasks: asyncio.Task, timeout: float, every: float = 0.1) -> bool:
+async def cancel_until_done(*tasks: asyncio.Task, timeout: float, every: float = 0.5) -> bool:
     """Cancel ``tasks`` and wait at most ``timeout`` seconds for them to end, cancelling those still running
     every ``every`` seconds: one cancellation can be swallowed. nats-py swallows them: its clean-up after a
     refused connection and its flush both catch ``CancelledError`` (its connect loop then retries forever,
     reproduced: ~1 in 10 cancels landing within 3 ms of the first attempt; a loop around ``publish`` goes
-    on to its next message). True when all ended; their results and errors are the caller's to read."""
+    on to its next message). ``every`` leaves a task's own clean-up on a cancel (a reply, a nak) time to
+    finish before the next cancel would interrupt it. True when all ended; their results and errors are the
+    caller's to read."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     running = {t for t in tasks if not t.done()}

@@ -231,9 +231,9 @@ async def _unless_disconnected(work, request: Request):
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
-            # until it ends: one cancel can be lost — Python 3.11's wait_for (as under nats-py's next_msg)
-            # returns a result that meets the cancel and drops the cancel, and the answer generated on
-            if not await cancel_until_done(task, timeout=10.0):
+            # until it ends: one cancel can be lost (Python 3.11's wait_for, as under nats-py's next_msg,
+            # returns a result that meets the cancel and drops the cancel), and the answer would be generated on
+            if not await cancel_until_done(task, timeout=10.0, every=0.05):
                 log.warning("request.work_would_not_end")
             raise ApiError(499, "client disconnected")
         return task.result()
