@@ -7,9 +7,7 @@ import os
 import platform
 import re
 import shutil
-import statistics
 import subprocess
-import time
 from importlib import metadata
 
 
@@ -27,25 +25,16 @@ def host() -> dict:
     """The host beside the GPUs, and how fast it is now. Two machines of the same kind (same GPU, driver and
     core count) ran the same stack 45–55 % apart, the frontend's image decode twice as long on the slower
     (docs/benchmarks.md, "Two machines"): so a run records its CPU, the cores it may use, the GPU's clocks
-    and two single-thread probes (medians of 5), to tell the machines of two runs apart."""
-    from io import BytesIO
+    and two single-thread probes, a pure-Python loop and the floor's own media probe (the frontend's decoder
+    on one 448² JPEG), to tell the machines of two runs apart."""
+    import torch
 
-    from PIL import Image
+    from tools.plan.costs import Timer, measure_media
 
-    def median_ms(work) -> float:
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            work()
-            times.append((time.perf_counter() - start) * 1e3)
-        return round(statistics.median(times), 3)
-
-    buffer = BytesIO()
-    Image.effect_noise((448, 448), 64).convert("RGB").save(buffer, "JPEG", quality=90)
-    jpeg = buffer.getvalue()
+    loop_ms = Timer(torch.device("cpu")).ms(lambda: sum(i * i for i in range(1_000_000)), repeat=5)
     out = {"cpu": _cpu_model(), "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
-           "probe_ms": {"python_loop_1e6": median_ms(lambda: sum(i * i for i in range(1_000_000))),
-                        "jpeg_decode_448": median_ms(lambda: Image.open(BytesIO(jpeg)).convert("RGB"))}}
+           "probe_ms": {"python_loop_1e6": round(loop_ms, 3),
+                        "jpeg_decode_448": round(measure_media(448, 448, "jpeg"), 3)}}
     if shutil.which("nvidia-smi"):
         out["gpu_clocks"] = subprocess.run(
             ["nvidia-smi", "--query-gpu=clocks.sm,clocks.max.sm,clocks.mem,clocks_throttle_reasons.active",
