@@ -107,7 +107,7 @@ class Service:
         await self.registration.announce()
         self.state = "ready"
         await self.on_ready()
-        log.info("service.ready", kind=self.kind, instance=self.instance)
+        log.info("service.ready", kind=self.kind, instance=self.instance, **gpu_memory_taken())
 
     async def stop(self) -> None:
         self.state = "draining"
@@ -179,6 +179,16 @@ class Service:
             return False
         starting.result()  # raises why the start failed
         return True
+
+
+def gpu_memory_taken() -> dict:
+    """What this process holds on its GPU, for the ``service.ready`` line: torch's reserved pool and its
+    peak (MiB); nothing when the process never initialized CUDA (the frontend, a CPU stack)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return {}
+    return {"gpu_mib": round(torch.cuda.memory_reserved() / 2**20),
+            "gpu_peak_mib": round(torch.cuda.max_memory_reserved() / 2**20)}
 
 
 async def _end_leftover_tasks(timeout: float = 2.0) -> None:

@@ -7,6 +7,7 @@ import torch
 from shared.engine.engine import Engine
 from shared.engine.grammar import Grammars
 from shared.engine.kv_cache import KVCache
+from shared.engine.memory import CONTEXT_BYTES, step_work_bytes
 from shared.engine.runner import ModelRunner
 from shared.engine.sampling import Sampler
 from shared.logging import get_logger
@@ -25,9 +26,12 @@ def kv_pool_blocks(settings: EngineSettings, config: ModelConfig, device: torch.
     if settings.kv_cache_mb:
         budget = settings.kv_cache_mb << 20
     elif device.type == "cuda":
-        # this process's share of the GPU (vLLM's meaning): several processes on one GPU each take theirs
+        # this process's share of the GPU (vLLM's meaning): several processes on one GPU each take theirs;
+        # what it holds already (weights, prefill graphs) is in the allocator, what it will need is counted
         _, total = torch.cuda.mem_get_info(device)
-        budget = int(total * settings.gpu_memory_utilization - torch.cuda.memory_reserved(device))
+        work = step_work_bytes(config.text, settings.step_token_budget(device), settings.max_num_seqs,
+                               torch.empty((), dtype=dtype).element_size())
+        budget = int(total * settings.gpu_memory_utilization) - torch.cuda.memory_reserved(device) - work - CONTEXT_BYTES
     else:
         budget = 256 << 20
     return max(0, budget // per_block)

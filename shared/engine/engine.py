@@ -73,8 +73,9 @@ class Engine:
         # a decode worker never looks a prompt up: its prompts' KV arrives whole from prefill
         self.blocks = BlockManager(cache.num_blocks, cache.block_size, caching=prefix_caching and role != "decode")
         if blocks_for(max_model_len, cache.block_size) > self.blocks.num_blocks:
-            raise ValueError(f"the KV pool ({self.blocks.num_blocks} blocks of {cache.block_size}) cannot hold one "
-                             f"sequence of max_model_len={max_model_len} tokens; give it more memory")
+            raise MemoryError(f"the KV pool ({self.blocks.num_blocks} blocks of {cache.block_size} tokens) cannot hold "
+                              f"one sequence of max_model_len={max_model_len} tokens: raise --gpu-memory-utilization "
+                              f"(or --kv-cache-mb), or lower --max-model-len")
         self.runner = runner
         self.role = role
         self.eos_token_ids = set(eos_token_ids)

@@ -179,3 +179,21 @@ def load_vision_tower(path: Path | None, config: ModelConfig, device="cpu", dtyp
                       load_format: str = "auto", seed: int = 0) -> VisionTower | Qwen3VisionTower:
     tower_class = Qwen3VisionTower if config.family in QWEN3_FAMILIES else VisionTower
     return _load(path and Path(path), "vision", lambda: tower_class(config.vision), device, dtype, load_format, seed)
+
+
+def parameter_bytes(config: ModelConfig, role: str, dtype_bytes: int = 2) -> int:
+    """The bytes ``role``'s weights (``"text"`` or ``"vision"``) take, counted from the model's own classes on
+    the meta device (nothing is allocated): what a process of that role will hold, for memory planning."""
+    qwen3 = config.family in QWEN3_FAMILIES
+    if role == "text":
+        build = Qwen3LanguageModel if qwen3 else LanguageModel
+        sub = config.text
+    else:
+        build = Qwen3VisionTower if qwen3 else VisionTower
+        sub = config.vision
+    with torch.device("meta"):
+        model = build(sub)
+    count = sum(p.numel() for p in model.parameters())
+    if role == "text" and config.text.tie_word_embeddings:
+        count -= model.lm_head.weight.numel()  # one tensor once the tie is made (``_load``)
+    return count * dtype_bytes

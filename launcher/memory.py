@@ -1,0 +1,180 @@
+"""How ``epd up`` shares a GPU's memory between the processes it places on it.
+
+Each worker process sizes itself from its own share of its GPU (``--gpu-memory-utilization``, vLLM's
+meaning: a language worker's KV pool is what is left of its share after its weights, graphs and working
+room). Several processes on one GPU therefore need shares that add up, not 0.9 each. ``epd up``'s own
+``--gpu-memory-utilization`` is the share of each GPU the whole stack may take; here it is divided:
+
+1. every process needs a fixed part: its CUDA context and libraries' workspaces, its weights (counted
+   from the model's own classes on the meta device: exact, nothing is allocated), and working room for
+   its largest step (a language worker: ``--max-batched-tokens`` tokens eager; an encoder: a ViT forward of
+   ``--max-batch-patches``);
+2. what is left is *room*: each encoder takes a tenth of it (at most 12 GiB: its embedding cache and the
+   embeddings it holds until they are pulled, ``EPD_ENCODER_CACHE_MB`` / ``EPD_DATA_MAX_MB``, shrunk to
+   fit), the language side the rest for its KV pools — split a third to prefill, two thirds to decode
+   where split, since decode holds every running sequence and prefill only prompts in flight;
+3. each process gets its share as environment variables, and logs what it took once ready.
+When the room cannot hold one sequence of the model's context in the smallest KV pool, the whole stack's
+``--max-model-len`` is lowered to what fits (logged); a stack whose fixed parts do not fit at all is refused
+with one line naming what to change.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+from launcher.topology import Placement
+
+GIB = 1 << 30
+MIB = 1 << 20
+ENCODER_ROOM_SHARE = 0.10
+ENCODER_ROOM_MAX = 12 * GIB
+ENCODER_STORE_MIN = 1 * GIB  # embeddings handed out and not yet pulled: a request's images at the least
+PREFILL_KV_SHARE = 1 / 3
+CONTEXT_MARGIN = 0.9  # of a planned KV pool, for what the plan cannot see (allocator rounding)
+GRAPH_TOKENS = 4096  # prefill graphs' tokens (EPD_PREFILL_GRAPH_TOKENS): their pool is taken before the KV pool
+PREFILL_STORE = 2 * GIB  # a prefill worker's KV chunks copied out until decode pulls them (its data store)
+LANGUAGE_KINDS = ("language", "prefill", "decode", "aggregated")
+
+
+class MemoryPlanError(ValueError):
+    """The processes placed on a GPU cannot fit it; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What one process must have (bytes), and what it would like on top (room)."""
+
+    fixed: int
+    kv_per_token: int = 0  # language kinds: KV bytes of one token
+
+
+def gpu_totals() -> dict[str, int]:
+    """Total memory (bytes) of each GPU nvidia-smi lists, by index and by UUID; {} without one."""
+    binary = shutil.which("nvidia-smi")
+    if binary is None:
+        return {}
+    try:
+        out = subprocess.run([binary, "--query-gpu=index,uuid,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    totals = {}
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 3 and parts[2].isdigit():
+            totals[parts[0]] = totals[parts[1]] = int(parts[2]) * MIB
+    return totals
+
+
+def process_needs(kind: str, model, settings, dtype_bytes: int = 2) -> Needs:
+    """The fixed bytes a process of ``kind`` needs on its GPU (``model``: the ``ModelConfig``): the same
+    figures a language worker subtracts before sizing its KV pool (``shared/engine/memory.py``)."""
+    from shared.engine.memory import CONTEXT_BYTES, kv_bytes_per_token, step_work_bytes
+    from shared.model.loader import parameter_bytes
+
+    fixed = CONTEXT_BYTES
+    if kind in ("encoder", "aggregated"):
+        vision = model.vision
+        fixed += parameter_bytes(model, "vision", dtype_bytes)
+        # a ViT forward's live tensors: the residual stream and q|k|v, attention's output, the MLP's hidden
+        fixed += settings.max_batch_patches * (6 * vision.width + 2 * vision.mlp_hidden) * dtype_bytes
+    if kind in LANGUAGE_KINDS:
+        fixed += parameter_bytes(model, "text", dtype_bytes)
+        fixed += step_work_bytes(model.text, settings.max_batched_tokens or 8192, settings.max_num_seqs, dtype_bytes)
+        if kind == "prefill":
+            fixed += PREFILL_STORE
+        return Needs(fixed, kv_bytes_per_token(model.text, dtype_bytes))
+    return Needs(fixed)
+
+
+def plan_gpu(total: int, utilization: float, kinds: list[str], needs: dict[str, Needs],
+             context_bytes: int = 0) -> dict[int, dict]:
+    """Shares for the processes ``kinds`` (in placement order) sharing one GPU of ``total`` bytes: for each
+    position, the environment it gets and the KV bytes planned for it (language kinds)."""
+    budget = int(total * utilization)
+    fixed = sum(needs[k].fixed for k in kinds)
+    room = budget - fixed
+    if room <= 0:
+        listing = ", ".join(f"{k} {needs[k].fixed / GIB:.1f}" for k in kinds)
+        raise MemoryPlanError(
+            f"the processes placed on one GPU need {fixed / GIB:.1f} GiB before any KV cache ({listing} GiB) but "
+            f"--gpu-memory-utilization {utilization:g} gives the stack {budget / GIB:.1f} GiB of its "
+            f"{total / GIB:.1f}: raise it, start fewer processes on that GPU (--encoders, --pd joined), or give "
+            f"kinds GPUs of their own (--topology disaggregated)")
+    encoders = [i for i, k in enumerate(kinds) if k == "encoder"]
+    language = [i for i, k in enumerate(kinds) if k in LANGUAGE_KINDS]
+    encoder_room = room // max(len(encoders), 1)
+    if language:
+        encoder_room = min(max(int(room * ENCODER_ROOM_SHARE), ENCODER_STORE_MIN), ENCODER_ROOM_MAX)
+    kv_room = room - encoder_room * len(encoders)
+    if language and kv_room <= 0:
+        raise MemoryPlanError(f"--gpu-memory-utilization {utilization:g} leaves no room for a KV cache beside "
+                              f"{len(encoders)} encoder(s) on one GPU: raise it, or start fewer encoders there")
+    shares: dict[int, dict] = {}
+    for i in encoders:
+        # embeddings wait in the store until pulled (it must never be too small to hand them out); the cache
+        # keeps them for repeats, holding the same tensors while both have them
+        store = max(encoder_room // 2, min(encoder_room, ENCODER_STORE_MIN))
+        shares[i] = {"env": {"EPD_ENCODER_CACHE_MB": str((encoder_room - store) // MIB),
+                             "EPD_DATA_MAX_MB": str(store // MIB)},
+                     "bytes": needs["encoder"].fixed + encoder_room}
+    for i, kv in zip(language, split_kv(kv_room, [kinds[i] for i in language], context_bytes)):
+        own = needs[kinds[i]].fixed + kv
+        env = {"EPD_GPU_MEMORY_UTILIZATION": f"{own / total:.4f}"}
+        if kinds[i] == "prefill":  # the store is bounded by its own setting, outside the KV pool's share
+            env = {"EPD_GPU_MEMORY_UTILIZATION": f"{(own - PREFILL_STORE) / total:.4f}",
+                   "EPD_DATA_MAX_MB": str(PREFILL_STORE // MIB)}
+        shares[i] = {"env": env, "bytes": own, "kv": kv}
+    return shares
+
+
+def split_kv(room: int, kinds: list[str], context_bytes: int) -> list[int]:
+    """The KV room of each language process on one GPU. Joined workers share it equally. Split, prefill
+    takes a third (decode holds every running sequence, prefill only the prompts in flight), unless a
+    third cannot hold one sequence of the model's context (``context_bytes``): then prefill and decode
+    share equally, which makes the longest sequence both can hold as long as it can be."""
+    if "prefill" not in kinds or "decode" not in kinds:
+        return [room // len(kinds)] * len(kinds)
+    prefill_share = PREFILL_KV_SHARE if room * PREFILL_KV_SHARE / kinds.count("prefill") >= context_bytes else 0.5
+    return [int(room * (prefill_share / kinds.count("prefill") if k == "prefill" else
+                        (1 - prefill_share) / kinds.count("decode"))) for k in kinds]
+
+
+def plan(placements: list[Placement], model, settings, utilization: float,
+         totals: dict[str, int] | None = None) -> tuple[dict[tuple[str, str | None], dict], int]:
+    """The memory environment of each kind on each GPU (``(kind, placement.gpu)`` → variables: every
+    process of a kind on a GPU gets the same), and the longest sequence every planned KV pool holds with
+    room to spare (0: nothing was planned: no GPU is shared, or nvidia-smi lists none)."""
+    from shared.engine.memory import step_work_bytes
+
+    totals = gpu_totals() if totals is None else totals
+    by_gpu: dict[str | None, list[Placement]] = {}
+    for p in placements:
+        by_gpu.setdefault(p.gpu, []).append(p)
+    needs = {k: process_needs(k, model, settings) for k in {p.kind for p in placements}}
+    per_token = max((n.kv_per_token for n in needs.values()), default=0)
+    context = settings.max_model_len or model.text.max_position_embeddings
+    # the prefill graphs' pool is taken from the share before the KV pool is sized (shared/engine/builder.py)
+    graphs = step_work_bytes(model.text, GRAPH_TOKENS, 0, 2)
+    envs: dict[tuple[str, str | None], dict] = {}
+    longest = 0
+    for gpu, members in by_gpu.items():
+        total = totals.get(gpu if gpu is not None else _inherited_gpu())
+        if len(members) < 2 or total is None:
+            continue
+        kinds = [p.kind for p in members]
+        for position, share in plan_gpu(total, utilization, kinds, needs, context * per_token).items():
+            envs[(kinds[position], gpu)] = share["env"]
+            if "kv" in share:
+                tokens = int((share["kv"] - graphs) * CONTEXT_MARGIN) // per_token // 256 * 256
+                longest = min(longest, tokens) if longest else tokens
+    return envs, longest
+
+
+def _inherited_gpu() -> str:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    return visible or "0"

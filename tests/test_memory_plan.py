@@ -1,0 +1,74 @@
+"""How ``epd up`` divides a shared GPU (launcher/memory.py): shares that add up, weights counted exactly,
+the context lowered where the room is small, and a refusal that says what to change.
+
+The plans are pure arithmetic over the model's own classes, so they are checked here for the real
+architectures (the presets) on an H200's memory; tests/test_up.py starts stacks with them.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from launcher.memory import GIB, MemoryPlanError, plan, process_needs
+from launcher.topology import Placement
+from shared.model.config import ModelConfig
+from shared.model.loader import load_language_model, load_vision_tower, parameter_bytes
+from shared.model.presets import materialize_preset
+from shared.model.tiny import write_tiny_checkpoint
+
+H200 = 143771 << 20
+DEFAULTS = SimpleNamespace(max_batch_patches=65536, max_batched_tokens=0, max_num_seqs=256, max_model_len=0)
+
+
+def layout(*kinds: str) -> list[Placement]:
+    return [Placement(kind, "0") for kind in kinds]
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl_moe"])
+def test_weights_are_counted_as_loaded(tmp_path, family):
+    path = write_tiny_checkpoint(tmp_path / family, family=family)
+    config = ModelConfig.from_checkpoint(path)
+    text = load_language_model(path, config, dtype=torch.bfloat16)
+    vision = load_vision_tower(path, config, dtype=torch.bfloat16)
+    held = {id(p): p.numel() * p.element_size() for p in text.parameters()}  # a tied lm_head once
+    assert parameter_bytes(config, "text") == sum(held.values())
+    assert parameter_bytes(config, "vision") == sum(p.numel() * p.element_size() for p in vision.parameters())
+
+
+@pytest.mark.parametrize("preset", ["qwen2.5-vl-7b", "qwen3-vl-30b-a3b"])
+@pytest.mark.parametrize("kinds", [("encoder", "language"), ("encoder", "encoder", "language"),
+                                   ("encoder", "prefill", "decode")])
+def test_every_default_layout_fits_one_h200(preset, kinds):
+    model = ModelConfig.from_checkpoint(materialize_preset(preset))
+    envs, longest = plan(layout(*kinds), model, DEFAULTS, 0.9, {"0": H200})
+    taken = 0
+    for kind in kinds:
+        env, needs = envs[(kind, "0")], process_needs(kind, model, DEFAULTS)
+        if kind == "encoder":
+            room = (int(env["EPD_ENCODER_CACHE_MB"]) + int(env["EPD_DATA_MAX_MB"])) << 20
+            assert int(env["EPD_DATA_MAX_MB"]) >= 1024  # embeddings can always be handed out
+            taken += needs.fixed + room
+        else:
+            # a prefill worker's store of KV chunks is bounded apart from its share
+            share = float(env["EPD_GPU_MEMORY_UTILIZATION"]) * H200 + int(env.get("EPD_DATA_MAX_MB", 0)) * 2**20
+            assert share > needs.fixed  # weights, context and working room, then a KV pool
+            taken += share
+    assert taken <= 0.9 * H200 + len(kinds) * 2**20  # shares are rounded to four digits
+    assert 8192 <= longest
+    if preset == "qwen2.5-vl-7b" or kinds[-1] == "language":
+        assert longest >= model.text.max_position_embeddings  # nothing to lower
+
+
+def test_a_gpu_too_small_is_refused_with_what_to_change():
+    model = ModelConfig.from_checkpoint(materialize_preset("qwen3-vl-30b-a3b"))
+    with pytest.raises(MemoryPlanError, match="--gpu-memory-utilization 0.9 gives the stack"):
+        plan(layout("encoder", "prefill", "decode"), model, DEFAULTS, 0.9, {"0": 80 * GIB})
+
+
+def test_processes_alone_on_their_gpus_keep_their_own_share():
+    model = ModelConfig.from_checkpoint(materialize_preset("qwen2.5-vl-7b"))
+    placements = [Placement("encoder", "1"), Placement("language", "0")]
+    assert plan(placements, model, DEFAULTS, 0.9, {"0": H200, "1": H200}) == ({}, 0)
