@@ -518,9 +518,9 @@ def lower_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     """(intercept, slope ≥ 0) of the line under ``points``: the slope is the median of the pairwise
     slopes (Theil-Sen: one slow point does not tilt it), the intercept the least residual, so that the
     line passes through the cheapest point. Fewer than three distinct x give a flat line at the least: two
-    image counts make one pairwise slope, which a single stalled request sets (eva20-h200-q3-mixed: a
-    two-image request's 824 ms ViT forward against one image's 62 made it ~800 ms an image, and every
-    aggregated prediction 3-4x the measurement)."""
+    image counts make one pairwise slope, which a single stalled request sets (in
+    bench/results/serving/qwen3-image-heavy-mixed a two-image request's 824 ms ViT forward against one
+    image's 62 made it ~800 ms an image, and every aggregated prediction 3-4x the measurement)."""
     if not points:
         return 0.0, 0.0
     slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(points) for x2, y2 in points[i + 1:] if x2 != x1]

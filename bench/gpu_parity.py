@@ -1,20 +1,19 @@
 #!/usr/bin/env python3
-"""HF parity on the GPU through the aggregated worker, whose ViT runs on a CUDA stream of its own during
-engine steps (``--vit-overlap``) or between them (the default), and through E/PD (an encoder beside a
-joined language worker under MPS: the embeddings cross processes through the encoder's export pool,
-``--layouts``).
+"""HF parity on the GPU through the aggregated worker (its ViT between engine steps, in the engine's
+thread) and through E/PD (an encoder beside a joined language worker under MPS: the embeddings cross
+processes through the encoder's export pool, CUDA IPC).
 
-The CPU suite checks the same code paths, but on CPU there are no streams: whether the engine reads an
-image's embeddings only after the forward that makes them, and whether the tower's graph buffers and
-the allocator's memory are safe across the two streams, shows only on a GPU. So: a tiny random
-checkpoint (fp32), ``epd up --topology aggregated`` on CUDA, a long text request decoding throughout (so
-every image arrives while an engine step runs), and image requests of one to three images of different
-sizes, two at a time; each answer against HF ``generate()`` on CPU, and the two modes' answers against
-each other. On the GPU our fp32 kernels are not bit-equal to HF's on CPU, so an answer may part from
-HF's at a near-tie in either mode; a race would part the modes. Exits 1 when they part.
+The CPU suite checks the same code paths, but on CPU there are no CUDA streams, graphs or IPC: whether the
+engine reads an image's embeddings only after the forward that makes them, and whether the tower's graph
+buffers and a pulled tensor's copy are complete when read, shows only on a GPU. So: a tiny random
+checkpoint (fp32), ``epd up`` of each layout on CUDA, a long text request decoding throughout (so every
+image arrives while an engine step runs), and image requests of one to three images of different sizes,
+two at a time; each answer against HF ``generate()`` on CPU, and the layouts' answers against each other.
+On the GPU our fp32 kernels are not bit-equal to HF's on CPU, so an answer may part from HF's at a
+near-tie in every layout; a race would part the layouts. Exits 1 when they part.
 
-    python3 bench/gpu_parity.py                      # Qwen2.5-VL tiny
-    python3 bench/gpu_parity.py --family qwen3_vl_moe --layouts overlap,aggregated,E/PD+MPS
+    python3 bench/gpu_parity.py                      # Qwen2.5-VL tiny, both layouts
+    python3 bench/gpu_parity.py --family qwen3_vl_moe --layouts E/PD+MPS --out $OUT/parity.json
 """
 
 from __future__ import annotations
@@ -44,17 +43,15 @@ def requests(count: int) -> list[tuple[str, list]]:
     return out
 
 
-LAYOUTS = {  # name → (epd up flags, environment)
-    "overlap": (["--topology", "aggregated"], {"EPD_VIT_OVERLAP": "true"}),
-    "aggregated": (["--topology", "aggregated"], {"EPD_VIT_OVERLAP": "false"}),
-    "E/PD+MPS": (["--topology", "colocated", "--pd", "joined", "--mps", "auto"], {}),
+LAYOUTS = {  # name → epd up flags
+    "aggregated": ["--topology", "aggregated"],
+    "E/PD+MPS": ["--topology", "colocated", "--pd", "joined", "--mps", "auto"],
 }
 
 
 def serve(path: Path, layout: str, cases: list, tokens: int, device: str) -> tuple[list[str], dict]:
-    flags, extra = LAYOUTS[layout]
-    env = {"EPD_DEVICE": device, "EPD_DTYPE": "float32", "EPD_ENCODER_CACHE_MB": "0", **extra}
-    stack = UpStack(path, *flags, env=env)
+    env = {"EPD_DEVICE": device, "EPD_DTYPE": "float32", "EPD_ENCODER_CACHE_MB": "0"}
+    stack = UpStack(path, *LAYOUTS[layout], env=env)
     try:
         stop = threading.Event()
 
@@ -85,7 +82,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=24)
     parser.add_argument("--device", default="cuda", help="cpu: the same run without streams (a smoke test)")
     parser.add_argument("--out", help="JSON report")
-    parser.add_argument("--layouts", default="overlap,aggregated", help=f"of {', '.join(LAYOUTS)}")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
     args = parser.parse_args()
     layouts = args.layouts.split(",")
     if unknown := set(layouts) - set(LAYOUTS):
@@ -102,12 +99,12 @@ def main() -> int:
         matches = sum(t == w for t, w in zip(texts, want))
         report[layout] = {"matches": matches, "texts": texts, "stats": stats}
         print(f"{args.family} {layout}: {matches}/{len(want)} answers equal HF's; ViT batches "
-              f"{stats.get('batches')} ({stats.get('batches_during_steps')} during engine steps), images in place "
-              f"{stats.get('images_in_place')}, prompts {stats.get('prompts')}", flush=True)
+              f"{stats.get('batches')}, images in place {stats.get('images_in_place')}, prompts {stats.get('prompts')}",
+              flush=True)
     same = sum(len(set(a)) == 1 for a in zip(*answers))
     print(f"{args.family}: the {len(layouts)} layouts give the same answer to {same}/{len(cases)} requests",
           flush=True)
-    report["hf"], report["modes_agree"] = want, same
+    report["hf"], report["layouts_agree"] = want, same
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     return 0 if same == len(cases) else 1

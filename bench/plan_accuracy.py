@@ -18,8 +18,8 @@ points of that size scatter by ~30 % around the process's mean). Totals: points 
 predicted within 25 % (issue 13's target), best named, every prediction (and replay) within 25 %.
 
     R=bench/results
-    python bench/plan_accuracy.py --replay $R/eva18-h200-l30/results.json.gz \\
-        $R/eva19-h200-handoff/wait-first/results.json.gz+$R/eva19-h200-handoff/epd-mps/results.json.gz
+    python bench/plan_accuracy.py --stages --replay $R/serving/qwen2.5-7b-mixed/results.json.gz
+    python bench/plan_accuracy.py $R/serving/*/results.json*      # every recorded run docs/benchmarks.md cites
 """
 
 from __future__ import annotations

@@ -478,7 +478,7 @@ def test_plan_accuracy_rereads_a_recorded_run(capsys):
     point, stages, the replay of its requests, totals."""
     from bench.plan_accuracy import main
 
-    recorded = Path(__file__).parents[1] / "bench/results/eva18-h200-l30/results.json.gz"
+    recorded = Path(__file__).parents[1] / "bench/results/serving/qwen2.5-7b-mixed/results.json.gz"
     assert main(["--stages", "--replay", str(recorded)]) == 0
     out = capsys.readouterr().out
     points = [line for line in out.splitlines() if "req/s" in line]
@@ -494,10 +494,10 @@ def test_overheads_fit_ignores_one_slow_request():
     intercept, slope = lower_line(points)
     assert slope == pytest.approx(0.01) and intercept == pytest.approx(0.10)
     assert lower_line([(10, 0.2), (10, 0.3), (10, 0.25)]) == (0.2, 0.0)
-    # two unloaded requests, the first on a fresh stack paying a one-time cost (eva16-h200-q3c: 1,075
-    # and 317 ms): the stack's fixed cost is the cheaper one's, not their median
+    # two unloaded requests, the first on a fresh stack paying a one-time cost (Qwen3-VL-30B-A3B on an H200:
+    # 1,075 and 317 ms): the stack's fixed cost is the cheaper one's, not their median
     assert lower_line([(2, 1.075), (2, 0.317)]) == (pytest.approx(0.317), 0.0)
-    # two image counts, the second request stalled (eva20-h200-q3-mixed: 1 image 0.074 s over the model,
+    # two image counts, the second request stalled (serving/qwen3-image-heavy-mixed: 1 image 0.074 s over the model,
     # 2 images 0.88 s): one pairwise slope is no evidence of a per-image cost, the line stays flat
     assert lower_line([(1, 0.074), (2, 0.88)]) == (pytest.approx(0.074), 0.0)
 
@@ -646,3 +646,59 @@ def test_multi_turn_tiny_answers_alike_with_and_without_caching(tmp_path):
     assert summary["counters"]["caching"]["hits"] > 0 and summary["ratio"] > 0
     markdown = (tmp_path / "results.md").read_text()
     assert "Hardware:" in markdown and "TTFT from turn 2 on ≥ 3× lower with prefix caching: measured" in markdown
+
+
+# -- bench/gpu_engine.py: its sections on the tiny model, the timeline's arithmetic ------------------------
+def test_engine_sections_measure_on_the_tiny_model(tmp_path):
+    """The sections a GPU run reports the engine's figures from, on CPU (~5 s): each fills its own entry,
+    and after waves of requests every KV block is free again."""
+    sections = "ceilings,decode1,decode64,prefill,chunked,memory"
+    done = subprocess.run([sys.executable, "bench/gpu_engine.py", "--tiny", "--sections", sections, "--out",
+                           str(tmp_path)], cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((tmp_path / "gpu_engine.json").read_text())
+    assert list(results) == ["env", "build", *sections.split(",")]
+    assert results["ceilings"]["copy_bandwidth_TBps"] > 0 and results["ceilings"]["bf16_matmul_TFLOPs"] > 0
+    assert results["decode1"]["engine_step_ms"] > 0 and results["decode1"]["bandwidth_floor_ms"] > 0
+    assert (results["decode64"]["batch"], results["decode64"]["context"]) == (8, 64)
+    assert results["prefill"]["tokens"] == 72 and results["prefill"]["compute_floor_ms"] > 0
+    chunked = results["chunked"]
+    assert set(chunked["budgets"]) == {"unchunked", "16", "32", "64", "128"}
+    assert chunked["prefix_hit"]["cached_tokens"] > 0  # the prompt again came from the prefix cache
+    memory = results["memory"]
+    assert memory["requests"] == 100 and memory["kv_blocks_free_after"] == memory["kv_blocks_total"]
+
+
+def test_engine_sections_are_named_on_the_command_line():
+    from bench.engine import SECTIONS
+    from bench.gpu_engine import parse_args
+
+    assert parse_args([]).sections == list(SECTIONS)
+    assert parse_args(["--sections", "hf,decode1"]).sections == ["hf", "decode1"]  # in the order given
+    with pytest.raises(SystemExit):
+        parse_args(["--sections", "decode1,nonsense"])
+
+
+def test_timeline_charges_each_kernel_its_share_of_the_critical_path():
+    """Under programmatic dependent launch a kernel starts before the one ahead ends: its share of the step
+    is how far its end moves the step's end, and the shares add up to the step."""
+    from bench.engine.timeline import from_events
+
+    events = []
+    for replay in range(4):  # 1,000 µs apart: the idle GPU between replays separates them
+        base = replay * 1000
+        events += [{"cat": "kernel", "name": "void at::native::(anonymous namespace)::norm<float>(float*, int)",
+                    "ts": base, "dur": 10},
+                   {"cat": "kernel", "name": "gemv_kernel", "ts": base + 5, "dur": 10},  # launched early
+                   {"cat": "kernel", "name": "gemv_kernel", "ts": base + 20, "dur": 5},  # after a 5 µs gap
+                   {"cat": "cpu_op", "name": "replay", "ts": base, "dur": 30}]
+    result = from_events(events, replays=4, drop=2, layers=2)
+    assert (result["split"], result["replays"], result["kernels_per_step"]) == ("gap", 2, 3)
+    assert result["profiled_span_ms"] == pytest.approx(0.025)
+    kernels = {k["name"]: k for k in result["by_kernel"]}
+    assert set(kernels) == {"norm<float>", "gemv_kernel"}
+    assert kernels["norm<float>"]["contribution_us"] == 10 and kernels["gemv_kernel"]["contribution_us"] == 15
+    assert kernels["gemv_kernel"]["gap_us"] == 5 and kernels["gemv_kernel"]["contribution_per_layer_us"] == 7.5
+    assert result["contribution_sum_ms"] == pytest.approx(result["profiled_span_ms"])
+    with pytest.raises(ValueError):
+        from_events(events[:-2], replays=4)  # 11 kernels do not make 4 equal replays

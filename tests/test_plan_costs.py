@@ -4,6 +4,7 @@ batch counters carried from the frontend's metrics into a measurement's record."
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -99,7 +100,8 @@ def test_cost_files_without_the_moe_fields_still_load():
     assert preset_moe("preset-qwen3-vl-2b-v3") == (0, 0)
     # fields a file has win over its name (a dense table of a MoE model stays dense)
     assert Costs.from_json(costs(moe_steps(), model="preset-qwen3-vl-30b-a3b-v3").to_json()).moe is False
-    floor = json.loads((ROOT / "bench/results/eva20-h200-q3-dynamo/floor.json").read_text())
+    with gzip.open(ROOT / "bench/results/serving/qwen3-dynamo/results.json.gz") as recorded_run:
+        floor = json.load(recorded_run)["floor"]
     recorded = Costs.from_json(floor["costs"]["448x448"])
     assert recorded.moe and recorded.decode_ms
     for batch, context, ms in recorded.decode_ms:  # three steps, three coefficients: through every one
@@ -136,7 +138,7 @@ def test_the_encoders_batch_counters_reach_the_record():
 def test_the_floors_decode_rows_route_as_real_tokens_do(tmp_path):
     """Each row of the probe's decode batch has its own token: rows of one token would all route to the
     same top-k experts, and a MoE batch's step would read k experts a layer instead of up to E."""
-    from bench.roofline import TouchedExperts
+    from bench.engine.roofline import TouchedExperts
     from shared.engine.settings import EngineSettings
     from shared.model.config import ModelConfig
     from shared.model.tiny import write_tiny_checkpoint

@@ -34,8 +34,8 @@ freed while the holder lives, which each consumer maps once and keeps mapped:
 6. the consumer copies the slot's bytes from its mapping and acks naming the slot, which frees it.
 
 Ten copies from a pool mapped once took 0.7 ms idle and 7 ms beside the busy stream (no Python thread
-stalled over 1.6 ms), against 2.5 and 112 ms mapped one by one (``bench/ipc_calls.py``; the transport's
-own figures: ``bench/dataplane.py --busy``; docs/benchmarks.md). A tensor that does not fit the pool's
+stalled over 1.6 ms), against 2.5 and 112 ms mapped one by one (an H200; the transport's
+own figures: ``bench/dataplane.py --busy``, docs/benchmarks.md). A tensor that does not fit the pool's
 free space (or a pool that could not be allocated) goes the per-tensor way above. The pool exposes what
 was staged in it (earlier pulls' tensors too), not the holder's other memory.
 

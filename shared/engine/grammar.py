@@ -1,8 +1,8 @@
 """Structured output: a grammar per constrained sequence, applied as a batched token mask.
 
 The library is llguidance: on CPU with a realistic 152k vocabulary its mask costs ~0.5 ms a step and
-a grammar compiles in 4–10 ms, against xgrammar's 0.9–3.3 ms and 20–90 ms (``bench/grammar_mask.py``,
-docs/api.md) — and compiling happens on the engine thread, between steps.
+a grammar compiles in 4–10 ms, against xgrammar's 0.9–3.3 ms and 20–90 ms (docs/architecture.md) — and
+compiling happens on the engine thread, between steps.
 
 A sequence's matcher is built the first time the sequence is sampled on this worker and fed the
 request's output so far (``output_tokens``): so the grammar's state survives the prefill → decode

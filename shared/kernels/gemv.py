@@ -21,8 +21,8 @@ Tiles: a program computes ``BLOCK_N`` outputs for every row, streaming ``BLOCK_K
 step in 16-byte vectors along the contiguous K, with the next step's weights loaded before the
 current step's products are added (bytes in flight while it computes); the products accumulate
 elementwise (32 float32 values a thread) and are reduced across threads once, after the last step.
-Chosen by measurement (``bench/gemv_tiles.py``, one H200, every layer's weight in turn in one CUDA
-graph, PDL on; docs/benchmarks.md): 4 warps; 4 outputs x 1,024 a step for weights up to 64 MB, which
+Chosen by a sweep on one H200 (every layer's weight in turn in one CUDA graph, PDL on;
+docs/architecture.md): 4 warps; 4 outputs x 1,024 a step for weights up to 64 MB, which
 beat cuBLAS on Qwen3-VL-30B-A3B's q|k|v (7.5 against 7.9 µs), o (5.9 / 8.8) and router (1.6 / 4.8)
 and the 7B's q|k|v and o; 8 x 512 for larger ones (the 7B's gate|up and down: 70.5 / 69.4 and
 36.4 / 36.7 µs, even with cuBLAS). With the norm fused in, every program first reads the whole row for
@@ -186,7 +186,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, re
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            block: tuple[int, int, int] | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` ``[rows <= ROWS_LIMIT, K]``; ``block``: (BLOCK_N, BLOCK_K,
-    num_warps) instead of ``tiles``' (tests, ``bench/gemv_tiles.py``)."""
+    num_warps) instead of ``tiles``' (tests, tile sweeps)."""
     return _launch(x, weight, bias, None, None, 0.0, False, block)[0]
 
 

@@ -37,8 +37,8 @@ step's weights before it adds the current step's products: those loads are in fl
 computes. The float32 products accumulate elementwise (32 or 64 values a thread) and
 are reduced across threads once, after the last step: reducing every step (last session's kernels)
 cost shuffles and a barrier per step, and the batch-1 decode step 3.14–3.16 against 3.08–3.11 ms
-(docs/benchmarks.md, "Decode at batch 1"). The tiles come from a sweep at batch 1 (``bench/gemv_tiles.py
---moe-only``, one layer's two GEMVs, 8 layers of experts of their own in one graph): gate|up 8 columns ×
+(docs/architecture.md, "Decode at batch 1"). The tiles come from a sweep at batch 1 (on one H200,
+one layer's two GEMVs, 8 layers of experts of their own in one graph): gate|up 8 columns ×
 256-wide steps, 4 warps (8 assignments × 768/8 = 768 programs, 8 steps over H = 2048), down 8 experts × 8
 columns × 256-wide steps, 8 warps (256 programs, 3 steps over I = 768). The layer's GEMVs took 30.6 µs with
 the first tiles of this scheme (8 warps, gate|up 16 × 256), 25.1 with gate|up 8 × 512 and down 8 × 128

@@ -3,7 +3,7 @@
 On sm90 SDPA's first choice is cuDNN's fused attention. Per call it is the fastest there is (an H200,
 bf16: 1.4-1.9× the flash kernel at a prompt's and a ViT batch's shapes), but it builds an execution
 plan for each exact shape — sizes and strides, the batch included — 45-60 ms each, 0.6-0.9 s when a
-new kernel variant compiles, and keeps it in a cache of the *calling thread* (``bench/attention_shapes.py``).
+new kernel variant compiles, and keeps it in a cache of the *calling thread* (docs/architecture.md).
 Serving makes a new shape nearly every call: every prompt has its own length, every ViT batch its own
 mix of images. Left to SDPA, nearly every prefill and ViT forward paid a plan, and an encoder's vision
 thread, whose cache starts empty, paid it even for shapes the warm-up had seen (ten 448² images: 80-283 ms

@@ -7,7 +7,7 @@ model the batch itself (x = B: per-row work; its weights are read once whatever 
 mixture of experts the experts B tokens touch in a layer, E·(1 − (1 − k/E)^B) with E experts, k per
 token, routed independently (Qwen3-VL-30B-A3B: 8 at B = 1, 51.6 at 8, 111.8 at 32, 128 at most). A MoE
 step at these batches is bandwidth-bound: it reads the shared weights (a), the touched experts' weights
-(b an expert) and the rows' KV (c a token), which is ``bench/roofline.py``'s bytes floor of a step; a fit
+(b an expert) and the rows' KV (c a token), which is ``bench/engine/roofline.py``'s bytes floor of a step; a fit
 linear in B would draw a straight line under that concave curve between the measured batches.
 """
 

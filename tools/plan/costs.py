@@ -229,7 +229,6 @@ class EngineProbe:
     def prefill_ms(self, input_len: int, images: int, image_tokens: int, grid: Grid) -> float:
         # five after two warm-ups, the least: on an H200 a 152-token Qwen3-VL-30B-A3B prefill took 17 ms
         # or, now and then, 28-31 ms, and the least of two once gave the floor 24.6 ms
-        # (bench/results/eva24-h200-q3-in-place/probe_prefill.log)
         return self.timer.ms(self.prompt(input_len, images, image_tokens, grid), repeat=5, warmup=2)
 
     @contextlib.contextmanager
