@@ -960,7 +960,7 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--deadline", type=float, default=0, help="seconds: start no topology that would end the "
                                                                   "run past this (judged by the previous one's time)")
-    parser.add_argument("--floor", default="", help="reuse an earlier run's floor (its floor.json or results.json) "
+    parser.add_argument("--floor", default="", help="reuse an earlier run's floor (its floor.json, or results.json[.gz]) "
                                                     "instead of measuring it: the same rates, e.g. to split a sweep")
     parser.add_argument("--transport", default="auto", choices=("auto", "zmq", "ucx"),
                         help="the stacks' data plane; auto: ucx where ucxx is installed (GPU to GPU), else zmq")
@@ -996,7 +996,7 @@ def main(argv=None) -> int:
     classes = request_classes(cases, args.tiny)
     floor = None
     if args.floor:  # a floor.json, or an earlier run's results.json (its floor)
-        data = json.loads(Path(args.floor).read_text())
+        data = read_results(args.floor)
         floor = Floor(data.get("floor", data), args.transport)
         if missing := [shape for case in cases for shape in floor.missing(case_workload(case, args.tiny))]:
             raise SystemExit(f"--floor {args.floor} did not measure {', '.join(missing)}: take the floor of a run "

@@ -2,7 +2,7 @@
 
 Without MPS, processes on one GPU time-slice it (each gets the whole GPU for a slice, then waits);
 with it, their kernels run side by side as streams of one context would (measured on one H200:
-TTFT −27…−47 %, docs/benchmarks.md). ``--mps auto`` starts a daemon when more than one worker process
+TTFT −31 % and −33 % at two loads, docs/architecture.md). ``--mps auto`` starts a daemon when more than one worker process
 shares a GPU and the control binary exists; ``on`` insists (and fails clearly without it); ``off``
 never. The daemon runs in the foreground as the launcher's child (so it dies with the launcher), with
 its pipe and log directories in the stack's private temp dir; children find it through

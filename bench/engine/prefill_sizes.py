@@ -29,6 +29,8 @@ def run(bench: Bench, out: dict) -> None:
         with without_pieces(lm), TouchedExperts(lm) as touched:  # graph replays do not call back into Python
             run_prefill(engine, tokens, [])
         experts = touched.per_step()
+        if expert_bytes(lm) and not experts:  # no MoE layer counted its experts: the bytes floor leaves them out
+            log(f"prefill_sizes {length} tokens: no MoE layer counted its experts; the bytes floor omits them")
         read = shared_weight_bytes(lm) + experts * expert_bytes(lm)
         bytes_ms, flop_ms = bench.bandwidth_ms(read), bench.compute_ms(prefill_flops(bench.config, length))
         kernels, kernel_us = kernel_table(bench, lambda: run_prefill(engine, tokens, []))

@@ -5,8 +5,7 @@ Through the encoder subjects, a request's images cost the aggregated process the
 each job's result back to the event loop, a reply to the frontend, the frontend's prefill job back
 here, its embeddings pulled, the prompt handed to the engine thread — which meanwhile started an
 engine step that the prompt then waits out. On an H200 that was ~35 ms a request more than the same
-hops in a process of their own (docs/benchmarks.md, "Where the aggregated process's encode stage
-goes"). Here, as in vLLM's engine, the request comes once, with its pixels:
+hops in a process of their own (docs/architecture.md, "The aggregated worker encodes in place"). Here, as in vLLM's engine, the request comes once, with its pixels:
 
 1. ``admit`` (event loop): check the job, pull the pixels (and any embeddings it carries), park the
    prompt with one part per image still to come, look each image up (``EmbeddingSource``: the cache, a

@@ -36,8 +36,8 @@ At one row a program whose weights take at most ``PRELOAD_BYTES`` (16 KB: Qwen3-
 router programs, 4 outputs × 2,048) loads all of them before its wait, not only the first step, and
 takes the products in one step after it: the batch-1 step 2.446 → 2.395 ms (one H200, same process and
 inputs). At 32 KB o's programs do so too and the step took 2.471 ms: their 168 registers a thread leave
-room for three programs an SM, so fewer of them load before the wait (docs/benchmarks.md, "Batch-1
-decode: weights before the wait").
+room for three programs an SM, so fewer of them load before the wait (docs/architecture.md, "Decode
+at batch 1").
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ def hardware() -> str:
 def host() -> dict:
     """The host beside the GPUs, and how fast it is now. Two machines of the same kind (same GPU, driver and
     core count) ran the same stack 45–55 % apart, the frontend's image decode twice as long on the slower
-    (docs/benchmarks.md, "Two machines"): so a run records its CPU, the cores it may use, the GPU's clocks
+    (docs/benchmarks.md, "Machines, models, reading the figures"): so a run records its CPU, the cores it may use, the GPU's clocks
     and two single-thread probes, a pure-Python loop and the floor's own media probe (the frontend's decoder
     on one 448² JPEG), to tell the machines of two runs apart."""
     import torch
