@@ -80,6 +80,30 @@ def hf_chat_inputs(reference, messages: list[dict], images: list[Image.Image]) -
     return inputs
 
 
+def hf_image_embeds(reference, image: Image.Image) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's vision tower on one image: its rows ``[tokens, out_dim × (1 + deepstack levels)]`` (Qwen3-VL's
+    levels beside the merger's output, as the encoders ship them) and its grid ``[1, 3]``."""
+    pixels = reference.processor(images=[np.asarray(image)], return_tensors="pt", input_data_format="channels_last")
+    with torch.no_grad():
+        out = reference.model.model.get_image_features(pixels["pixel_values"], pixels["image_grid_thw"])
+    levels = [feature[0] for feature in getattr(out, "deepstack_features", None) or ()]
+    return torch.cat([out.pooler_output[0], *levels], dim=1).contiguous(), pixels["image_grid_thw"]
+
+
+def image_embeds_part(rows: torch.Tensor, grid: torch.Tensor, fmt: str = "safetensors") -> dict:
+    """An ``image_embeds`` content part (vLLM's shape), its tensors as base64 safetensors or .npy bytes."""
+    def encoded(tensor: torch.Tensor) -> str:
+        if fmt == "npy":
+            buffer = io.BytesIO()
+            np.save(buffer, tensor.numpy())
+            return base64.b64encode(buffer.getvalue()).decode()
+        from safetensors.torch import save
+
+        return base64.b64encode(save({"tensor": tensor.contiguous()})).decode()
+
+    return {"type": "image_embeds", "image_embeds": {"image_embeds": encoded(rows), "image_grid_thw": encoded(grid)}}
+
+
 class Reference:
     """HF transformers generate() on the same checkpoint: the ground truth for greedy output."""
 

@@ -79,6 +79,7 @@ class ChoiceState:
         self.index = index
         self.detok = IncrementalDetokenizer(tokenizer, options.stop, options.skip_special_tokens, options.include_stop)
         self.stop_token_ids = set(sampling.stop_token_ids)
+        self.include_stop = options.include_stop
         self.generated: list[int] = []
         self.done = False
         self.cut_short = False  # a stop string ended it while the model was still generating
@@ -89,7 +90,10 @@ class ChoiceState:
         self.generated += event.token_ids
         self._carried += event.token_ids
         self._carried_logprobs += event.logprobs or []
-        text = self.detok.push(event.token_ids)
+        # The token that stopped the engine (EOS, a stop token id) keeps its id and logprobs, but its text
+        # is left out, unless include_stop_str_in_output: vLLM's rule for stop tokens and strings alike.
+        stopped_by_token = event.finish_reason == "stop" and not self.include_stop
+        text = self.detok.push(event.token_ids[:-1] if stopped_by_token else event.token_ids)
         ended = self.detok.stopped or event.finish_reason is not None
         if ended:
             text += self.detok.finish()

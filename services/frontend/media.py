@@ -114,9 +114,17 @@ class MediaLoader:
         return decode_image(self._data_url(url), self.settings.max_image_pixels)
 
     # -- video ------------------------------------------------------------------------------------
-    async def load_media(self, parts: list[tuple[str, str]]) -> list[DecodedImage | DecodedVideo]:
-        """``(kind, url)`` pairs, ``kind`` "image" or "video", decoded in parallel, in their order."""
-        return list(await asyncio.gather(*(self.load_video(u) if k == "video" else self.load(u) for k, u in parts)))
+    async def load_media(self, parts: list[tuple[str, object]], embeds=None) -> list:
+        """``(kind, url)`` pairs, ``kind`` "image" or "video", decoded in parallel, in their order; parts of
+        precomputed embeddings (``("image_embeds", part)``) read by ``embeds`` (an ``EmbedsReader``) there too."""
+        loop = asyncio.get_running_loop()
+
+        def load(kind: str, value):
+            if kind == "image_embeds":
+                return loop.run_in_executor(self.executor, embeds.read, value)
+            return self.load_video(value) if kind == "video" else self.load(value)
+
+        return list(await asyncio.gather(*(load(k, v) for k, v in parts)))
 
     async def load_video(self, url: str) -> DecodedVideo:
         if self.video_geometry is None:

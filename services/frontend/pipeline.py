@@ -9,7 +9,8 @@
    ``--prefill-timeout`` (alive, but stuck or swamped) has it cancelled and sent elsewhere. Its images
    go as pixels to a worker that encodes in place (aggregated); for any other, every image is encoded
    first (``EncodeFanout``), and embeddings whose holder vanished before prefill pulled them are
-   encoded again;
+   encoded again. A client's precomputed embeddings (``embeds.py``) skip encoding: published here, they
+   are pulled by the worker as an encoder's would be;
 4. hand back the ``Generation`` (tokens, text, finish), which calls ``resume`` if its worker is lost:
    re-encode (cache hits), prefill the prompt plus every token already streamed, continue numbering
    from there (``output_offset``), at most ``--resume-attempts`` times.
@@ -25,11 +26,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
+from services.frontend.embeds import EmbedsReader, ImageEmbeds
 from services.frontend.encoding import EncodeFanout, publish_pixels
 from services.frontend.errors import ApiError
 from services.frontend.generation import Generation, OutputOptions, Timing
 from services.frontend.media import MediaLoader
-from services.frontend.prompt import Prompt, PromptBuilder, TemplateOptions, VideoShape, media_parts
+from services.frontend.prompt import Prompt, PromptBuilder, VideoShape, media_parts, template_options
 from services.frontend.protocol import ChatCompletionRequest
 from services.frontend.routing import IntakeRouter
 from services.frontend.sampling import SamplingBuilder, structured_constraint
@@ -66,7 +68,8 @@ class Pipeline:
         self.settings = settings
         self.sampling = sampling
         self.max_model_len = sampling.max_model_len
-        self.plane = plane  # the request's pixels, for a worker that encodes in place
+        self.plane = plane  # the request's pixels, for a worker that encodes in place, and given embeddings
+        self.embeds = EmbedsReader(builder.config, settings.max_image_embeds_bytes)
         self.encoding = EncodeFanout(nc, subjects, plane, directory, settings)
         self.intake = IntakeRouter(directory, subjects)
         self.on_finished = on_finished  # metrics, once per generation
@@ -86,7 +89,7 @@ class Pipeline:
         if isinstance(request, ChatCompletionRequest):
             parts = media_parts(request.messages)
             self._check_counts(parts)
-            images = await self.media.load_media(parts)  # images and videos, in message order
+            images = await self.media.load_media(parts, self.embeds)  # images, videos, embeddings, in order
         loaded = time.time()
         prompt, sampling = await asyncio.get_running_loop().run_in_executor(
             self.prompts, self._prepare, request, images, prompt_index)
@@ -115,19 +118,19 @@ class Pipeline:
             prompt = Prompt(self.text_prompt(request.prompts()[prompt_index], request.add_special_tokens is not False))
             constraint, param = structured_constraint(request), "prompt"
         else:
-            options = TemplateOptions(request.add_generation_prompt is not False, bool(request.continue_final_message),
-                                      request.tools if request.uses_tools() else None, request.chat_template_kwargs or {})
-            stills = [(i.height, i.width) for i in images if not isinstance(i, DecodedVideo)]
+            options = template_options(request, request.tools if request.uses_tools() else None)
+            stills = [i.grid if isinstance(i, ImageEmbeds) else (i.height, i.width)
+                      for i in images if not isinstance(i, DecodedVideo)]
             prompt = self.builder.build(request.messages, stills, options, self._video_shapes(images))
             self._check_video_tokens(prompt)
             constraint, param = structured_constraint(request) or tool_constraint(request), "messages"
         sampling = self.sampling.build(request, len(prompt.token_ids), request.top_logprob_count, constraint, param)
         return prompt, sampling
 
-    def _check_counts(self, parts: list[tuple[str, str]]) -> None:
+    def _check_counts(self, parts: list[tuple[str, object]]) -> None:
         s = self.settings
         for kind, limit in (("image", s.max_images_per_request), ("video", s.max_videos_per_request)):
-            count = sum(k == kind for k, _ in parts)
+            count = sum(k.startswith(kind) for k, _ in parts)  # images: image_url and image_embeds parts
             if count > limit:
                 raise ApiError(400, f"too many {kind}s: {count} (at most {limit})", "messages")
 
@@ -161,19 +164,21 @@ class Pipeline:
     async def submit(self, generation: Generation, attempt: str, prompt: Prompt, sampling: SamplingParams,
                      output_offset: int = 0) -> None:
         images, stream = generation.images, generation.stream.subject
-        results: list[EncodeResult] | None = None  # encoded by the encoder subjects, once needed
+        # per image, once needed: what the encoder subjects made of it (None: the client's embeddings)
+        results: list[EncodeResult | None] | None = None
         tried: set[str] = set()
         encodes, sent = 0, False
         while True:
             target = self.intake.target(exclude=tried)
-            in_place = bool(images) and self.settings.encode_in_place and self.intake.encodes_in_place(target)
+            in_place = (any(not isinstance(i, ImageEmbeds) for i in images) and self.settings.encode_in_place
+                        and self.intake.encodes_in_place(target))
             if not in_place and results is None:
                 results = await self._encode(generation, attempt)
                 encodes += 1
-            pixels = self._publish_pixels(images) if in_place else []
+            published = self._publish(images, in_place)
             try:
                 job = self.prefill_job(attempt, prompt, images, None if in_place else results, sampling, stream,
-                                       output_offset, pixels)
+                                       output_offset, published)
                 if not sent:  # the first_token stage counts from here (in place: the images' encoding too)
                     generation.timing.submitted, sent = time.time(), True
                 with self.intake.outstanding.sending(target.instance):
@@ -203,33 +208,48 @@ class Pipeline:
                         continue
                 raise ApiError(503 if err.status == EMBEDDINGS_GONE else err.status, err.message) from None
             finally:
-                for handle in pixels:
-                    self.plane.release(handle)
+                for handle in published:
+                    if handle is not None:
+                        self.plane.release(handle)
 
-    async def _encode(self, generation: Generation, attempt: str) -> list[EncodeResult]:
-        """Every image through the encoder subjects (the request's first encoding is its ``encode`` stage)."""
+    async def _encode(self, generation: Generation, attempt: str) -> list[EncodeResult | None]:
+        """Every image to encode through the encoder subjects (the request's first encoding is its ``encode``
+        stage); None for the client's embeddings."""
         started = time.time()
-        results = await self.encoding.encode(attempt, generation.images)
-        if generation.images:
+        pixels = [i for i in generation.images if not isinstance(i, ImageEmbeds)]
+        encoded = iter(await self.encoding.encode(attempt, pixels))
+        if pixels:
             generation.timing.stages.setdefault("encode", time.time() - started)
-        return results
+        return [None if isinstance(i, ImageEmbeds) else next(encoded) for i in generation.images]
 
-    def _publish_pixels(self, images: list) -> list:
-        """The images' decoded pixels on this frontend's data plane, for a worker that encodes in place (it
-        pulls them before it accepts the prompt; released after its answer)."""
-        return publish_pixels(self.plane, images, self.settings.prefill_timeout + 30)
+    def _publish(self, images: list, in_place: bool) -> list:
+        """Per image, what the worker pulls from this frontend's data plane before it accepts the prompt
+        (released after its answer): the client's embeddings, and for a worker that encodes in place the
+        decoded pixels (None: neither)."""
+        lease = self.settings.prefill_timeout + 30
+        to_encode = [i for i in images if not isinstance(i, ImageEmbeds)]
+        pixels = iter(publish_pixels(self.plane, to_encode, lease) if in_place else [None] * len(to_encode))
+        return [self.plane.publish(i.rows, consumers=None, lease=lease) if isinstance(i, ImageEmbeds)
+                else next(pixels) for i in images]
 
-    def prefill_job(self, request_id: str, prompt: Prompt, images: list, results: list[EncodeResult] | None,
-                    sampling: SamplingParams, stream: str, output_offset: int = 0, pixels: list = ()) -> PrefillJob:
-        """The job for a worker: each image's embeddings (``results``), or its ``pixels`` handle."""
+    def prefill_job(self, request_id: str, prompt: Prompt, images: list, results: list[EncodeResult | None] | None,
+                    sampling: SamplingParams, stream: str, output_offset: int = 0, published: list = ()) -> PrefillJob:
+        """The job for a worker: each image's embeddings — an encoder's (``results``), or the client's
+        (``published`` here) — or, for a worker that encodes in place (``results`` None), its ``published``
+        pixels."""
         slots = []
         for index, (offset, grid, image) in enumerate(zip(prompt.image_offsets, prompt.image_grids, images)):
             video = {}
             if (plan := prompt.videos.get(index)) is not None:
                 video = dict(video=True, second_per_grid=plan.second_per_grid, frame_offsets=plan.frame_offsets)
+            if isinstance(image, ImageEmbeds):
+                slots.append(ImageSlot(offset=offset, grid=grid, embedding=published[index],
+                                       content_hash=image.content_hash))
+                continue
             if results is None:
-                slots.append(ImageSlot(offset=offset, grid=grid, pixels=pixels[index], content_hash=image.content_hash,
-                                       sampling=getattr(image, "sampling", None), **video))
+                slots.append(ImageSlot(offset=offset, grid=grid, pixels=published[index],
+                                       content_hash=image.content_hash, sampling=getattr(image, "sampling", None),
+                                       **video))
                 continue
             result = results[index]
             if tuple(result.grid) != tuple(grid):

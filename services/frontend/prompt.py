@@ -6,7 +6,10 @@ with special tokens split into plain characters. So a client who types ``<|image
 characters, never an image slot, and the template is the checkpoint's own (clients cannot supply one).
 
 Tool definitions and tool-call arguments reach the template as data it serializes itself (``tojson``),
-where no sentinel survives; a client string there that spells a special token is refused instead.
+where no sentinel survives; a client string there that spells a special token is refused instead, and so
+is one in ``chat_template_kwargs`` (a template may print such a value as it is). The names that would
+change the template itself or what it is given (``chat_template``, ``messages``, …) may not be set there;
+``add_generation_prompt`` and ``continue_final_message`` may, as vLLM allows, and win over the request's.
 """
 
 from __future__ import annotations
@@ -17,15 +20,17 @@ import secrets
 from dataclasses import dataclass, field
 
 from services.frontend.errors import ApiError
-from services.frontend.protocol import ChatMessage, ImagePart, Tool, VideoPart
+from services.frontend.protocol import ChatMessage, ImageEmbedsPart, ImagePart, Tool, VideoPart
 from shared.model.config import ModelConfig
 from shared.model.geometry import Grid, ImageGeometry, grid_tokens
 from shared.model.video import VideoGeometry, VideoTiming
 
 
-# template variables a client's chat_template_kwargs may not replace
-_RESERVED = {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "bos_token",
-             "eos_token", "raise_exception"}
+# what a client's chat_template_kwargs may not replace: the template, its inputs and variables the template
+# itself relies on, and apply_chat_template's switches that change what it returns
+_RESERVED = {"messages", "conversation", "tools", "documents", "chat_template", "bos_token", "eos_token",
+             "raise_exception", "tokenize", "return_dict", "return_tensors", "padding", "truncation", "max_length",
+             "tokenizer_kwargs", "return_assistant_tokens_mask"}
 
 
 @dataclass
@@ -36,6 +41,22 @@ class TemplateOptions:
     continue_final_message: bool = False
     tools: list[Tool] | None = None
     kwargs: dict = field(default_factory=dict)
+
+
+def template_options(request, tools: list[Tool] | None = None) -> TemplateOptions:
+    """A chat (or /tokenize) request's options, as vLLM reads them: ``chat_template_kwargs`` may set
+    ``add_generation_prompt`` and ``continue_final_message``, over the request's own fields; the two
+    cannot both be true (the prompt would open a new turn and continue the last one)."""
+    kwargs = dict(request.chat_template_kwargs or {})
+    add = kwargs.pop("add_generation_prompt", request.add_generation_prompt is not False)
+    cont = kwargs.pop("continue_final_message", bool(request.continue_final_message))
+    if not isinstance(add, bool) or not isinstance(cont, bool):
+        raise ApiError(400, "add_generation_prompt and continue_final_message must be true or false",
+                       "chat_template_kwargs")
+    if add and cont:
+        raise ApiError(400, "add_generation_prompt and continue_final_message cannot both be true: set "
+                            "add_generation_prompt to false to continue the final message", "continue_final_message")
+    return TemplateOptions(add, cont, tools, kwargs)
 
 
 @dataclass
@@ -50,11 +71,16 @@ def image_urls(messages: list[ChatMessage]) -> list[str]:
     return [url for kind, url in media_parts(messages) if kind == "image"]
 
 
-def media_parts(messages: list[ChatMessage]) -> list[tuple[str, str]]:
-    """``("image" | "video", url)`` of every media part, in the order the messages carry them."""
-    return [("video", part.video_url.url) if isinstance(part, VideoPart) else ("image", part.image_url.url)
-            for m in messages if isinstance(m.content, list)
-            for part in m.content if isinstance(part, (ImagePart, VideoPart))]
+def media_parts(messages: list[ChatMessage]) -> list[tuple[str, str | ImageEmbedsPart]]:
+    """``("image" | "video", url)`` of every media part, ``("image_embeds", part)`` of every part of
+    precomputed embeddings, in the order the messages carry them."""
+    def item(part):
+        if isinstance(part, ImageEmbedsPart):
+            return "image_embeds", part
+        return ("video", part.video_url.url) if isinstance(part, VideoPart) else ("image", part.image_url.url)
+
+    return [item(part) for m in messages if isinstance(m.content, list)
+            for part in m.content if isinstance(part, (ImagePart, VideoPart, ImageEmbedsPart))]
 
 
 class PromptBuilder:
@@ -67,10 +93,10 @@ class PromptBuilder:
         self.geometry = geometry
         self.video_geometry = video_geometry
 
-    def build(self, messages: list[ChatMessage], image_sizes: list[tuple[int, int]],
+    def build(self, messages: list[ChatMessage], image_sizes: list[tuple[int, int] | Grid],
               options: TemplateOptions | None = None, videos: list["VideoShape"] = ()) -> Prompt:
-        """``image_sizes``: (height, width) of each image, ``videos`` each video's sampled shape, in the
-        order the messages carry them."""
+        """``image_sizes``: (height, width) of each image to encode, or the (t, h, w) patch grid of its
+        precomputed embeddings; ``videos`` each video's sampled shape; in the order the messages carry them."""
         ids = self.render_ids(messages, options or TemplateOptions())
         return self._expand_images(ids, image_sizes, list(videos))
 
@@ -80,6 +106,7 @@ class PromptBuilder:
         if reserved:
             raise ApiError(400, f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
                            "chat_template_kwargs")
+        self._refuse_special_tokens(json.dumps(options.kwargs, ensure_ascii=False), "chat_template_kwargs")
         sentinel = f"\x00{secrets.token_hex(8)}:"
         texts: list[str] = []
         conversation = [self._template_message(m, sentinel, texts) for m in messages]
@@ -93,11 +120,11 @@ class PromptBuilder:
             raise ApiError(400, "the conversation does not fit the model's chat template") from None
         return self._tokenize(rendered, sentinel, texts)
 
-    def _refuse_special_tokens(self, data: str) -> None:
+    def _refuse_special_tokens(self, data: str, param: str = "tools") -> None:
+        what = "chat_template_kwargs" if param == "chat_template_kwargs" else "tool definitions and tool calls"
         for token in self.tokenizer.all_special_tokens:
             if token and token in data:
-                raise ApiError(400, f"tool definitions and tool calls may not contain the special token {token!r}",
-                               "tools")
+                raise ApiError(400, f"{what} may not contain the special token {token!r}", param)
 
     @staticmethod
     def _template_message(message: ChatMessage, sentinel: str, texts: list[str]) -> dict:
@@ -110,7 +137,7 @@ class PromptBuilder:
         if message.content is None or isinstance(message.content, str):
             rendered: dict = {"role": role, "content": text(message.content or "")}
         else:
-            rendered = {"role": role, "content": [{"type": "image"} if isinstance(p, ImagePart)
+            rendered = {"role": role, "content": [{"type": "image"} if isinstance(p, (ImagePart, ImageEmbedsPart))
                                                   else {"type": "video"} if isinstance(p, VideoPart)
                                                   else {"type": "text", "text": text(p.text)} for p in message.content]}
         if message.tool_calls:  # the template wants arguments as data (vLLM passes them parsed, too)
@@ -164,16 +191,20 @@ class PromptBuilder:
             if token == video_token:
                 start += self._place_video(prompt, ids, slot, next(clips))
                 continue
-            height, width = next(sizes)
-            try:
-                grid = self.geometry.grid(height, width)
-            except ValueError as err:
-                raise ApiError(400, f"image cannot be processed: {err}") from None
+            grid = self._image_grid(next(sizes))
             prompt.image_offsets.append(len(prompt.token_ids))
             prompt.image_grids.append(grid)
             prompt.token_ids += [image_token] * grid_tokens(grid, self.geometry.merge_size)
         prompt.token_ids += ids[start:]
         return prompt
+
+    def _image_grid(self, size: tuple[int, int] | Grid) -> Grid:
+        if len(size) == 3:  # precomputed embeddings come with their grid
+            return tuple(size)
+        try:
+            return self.geometry.grid(*size)
+        except ValueError as err:
+            raise ApiError(400, f"image cannot be processed: {err}") from None
 
     # -- video ------------------------------------------------------------------------------------
     def _place_video(self, prompt: Prompt, ids: list[int], slot: int, video: "VideoShape") -> int:

@@ -7,7 +7,7 @@ import json
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, Field, field_validator, model_validator
 
 from services.frontend.options import GenerationOptions, Strict, check_text
 
@@ -19,6 +19,10 @@ class ImageURL(Strict):
     detail: Literal["auto", "low", "high"] | None = None
 
 
+def _bare_url(value):
+    return {"url": value} if isinstance(value, str) else value  # vLLM accepts the URL on its own
+
+
 class TextPart(Strict):
     type: Literal["text"]
     text: str
@@ -26,12 +30,8 @@ class TextPart(Strict):
 
 class ImagePart(Strict):
     type: Literal["image_url"]
-    image_url: ImageURL
-
-    @field_validator("image_url", mode="before")
-    @classmethod
-    def _bare_url(cls, value):
-        return {"url": value} if isinstance(value, str) else value  # vLLM accepts the URL on its own
+    image_url: Annotated[ImageURL, BeforeValidator(_bare_url)]
+    uuid: str | None = None  # vLLM's name for the item in its caches: accepted, unused (content is hashed)
 
 
 # -- video (vLLM's and SGLang's convention: a content part of type video_url) ----------------------------
@@ -41,10 +41,42 @@ class VideoURL(Strict):
 
 class VideoPart(Strict):
     type: Literal["video_url"]
-    video_url: VideoURL
+    video_url: Annotated[VideoURL, BeforeValidator(_bare_url)]
+    uuid: str | None = None
 
 
-ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
+# -- precomputed embeddings (vLLM's image_embeds; read by ``embeds.py``) -------------------------------
+EMBEDS_FIELDS = ("image_embeds", "image_grid_thw")
+
+
+class ImageEmbedsPart(Strict):
+    """One image's embedding rows, base64: on its own, or with its grid (which Qwen-VL models need)."""
+
+    type: Literal["image_embeds"]
+    image_embeds: str | dict[str, str]
+    uuid: str | None = None
+
+    @field_validator("image_embeds")
+    @classmethod
+    def _fields(cls, value):
+        if isinstance(value, dict) and (set(value) - set(EMBEDS_FIELDS) or "image_embeds" not in value):
+            raise ValueError(f"image_embeds as an object takes {' and '.join(EMBEDS_FIELDS)} "
+                             f"(got {', '.join(sorted(value))})")
+        return value
+
+
+def _typed_part(part):
+    """vLLM's shorthands: a bare string is a text part; an object without ``type`` is named by its key."""
+    if isinstance(part, str):
+        return {"type": "text", "text": part}
+    if isinstance(part, dict) and "type" not in part:
+        kind = next((k for k in ("text", "image_url", "video_url", "image_embeds") if k in part), None)
+        return {"type": kind, **part} if kind else part
+    return part
+
+
+ContentPart = Annotated[TextPart | ImagePart | VideoPart | ImageEmbedsPart, Field(discriminator="type"),
+                        BeforeValidator(_typed_part)]
 
 # -- messages ----------------------------------------------------------------------------------------
 
@@ -132,10 +164,6 @@ class ChatCompletionRequest(GenerationOptions):
         check_text([*self.stop_list(), *(t for m in self.messages for t in m.texts())])
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
-        if self.continue_final_message and self.add_generation_prompt is not False:
-            raise ValueError("continue_final_message needs add_generation_prompt: false")
-        if self.continue_final_message and self.messages[-1].role != "assistant":
-            raise ValueError("continue_final_message needs the last message to be the assistant's")
         if isinstance(self.tool_choice, NamedToolChoice):
             names = {tool.function.name for tool in self.tools or ()}
             if self.tool_choice.function.name not in names:

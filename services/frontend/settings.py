@@ -16,6 +16,8 @@ class FrontendSettings(CommonSettings):
     max_images_per_request: int = Field(16, ge=0, description="image parts one request may carry")
     max_image_bytes: int = Field(20 << 20, ge=1, description="encoded size of one image at most")
     max_image_pixels: int = Field(40_000_000, ge=1, description="decoded size of one image at most (pixels)")
+    max_image_embeds_bytes: int = Field(64 << 20, ge=1, description="size of one image's precomputed embeddings "
+                                                                   "(an image_embeds part's rows, decoded) at most")
     max_body_bytes: int = Field(128 << 20, ge=1024, description="HTTP request body at most")
     max_output_tokens: int = Field(16384, ge=1, description="max_tokens a client may ask for; also the default "
                                                             "when it gives none (bounded by the rest of the context)")

@@ -7,7 +7,7 @@ import asyncio
 
 from services.frontend.errors import ApiError
 from services.frontend.pipeline import Pipeline
-from services.frontend.prompt import TemplateOptions, image_urls
+from services.frontend.prompt import image_urls, template_options
 from services.frontend.text_protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 
 
@@ -19,8 +19,7 @@ async def tokenize(pipeline: Pipeline, request: TokenizeRequest) -> TokenizeResp
         if len(urls) > pipeline.settings.max_images_per_request:
             raise ApiError(400, f"too many images: {len(urls)}", "messages")
         images = await pipeline.media.load_all(urls)  # their sizes decide how many placeholder tokens each gets
-        options = TemplateOptions(request.add_generation_prompt is not False, bool(request.continue_final_message),
-                                  None, request.chat_template_kwargs or {})
+        options = template_options(request)
         prompt = await _in_prompt_thread(pipeline, pipeline.builder.build, request.messages,
                                          [(i.height, i.width) for i in images], options)
         ids = prompt.token_ids

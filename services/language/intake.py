@@ -21,6 +21,7 @@ from shared.model.geometry import grid_tokens
 from shared.model.rope import video_time_interval
 
 _GONE_CODES = ("unreachable", "expired", "not_found", "timeout")
+EMBEDDING_DTYPES = ("float32", "float16", "bfloat16")  # an encoder's, or a client's (cast to the engine's)
 
 
 def validate_sampling(sampling: SamplingParams, config: ModelConfig) -> None:
@@ -53,6 +54,8 @@ def validate_prompt(job: PrefillJob, config: ModelConfig, pixels: bool = False) 
             raise ServiceError(400, "only a video slot's pixels have a frame sampling")
         if slot.embedding is not None and list(slot.embedding.shape) != [n, width]:
             raise ServiceError(400, "image embedding shape does not match its grid")
+        if slot.embedding is not None and slot.embedding.dtype not in EMBEDDING_DTYPES:
+            raise ServiceError(400, "image embeddings must be float32, float16 or bfloat16")
         runs += _slot_runs(slot, n, merge, config)
     end = 0
     covered = {config.image_token_id: 0, config.video_token_id: 0}

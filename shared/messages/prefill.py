@@ -27,9 +27,11 @@ class ImageSlot(Message, frozen=True, kw_only=True):
     (``frame_offsets``: where each run starts; ``offset`` is the first). ``second_per_grid`` spaces the
     temporal positions of Qwen2.5-VL (× the model's ``tokens_per_second``); 0 for images.
 
-    A slot carries its ``embedding`` (made by the encoder tier) or, for a worker that encodes in place
-    (aggregated: metadata ``encodes_in_place``), its decoded ``pixels`` (uint8 ``[H, W, 3]``; a clip's
-    sampled frames ``[T, H, W, 3]``, with their ``sampling``), which that worker encodes itself.
+    A slot carries either its ``embedding`` rows ``[t·h·w/merge², embedding_width]`` (float; made by the
+    encoder tier, or a client's precomputed ones that the frontend holds) or, for a worker that encodes in
+    place (aggregated: metadata ``encodes_in_place``), its decoded ``pixels`` (uint8 ``[H, W, 3]``; a clip's
+    sampled frames ``[T, H, W, 3]``, with their ``sampling``), which that worker encodes itself. One job may
+    mix both kinds: the worker pulls the embeddings and encodes the pixels.
     """
 
     offset: Annotated[int, Meta(ge=0)]  # first placeholder token of this image in token_ids
