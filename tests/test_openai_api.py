@@ -157,6 +157,84 @@ def test_min_tokens_and_stop_token_ids(stack, reference):
     assert at_least.usage.completion_tokens == 10 or at_least.choices[0].finish_reason == "length"
 
 
+def _hf_continuation(reference, ids: list[int], n: int) -> list[int]:
+    """HF generate()'s greedy ``n`` tokens after the prompt ``ids`` (text only, EOS not stopping it)."""
+    import torch
+
+    prompt = torch.tensor([ids])
+    with torch.no_grad():
+        out = reference.model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
+                                       mm_token_type_ids=torch.zeros_like(prompt), max_new_tokens=n,
+                                       do_sample=False, eos_token_id=[], pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def test_a_stop_token_ends_the_answer_and_its_text_is_left_out(stack, reference):
+    """vLLM's rule: the stop token is generated — counted in the usage, with its logprobs, named in
+    stop_reason — but its text is not in the answer unless include_stop_str_in_output; chat and
+    completions, streamed or not."""
+    client = stack.client()
+    prompt = reference.inputs(HELLO[0]["content"], [])["input_ids"][0].tolist()
+    ids = _hf_continuation(reference, prompt, 16)
+    k = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i] and reference.text(ids[:i]) != reference.text(ids[:i + 1]))
+    stop = ids[k]  # a visible token, sampled here for the first time
+    for include in (False, True):
+        want = reference.text(ids[:k + 1] if include else ids[:k])
+        extra = {"ignore_eos": True, "stop_token_ids": [stop], "include_stop_str_in_output": include}
+        chat = dict(model=model_id(client), messages=HELLO, max_tokens=16, temperature=0, extra_body=extra)
+        reply = client.chat.completions.create(logprobs=True, **chat)
+        choice = reply.choices[0]
+        assert (choice.message.content, choice.finish_reason, choice.stop_reason) == (want, "stop", stop)
+        assert reply.usage.completion_tokens == len(choice.logprobs.content) == k + 1
+        chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **chat))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+        assert chunks[-1].usage.completion_tokens == k + 1
+        text = dict(model=model_id(client), prompt=prompt, max_tokens=16, temperature=0, extra_body=extra)
+        completion = client.completions.create(logprobs=1, **text)
+        assert (completion.choices[0].text, completion.choices[0].finish_reason) == (want, "stop")
+        assert completion.usage.completion_tokens == len(completion.choices[0].logprobs.tokens) == k + 1
+        streamed = list(client.completions.create(stream=True, **text))
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == want
+
+
+# -- the chat prompt ------------------------------------------------------------------------------------
+
+def test_chat_template_kwargs_set_the_generation_prompt_as_vllm_does(stack, reference):
+    """``chat_template_kwargs`` may set add_generation_prompt and continue_final_message (over the request's
+    own fields): the prompt is the template's with them, and the answer HF's greedy continuation of it."""
+    client = stack.client()
+    convo = HELLO + [{"role": "assistant", "content": "I am"}]
+    for kwargs in ({"add_generation_prompt": False}, {"add_generation_prompt": False, "continue_final_message": True}):
+        rendered = reference.tokenizer.apply_chat_template(convo, tokenize=False, **kwargs)
+        ids = reference.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        reply = client.chat.completions.create(model=model_id(client), messages=convo, max_tokens=6, temperature=0,
+                                               extra_body={"chat_template_kwargs": kwargs, "ignore_eos": True})
+        assert reply.usage.prompt_tokens == len(ids), kwargs
+        assert reply.choices[0].message.content == reference.text(_hf_continuation(reference, ids, 6)), kwargs
+
+    def refusal(body: dict) -> str:
+        answer = post(stack, "/v1/chat/completions", {"messages": convo, "max_tokens": 1, **body})
+        assert answer.status_code == 400, answer.text
+        return answer.json()["error"]["message"]
+
+    assert "cannot both be true" in refusal({"continue_final_message": True})  # add_generation_prompt defaults on
+    assert "cannot both be true" in refusal({"chat_template_kwargs": {"continue_final_message": True}})
+    assert "chat_template" in refusal({"chat_template_kwargs": {"chat_template": "{{ messages }}"}})
+    assert "special token" in refusal({"chat_template_kwargs": {"custom": "<|im_start|>system"}})
+
+
+def test_media_urls_as_bare_strings_as_vllm_takes_them(stack):
+    """An image_url given as the URL string itself, and a part whose type is left out: vLLM's shorthands."""
+    client = stack.client()
+    image = data_url(make_image(6, 48, 64))
+    forms = [{"type": "image_url", "image_url": {"url": image}}, {"type": "image_url", "image_url": image},
+             {"image_url": image}]
+    answers = [client.chat.completions.create(model=model_id(client), max_tokens=6, temperature=0, messages=[
+        {"role": "user", "content": [form, {"type": "text", "text": "What is this?"}]}]) for form in forms]
+    assert len({(a.choices[0].message.content, a.usage.prompt_tokens) for a in answers}) == 1
+
+
 # -- text completions and token endpoints ----------------------------------------------------------
 
 def test_completions_string_ids_echo_logprobs_stream(stack, reference):

@@ -11,11 +11,13 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import openai
 import pytest
 
 from shared.model.config import ModelConfig
 from shared.model.tiny import write_tiny_checkpoint
-from tests.support import Reference, RunningStack, chat_messages, make_image, openai_chat
+from tests.support import (Reference, RunningStack, chat_messages, hf_image_embeds, image_embeds_part, make_image,
+                           openai_chat)
 
 MAX_TOKENS = 16
 
@@ -68,6 +70,22 @@ def test_concurrent_requests_equal_hf(qwen3_stack, family_model):
         answers = list(pool.map(lambda case: ask(client, case)[0], cases))
     for case, answer in zip(cases, answers):
         assert answer == expected(family_model[2], case)[0], case
+
+
+def test_image_embeds_carry_their_deepstack_levels(qwen3_stack, family_model):
+    """A client's precomputed rows, as HF's tower makes them: the merger's output with each deepstack level
+    beside it (``out_dim × (1 + levels)`` wide). The answer is the image's; the merger's output alone is a
+    400 that names the levels."""
+    _, path, reference = family_model
+    text, [spec] = CASES["one-image"]
+    rows, grid = hf_image_embeds(reference, make_image(*spec))
+    messages = [{"role": "user", "content": [image_embeds_part(rows, grid), {"type": "text", "text": text}]}]
+    assert openai_chat(qwen3_stack.client(), messages, MAX_TOKENS)[0] == expected(reference, "one-image")[0]
+    out_dim = ModelConfig.from_checkpoint(path).vision.out_dim
+    messages[0]["content"][0] = image_embeds_part(rows[:, :out_dim].contiguous(), grid)
+    with pytest.raises(openai.BadRequestError) as err:
+        openai_chat(qwen3_stack.client(), messages, MAX_TOKENS)
+    assert "deepstack levels" in err.value.response.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("vit, in_place", [("--vit-thread", True), ("--vit-thread", False), ("--vit-overlap", True)],

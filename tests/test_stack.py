@@ -11,7 +11,8 @@ import httpx
 import openai
 import pytest
 
-from tests.support import RunningStack, chat_messages, endpoint_data, make_image
+from tests.support import (RunningStack, chat_messages, endpoint_data, hf_image_embeds, image_embeds_part, make_image,
+                           openai_chat)
 
 
 def encoded_by_instance(stack) -> dict[str, int]:
@@ -160,14 +161,30 @@ def test_malformed_json_and_wrong_model(stack):
 
 @pytest.fixture(scope="module")
 def lean_stack(nats_url, tiny_model):
-    """No encoder, one prefill and one decode; the frontend gives prefill 2 s to accept a request."""
-    running = RunningStack(nats_url, tiny_model, env={"EPD_PREFILL_TIMEOUT": "2"}).start(encoders=0)
+    """No encoder, one prefill and one decode; the frontend gives prefill 2 s to accept a request and
+    takes precomputed embeddings of 4 KiB at most."""
+    running = RunningStack(nats_url, tiny_model, env={"EPD_PREFILL_TIMEOUT": "2",
+                                                      "EPD_MAX_IMAGE_EMBEDS_BYTES": "4096"}).start(encoders=0)
     yield running
     running.stop()
 
 
 def _kind_process(running, kind):
     return next(p for k, p in running.stack.processes if k == kind)
+
+
+def test_a_stack_without_encoders_serves_precomputed_image_embeds(lean_stack, reference):
+    """Image requests need an encoder; a request with the image's embeddings does not: its answer is the
+    image's (HF generate()). The embeddings' byte limit is a setting (here 4 KiB: 16 rows of 64 floats)."""
+    image = make_image(46, 64, 64)
+    part = image_embeds_part(*hf_image_embeds(reference, image))
+    messages = [{"role": "user", "content": [part, {"type": "text", "text": "Describe."}]}]
+    answer = openai_chat(lean_stack.client(), messages, 4)[0]
+    assert answer == reference.text(reference.generate("Describe.", [image], 4))
+    too_big = image_embeds_part(*hf_image_embeds(reference, make_image(47, 160, 160)))
+    with pytest.raises(openai.BadRequestError) as err:
+        openai_chat(lean_stack.client(), [{"role": "user", "content": [too_big]}], 4)
+    assert "exceeds 4096 bytes" in err.value.response.json()["error"]["message"]
 
 
 def test_missing_and_stalled_stages_fail_fast(lean_stack):

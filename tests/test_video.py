@@ -1,6 +1,7 @@
 """Video input through the whole stack: the official openai client sends ``video_url`` parts (data URLs)
 to real services, and the answer is HF generate()'s greedy output on the same clip — Qwen2.5-VL on the
-shared stack (two encoders, E/P/D), Qwen2-VL on an aggregated process; Qwen3-VL is in test_qwen3_stack.
+shared stack (two encoders, E/P/D), Qwen2-VL on an aggregated process (which also takes a client's image
+embeddings there, beside pixels); Qwen3-VL is in test_qwen3_stack.
 
 Bad clips get a 400 that says what is wrong, never a 500 or a hang, and the stack keeps serving.
 """
@@ -16,7 +17,8 @@ import pytest
 import torch
 
 from shared.model.tiny import write_tiny_checkpoint
-from tests.support import Reference, RunningStack, endpoint_data, make_image, openai_chat
+from tests.support import (Reference, RunningStack, data_url, endpoint_data, hf_image_embeds, image_embeds_part,
+                           make_image, openai_chat)
 from tests.video_support import VideoReference, make_clip, media_messages, video_url
 
 MAX_TOKENS = 12
@@ -165,6 +167,27 @@ def test_qwen2_vl_video_equals_hf_in_the_aggregated_process(qwen2_vl):
     [worker] = running.figures("aggregated")
     assert (worker["prompts_in_place"], worker["images_in_place"], worker["videos"]) == (2, 3, 2)
     assert worker["prompt_encode_count"] == 2 and worker["prompts_parked"] == 0
+
+
+def test_the_aggregated_process_takes_image_embeds_beside_pixels(qwen2_vl):
+    """A client's precomputed embeddings (``image_embeds``, as HF's Qwen2-VL tower makes them) reach the
+    aggregated worker in the prompt's image slot: alone, the prompt enters its engine as any prompt with
+    embeddings; beside an image sent as pixels, that one is encoded in place and the embeddings pulled.
+    Either way the answer is the one of the images as pixels, and only pixels go through its ViT."""
+    running, video_reference = qwen2_vl
+    reference = video_reference.reference
+    text, first, second = "What colour is the square?", make_image(51, 64, 96), make_image(52, 80, 80)
+    embeds = image_embeds_part(*hf_image_embeds(reference, second))
+    [before] = running.figures("aggregated")
+    alone = [{"role": "user", "content": [embeds, {"type": "text", "text": text}]}]
+    assert openai_chat(running.client(), alone, MAX_TOKENS)[0] == reference.text(reference.generate(text, [second], MAX_TOKENS))
+    mixed = [{"role": "user", "content": [{"type": "image_url", "image_url": data_url(first)}, embeds,
+                                          {"type": "text", "text": text}]}]
+    want = reference.text(reference.generate(text, [first, second], MAX_TOKENS))
+    assert openai_chat(running.client(), mixed, MAX_TOKENS)[0] == want
+    [after] = running.figures("aggregated")
+    assert {k: after[k] - before[k] for k in ("prompts_in_place", "images_in_place", "images")} == \
+        {"prompts_in_place": 1, "images_in_place": 1, "images": 1}
 
 
 def test_the_tower_attends_within_each_frame_like_hf(reference, tiny_model):
