@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import io
 
+import httpx
 import openai
 import pytest
 import torch
@@ -52,6 +53,8 @@ def test_image_embeds_beside_pixel_images(stack, reference):
     expected = reference.text(reference.generate(TEXT, [first, second], MAX_TOKENS))
     parts = [image_embeds_part(*hf_image_embeds(reference, first)), {"type": "image_url", "image_url": data_url(second)}]
     assert openai_chat(stack.client(), with_parts(parts), MAX_TOKENS)[0] == expected
+    counted = httpx.post(stack.base_url.removesuffix("/v1") + "/tokenize", json={"messages": with_parts(parts)}, timeout=60)
+    assert counted.json()["count"] == reference.inputs(TEXT, [first, second])["input_ids"].shape[1]
 
 
 def _refusal(stack, parts: list[dict]) -> str:

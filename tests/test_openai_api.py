@@ -211,6 +211,7 @@ def test_chat_template_kwargs_set_the_generation_prompt_as_vllm_does(stack, refe
         reply = client.chat.completions.create(model=model_id(client), messages=convo, max_tokens=6, temperature=0,
                                                extra_body={"chat_template_kwargs": kwargs, "ignore_eos": True})
         assert reply.usage.prompt_tokens == len(ids), kwargs
+        assert post(stack, "/tokenize", {"messages": convo, "chat_template_kwargs": kwargs}).json()["tokens"] == ids
         assert reply.choices[0].message.content == reference.text(_hf_continuation(reference, ids, 6)), kwargs
 
     def refusal(body: dict) -> str:
@@ -221,6 +222,7 @@ def test_chat_template_kwargs_set_the_generation_prompt_as_vllm_does(stack, refe
     assert "cannot both be true" in refusal({"continue_final_message": True})  # add_generation_prompt defaults on
     assert "cannot both be true" in refusal({"chat_template_kwargs": {"continue_final_message": True}})
     assert "chat_template" in refusal({"chat_template_kwargs": {"chat_template": "{{ messages }}"}})
+    assert "chat_template" in refusal({"chat_template": "{{ messages }}"})
     assert "special token" in refusal({"chat_template_kwargs": {"custom": "<|im_start|>system"}})
 
 

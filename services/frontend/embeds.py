@@ -50,6 +50,11 @@ class ImageEmbeds:
     content_hash: str
 
 
+def prompt_size(image) -> tuple[int, int] | Grid:
+    """What prompt building needs of an image: its (height, width) to encode, or its embeddings' grid."""
+    return image.grid if isinstance(image, ImageEmbeds) else (image.height, image.width)
+
+
 class EmbedsReader:
     def __init__(self, config: ModelConfig, max_bytes: int):
         self.merge = config.vision.merge_size

@@ -100,9 +100,6 @@ class MediaLoader:
     async def close(self) -> None:
         await self.client.aclose()
 
-    async def load_all(self, urls: list[str]) -> list[DecodedImage]:
-        return list(await asyncio.gather(*(self.load(u) for u in urls)))
-
     async def load(self, url: str) -> DecodedImage:
         loop = asyncio.get_running_loop()
         if _scheme(url) == "data":  # the base64 too off the event loop: ~0.3 ms a 448² JPEG, in parallel there

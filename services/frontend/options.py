@@ -30,6 +30,7 @@ NOT_HONOURED: dict[str, tuple[str, Any]] = {
     "logits_processors": ("custom logits processors", None),
     "guided_decoding_backend": ("choosing a guided decoding backend", None),
     "truncate_prompt_tokens": ("prompt truncation", None),
+    "chat_template": ("a chat template of the client's: the checkpoint's own is used", None),
 }
 MAX_STOPS = 16
 

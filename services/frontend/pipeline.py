@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
-from services.frontend.embeds import EmbedsReader, ImageEmbeds
+from services.frontend.embeds import EmbedsReader, ImageEmbeds, prompt_size
 from services.frontend.encoding import EncodeFanout, publish_pixels
 from services.frontend.errors import ApiError
 from services.frontend.generation import Generation, OutputOptions, Timing
@@ -119,8 +119,7 @@ class Pipeline:
             constraint, param = structured_constraint(request), "prompt"
         else:
             options = template_options(request, request.tools if request.uses_tools() else None)
-            stills = [i.grid if isinstance(i, ImageEmbeds) else (i.height, i.width)
-                      for i in images if not isinstance(i, DecodedVideo)]
+            stills = [prompt_size(i) for i in images if not isinstance(i, DecodedVideo)]
             prompt = self.builder.build(request.messages, stills, options, self._video_shapes(images))
             self._check_video_tokens(prompt)
             constraint, param = structured_constraint(request) or tool_constraint(request), "messages"

@@ -67,10 +67,6 @@ class Prompt:
     videos: dict[int, "VideoSlotPlan"] = field(default_factory=dict)  # index into image_offsets → its video plan
 
 
-def image_urls(messages: list[ChatMessage]) -> list[str]:
-    return [url for kind, url in media_parts(messages) if kind == "image"]
-
-
 def media_parts(messages: list[ChatMessage]) -> list[tuple[str, str | ImageEmbedsPart]]:
     """``("image" | "video", url)`` of every media part, ``("image_embeds", part)`` of every part of
     precomputed embeddings, in the order the messages carry them."""

@@ -7,7 +7,8 @@ import asyncio
 
 from services.frontend.errors import ApiError
 from services.frontend.pipeline import Pipeline
-from services.frontend.prompt import image_urls, template_options
+from services.frontend.embeds import prompt_size
+from services.frontend.prompt import media_parts, template_options
 from services.frontend.text_protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 
 
@@ -15,13 +16,13 @@ async def tokenize(pipeline: Pipeline, request: TokenizeRequest) -> TokenizeResp
     if request.prompt is not None:
         ids = await _in_prompt_thread(pipeline, pipeline.text_prompt, request.prompt, request.add_special_tokens is not False)
     else:
-        urls = image_urls(request.messages)
-        if len(urls) > pipeline.settings.max_images_per_request:
-            raise ApiError(400, f"too many images: {len(urls)}", "messages")
-        images = await pipeline.media.load_all(urls)  # their sizes decide how many placeholder tokens each gets
-        options = template_options(request)
+        parts = [(kind, part) for kind, part in media_parts(request.messages) if kind != "video"]
+        if len(parts) > pipeline.settings.max_images_per_request:
+            raise ApiError(400, f"too many images: {len(parts)}", "messages")
+        # their sizes (or given grids) decide how many placeholder tokens each gets
+        images = await pipeline.media.load_media(parts, pipeline.embeds)
         prompt = await _in_prompt_thread(pipeline, pipeline.builder.build, request.messages,
-                                         [(i.height, i.width) for i in images], options)
+                                         [prompt_size(i) for i in images], template_options(request))
         ids = prompt.token_ids
     strs = pipeline.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
     return TokenizeResponse(count=len(ids), max_model_len=pipeline.max_model_len, tokens=ids, token_strs=strs)
