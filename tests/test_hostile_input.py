@@ -158,7 +158,8 @@ def test_the_stack_serves_after_hostile_input(stack):
 
 def test_a_prompts_image_slots_carry_embeddings_or_pixels_where_they_are_encoded(tiny_model):
     """A prefill job's image slot carries its embeddings or its pixels, never both or neither; pixels only
-    to a worker that encodes them (aggregated), a frame sampling only with a clip's pixels. Each is a 400."""
+    to a worker that encodes them (aggregated), a frame sampling only with a clip's pixels, embeddings only
+    as floats (a client's precomputed ones pass through here too). Each is a 400."""
     from services.language.intake import validate_prompt
     from shared.dataplane.handle import TensorHandle
     from shared.engine.sampling import SamplingParams
@@ -171,7 +172,7 @@ def test_a_prompts_image_slots_carry_embeddings_or_pixels_where_they_are_encoded
     grid, tokens = (1, 4, 4), 4  # merge 2: 16 patches, 4 placeholder tokens
 
     def handle(dtype: str, shape: list[int]) -> TensorHandle:
-        size = {"uint8": 1, "float32": 4}[dtype]
+        size = {"uint8": 1, "float32": 4, "int32": 4}[dtype]
         n = size
         for d in shape:
             n *= d
@@ -195,6 +196,7 @@ def test_a_prompts_image_slots_carry_embeddings_or_pixels_where_they_are_encoded
         (dict(pixels=pixels), False, "does not encode images"),
         (dict(pixels=pixels, sampling=sampling), True, "only a video slot's pixels"),
         (dict(embedding=embedding, sampling=sampling, video=True), True, "only a video slot's pixels"),
+        (dict(embedding=handle("int32", [tokens, config.embedding_width])), False, "float32, float16 or bfloat16"),
     ]:
         with pytest.raises(ServiceError) as err:
             validate_prompt(job(**slot), config, pixels=worker_encodes)
