@@ -51,9 +51,11 @@ def test_image_embeds_beside_pixel_images(stack, reference):
     into its own place in the prompt."""
     first, second = make_image(42, 64, 96), make_image(43, 80, 80)
     expected = reference.text(reference.generate(TEXT, [first, second], MAX_TOKENS))
-    parts = [image_embeds_part(*hf_image_embeds(reference, first)), {"type": "image_url", "image_url": data_url(second)}]
+    parts = [image_embeds_part(*hf_image_embeds(reference, first)),
+             {"type": "image_url", "image_url": data_url(second)}]
     assert openai_chat(stack.client(), with_parts(parts), MAX_TOKENS)[0] == expected
-    counted = httpx.post(stack.base_url.removesuffix("/v1") + "/tokenize", json={"messages": with_parts(parts)}, timeout=60)
+    counted = httpx.post(stack.base_url.removesuffix("/v1") + "/tokenize", json={"messages": with_parts(parts)},
+                         timeout=60)
     assert counted.json()["count"] == reference.inputs(TEXT, [first, second])["input_ids"].shape[1]
 
 

@@ -176,7 +176,8 @@ def test_a_stop_token_ends_the_answer_and_its_text_is_left_out(stack, reference)
     client = stack.client()
     prompt = reference.inputs(HELLO[0]["content"], [])["input_ids"][0].tolist()
     ids = _hf_continuation(reference, prompt, 16)
-    k = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i] and reference.text(ids[:i]) != reference.text(ids[:i + 1]))
+    k = next(i for i in range(2, len(ids))
+             if ids[i] not in ids[:i] and reference.text(ids[:i]) != reference.text(ids[:i + 1]))
     stop = ids[k]  # a visible token, sampled here for the first time
     for include in (False, True):
         want = reference.text(ids[:k + 1] if include else ids[:k])

@@ -37,7 +37,7 @@ from shared.model.geometry import Grid, grid_tokens
 ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 GRID_DTYPES = (torch.int32, torch.int64)
 PICKLE_REFUSED = ("{name} is a torch.save (pickle) payload, which this server does not load: send the tensor as "
-                  "base64 of safetensors bytes (safetensors.torch.save({{'{key}': tensor}})) or of a .npy file "
+                  "base64 of safetensors bytes (safetensors.torch.save({{'{name}': tensor}})) or of a .npy file "
                   "(numpy.save); see docs/api.md")
 
 
@@ -48,6 +48,11 @@ class ImageEmbeds:
     rows: torch.Tensor  # [t·h·w / merge², embedding_width], contiguous, on the CPU
     grid: Grid
     content_hash: str
+
+
+def to_encode(images: list) -> list:
+    """The images (and clips) that need an encoder: all but those that came with their embeddings."""
+    return [i for i in images if not isinstance(i, ImageEmbeds)]
 
 
 def prompt_size(image) -> tuple[int, int] | Grid:
@@ -111,7 +116,7 @@ class EmbedsReader:
         if data.startswith(b"\x93NUMPY"):
             return _npy(data, name)
         if data.startswith(b"PK\x03\x04") or data[:1] == b"\x80":  # torch.save's zip, or a bare pickle
-            raise ApiError(400, PICKLE_REFUSED.format(name=name, key=name), "messages")
+            raise ApiError(400, PICKLE_REFUSED.format(name=name), "messages")
         return _safetensors(data, name)
 
 

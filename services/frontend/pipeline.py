@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
-from services.frontend.embeds import EmbedsReader, ImageEmbeds, prompt_size
+from services.frontend.embeds import EmbedsReader, ImageEmbeds, prompt_size, to_encode
 from services.frontend.encoding import EncodeFanout, publish_pixels
 from services.frontend.errors import ApiError
 from services.frontend.generation import Generation, OutputOptions, Timing
@@ -169,7 +169,7 @@ class Pipeline:
         encodes, sent = 0, False
         while True:
             target = self.intake.target(exclude=tried)
-            in_place = (any(not isinstance(i, ImageEmbeds) for i in images) and self.settings.encode_in_place
+            in_place = (bool(to_encode(images)) and self.settings.encode_in_place
                         and self.intake.encodes_in_place(target))
             if not in_place and results is None:
                 results = await self._encode(generation, attempt)
@@ -215,7 +215,7 @@ class Pipeline:
         """Every image to encode through the encoder subjects (the request's first encoding is its ``encode``
         stage); None for the client's embeddings."""
         started = time.time()
-        pixels = [i for i in generation.images if not isinstance(i, ImageEmbeds)]
+        pixels = to_encode(generation.images)
         encoded = iter(await self.encoding.encode(attempt, pixels))
         if pixels:
             generation.timing.stages.setdefault("encode", time.time() - started)
@@ -226,8 +226,8 @@ class Pipeline:
         (released after its answer): the client's embeddings, and for a worker that encodes in place the
         decoded pixels (None: neither)."""
         lease = self.settings.prefill_timeout + 30
-        to_encode = [i for i in images if not isinstance(i, ImageEmbeds)]
-        pixels = iter(publish_pixels(self.plane, to_encode, lease) if in_place else [None] * len(to_encode))
+        encoded_here = to_encode(images)
+        pixels = iter(publish_pixels(self.plane, encoded_here, lease) if in_place else [None] * len(encoded_here))
         return [self.plane.publish(i.rows, consumers=None, lease=lease) if isinstance(i, ImageEmbeds)
                 else next(pixels) for i in images]
 

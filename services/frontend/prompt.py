@@ -102,12 +102,15 @@ class PromptBuilder:
         if reserved:
             raise ApiError(400, f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
                            "chat_template_kwargs")
-        self._refuse_special_tokens(json.dumps(options.kwargs, ensure_ascii=False), "chat_template_kwargs")
+        self._refuse_special_tokens(json.dumps(options.kwargs, ensure_ascii=False), "chat_template_kwargs",
+                                    "chat_template_kwargs")
         sentinel = f"\x00{secrets.token_hex(8)}:"
         texts: list[str] = []
         conversation = [self._template_message(m, sentinel, texts) for m in messages]
         tools = [tool.model_dump(exclude_none=True) for tool in options.tools] if options.tools else None
-        self._refuse_special_tokens(json.dumps([tools, [m.get("tool_calls") for m in conversation]], ensure_ascii=False))
+        calls = [m.get("tool_calls") for m in conversation]
+        self._refuse_special_tokens(json.dumps([tools, calls], ensure_ascii=False), "tool definitions and tool calls",
+                                    "tools")
         try:
             rendered = self.tokenizer.apply_chat_template(
                 conversation, tools=tools, tokenize=False, add_generation_prompt=options.add_generation_prompt,
@@ -116,8 +119,7 @@ class PromptBuilder:
             raise ApiError(400, "the conversation does not fit the model's chat template") from None
         return self._tokenize(rendered, sentinel, texts)
 
-    def _refuse_special_tokens(self, data: str, param: str = "tools") -> None:
-        what = "chat_template_kwargs" if param == "chat_template_kwargs" else "tool definitions and tool calls"
+    def _refuse_special_tokens(self, data: str, what: str, param: str) -> None:
         for token in self.tokenizer.all_special_tokens:
             if token and token in data:
                 raise ApiError(400, f"{what} may not contain the special token {token!r}", param)
