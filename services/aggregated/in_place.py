@@ -90,7 +90,8 @@ class InPlacePrompts:
 
     # -- 1. admission (event loop) ----------------------------------------------------------------
     async def admit(self, job: PrefillJob, tracked: Tracked) -> None:
-        """A job with at least one slot of pixels (the others carry their embeddings)."""
+        """A job with at least one slot of pixels (the others carry their embeddings: an encoder's, or a
+        client's precomputed ones, pulled here beside the pixels)."""
         arrived = time.monotonic()
         self.intake.check(job, pixels=True)
         pixel_slots = [i for i, s in enumerate(job.images) if s.pixels is not None]
