@@ -76,6 +76,15 @@ def _encoder_total(stack, field: str) -> int:
     return sum(endpoint_data(s).get(field, 0) for s in stack.stats_sync("epd-encoder"))
 
 
+def test_a_video_url_given_as_the_bare_string(stack, video_reference):
+    """vLLM's shorthand, as for image_url: ``"video_url": "data:video/mp4;base64,…"``."""
+    text, [(_, spec)] = CASES["one-video"]
+    content = [{"type": "video_url", "video_url": video_url(make_clip(*spec[:4], *spec[4:]))},
+               {"type": "text", "text": text}]
+    assert openai_chat(stack.client(), [{"role": "user", "content": content}], MAX_TOKENS)[0] == \
+        expected(video_reference, "one-video")[0]
+
+
 def test_a_repeated_video_hits_the_encoder_cache(stack, video_reference):
     """The same clip again: no second ViT pass (its content hash, sampling included, is the cache key)."""
     answer = expected(video_reference, "one-video")[0]
