@@ -1,12 +1,15 @@
-"""deploy/docker-compose.yml, deploy/compose.host.yml and deploy/Dockerfile agree with the code they run.
+"""deploy/docker-compose.yml, its overlays (compose.host.yml, compose.auth.yml) and deploy/Dockerfile agree
+with the code they run.
 
 No Docker engine is needed: the compose files are read as YAML, every service's command is run as
-``epd <command> --help``, and every ``EPD_*`` variable they set must be a field of that service's settings.
-tests/test_docker.py runs the stack for real where an engine is.
+``epd <command> --help``, every ``EPD_*`` variable they set must be a field of that service's settings, and
+NATS's command line, as the overlays give it, is run with the real nats-server and the users `epd
+credentials` writes. tests/test_docker.py runs the stacks for real where an engine is.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
@@ -14,12 +17,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import nats
 import pytest
 import yaml
 
 from services.decode.settings import DecodeSettings
 from services.encoder.settings import EncoderSettings
+from launcher.credentials import StackCredentials
+from launcher.natsserver import nats_server_binary
 from services.frontend.settings import FrontendSettings
+from services.language.settings import LanguageSettings
 from services.prefill.settings import PrefillSettings
 from shared.settings import parse_settings
 
@@ -27,15 +34,17 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
 HOST_FILE = DEPLOY / "compose.host.yml"
+AUTH_FILE = DEPLOY / "compose.auth.yml"
 DOCKERFILE = DEPLOY / "Dockerfile"
 
 SETTINGS = {
     "encoder": EncoderSettings,
+    "language": LanguageSettings,
     "prefill": PrefillSettings,
     "decode": DecodeSettings,
     "frontend": FrontendSettings,
 }
-SCALABLE = ("encoder", "prefill", "decode")
+SCALABLE = ("encoder", "language", "prefill", "decode")
 INTERPOLATION = re.compile(r"\$\{(?P<name>\w+)(?::?-(?P<default>[^}]*))?\}")
 
 
@@ -56,9 +65,18 @@ class _ComposeLoader(yaml.SafeLoader):
 _ComposeLoader.add_constructor("!reset", lambda loader, node: [] if isinstance(node, yaml.SequenceNode) else None)
 
 
+def overlay(path: Path) -> dict:
+    return yaml.load(path.read_text(), Loader=_ComposeLoader)
+
+
 @pytest.fixture(scope="module")
 def host_services() -> dict:
-    return yaml.load(HOST_FILE.read_text(), Loader=_ComposeLoader)["services"]
+    return overlay(HOST_FILE)["services"]
+
+
+@pytest.fixture(scope="module")
+def auth() -> dict:
+    return overlay(AUTH_FILE)
 
 
 def interpolate(value: str) -> str:
@@ -85,26 +103,54 @@ def epd_executable() -> str:
     return found
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_stack_services_present(services):
     assert {"nats", *SETTINGS} <= set(services)
 
 
-def test_nats_runs_jetstream_on_a_volume(compose, services):
-    nats = services["nats"]
-    assert nats["image"].split(":")[0] in ("nats", "docker.io/nats", "docker.io/library/nats")
-    command = epd_command(nats)
+def test_the_default_layout_is_epd_ups_and_split_is_a_profile(services):
+    """E/PD by default, as `epd up --pd joined`; prefill and decode (E/P/D) behind the `split` profile."""
+    for name in ("nats", "encoder", "language", "frontend"):
+        assert "profiles" not in services[name], f"{name} must start by default"
+    for name in ("prefill", "decode"):
+        assert services[name]["profiles"] == ["split"]
+    assert environment(services["language"]) == environment(services["decode"]) == environment(services["encoder"])
+
+
+def test_nats_runs_from_the_epd_image_with_jetstream_on_a_volume_it_owns(compose, services):
+    nats_service = services["nats"]
+    assert nats_service["image"] == services["frontend"]["image"]  # one image: nothing else to pull
+    assert nats_service["entrypoint"] == ["epd-nats"] and "user" not in nats_service  # the image's user, epd
+    command = epd_command(nats_service)
     assert "-js" in command
     store = command[command.index("-sd") + 1]
-    volumes = {mount.split(":")[1]: mount.split(":")[0] for mount in nats["volumes"]}
+    volumes = {mount.split(":")[1]: mount.split(":")[0] for mount in nats_service["volumes"]}
     assert volumes.get(store) in (compose.get("volumes") or {}), "the JetStream store is not on a named volume"
+    # A new volume takes its mount point's owner from the image: the image must give the store to epd.
+    assert re.search(rf"^RUN .*install -d -o epd -g epd\b.* {re.escape(store)}$", DOCKERFILE.read_text(), re.M)
+    assert not nats_service.get("ports"), "NATS is published nowhere: only the compose network reaches it"
 
 
-@pytest.mark.parametrize("name", SETTINGS)
-def test_service_built_from_our_dockerfile(services, name):
-    build = services[name]["build"]
+def test_one_service_builds_the_image_the_others_run(services):
+    builders = [name for name, service in services.items() if "build" in service]
+    assert builders == ["frontend"]  # always started, whatever the profiles
+    build = services["frontend"]["build"]
     context = (COMPOSE_FILE.parent / build["context"]).resolve()
-    assert context == ROOT
-    assert (context / build["dockerfile"]).resolve() == DOCKERFILE
+    assert context == ROOT and (context / build["dockerfile"]).resolve() == DOCKERFILE
+    arguments = set(re.findall(r"^ARG (\w+)", DOCKERFILE.read_text(), re.M))
+    assert set(build["args"]) <= arguments
+    assert {"BASE", "TORCH", "TORCH_BACKEND", "TORCH_FIND_LINKS"} <= set(build["args"])
+    for name, service in services.items():
+        assert service["image"] == services["frontend"]["image"], name
+        if name != "frontend":
+            assert service["pull_policy"] == "never", f"{name} would try to pull an image only built here"
 
 
 @pytest.mark.parametrize("name", SETTINGS)
@@ -127,7 +173,7 @@ def test_frontend_serves_port_8000_on_all_interfaces(services):
     frontend = services["frontend"]
     settings = parse_settings(FrontendSettings, epd_command(frontend)[1:], "epd frontend")
     assert settings.host == "0.0.0.0"
-    published = [str(port).rsplit(":", 1) for port in frontend["ports"]]
+    published = [interpolate(port).rsplit(":", 1) for port in frontend["ports"]]
     assert ["8000", str(settings.port)] in published
 
 
@@ -153,7 +199,7 @@ def test_command_and_environment_parse_into_settings(services, name, monkeypatch
 
 
 # Runs the installed `epd` script once per command inside one interpreter: each start imports torch
-# (~4 s of CPU), so four separate processes would cost four times that on a 2-core CI machine.
+# (~4 s of CPU), so separate processes would cost that many times over on a 2-core CI machine.
 HELP_DRIVER = """
 import runpy, sys
 script, commands = sys.argv[1], sys.argv[2:]
@@ -202,19 +248,18 @@ def test_the_build_context_holds_what_the_dockerfile_copies():
             assert path in kept, f"the Dockerfile copies {path}, which Dockerfile.dockerignore leaves out"
 
 
+def test_nats_entry_point_is_in_the_image_and_executable():
+    script = DEPLOY / "nats-entrypoint.sh"
+    assert os.access(script, os.X_OK)
+    assert re.search(r"^COPY deploy/nats-entrypoint\.sh /usr/local/bin/epd-nats$", DOCKERFILE.read_text(), re.M)
+    assert subprocess.run(["sh", "-n", str(script)]).returncode == 0
+
+
 @pytest.mark.parametrize("name", [*SCALABLE, "frontend"])
 def test_every_epd_service_has_a_healthcheck_on_its_health_endpoint(services, name):
     env = environment(services[name])
     check = " ".join(services[name]["healthcheck"]["test"])
     assert f"http://127.0.0.1:{env['EPD_HEALTH_PORT']}/ready" in check
-
-
-def test_the_language_worker_is_there_but_off_by_default(services):
-    language = services["language"]
-    assert epd_command(language) == ["language"] and language["profiles"] == ["language"]
-    assert environment(language) == environment(services["decode"])
-    for name in ("encoder", "prefill", "decode", "frontend"):
-        assert "profiles" not in services[name], f"{name} must start by default"
 
 
 def test_host_overlay_keeps_every_socket_on_loopback(services, host_services):
@@ -225,6 +270,8 @@ def test_host_overlay_keeps_every_socket_on_loopback(services, host_services):
         if name == "nats":
             command = epd_command(service)
             assert command[command.index("-a") + 1] == "127.0.0.1"
+            assert command[command.index("-sd") + 1] == epd_command(services["nats"])[
+                epd_command(services["nats"]).index("-sd") + 1]  # the same store, on the same volume
             continue
         env = environment(service)
         assert env["EPD_NATS_URL"] == "nats://127.0.0.1:4222"
@@ -233,6 +280,7 @@ def test_host_overlay_keeps_every_socket_on_loopback(services, host_services):
             assert env["EPD_HEALTH_PORT"] == "0" and service["healthcheck"] == {"disable": True}
     frontend = host_services["frontend"]
     assert frontend["ports"] == []
+    assert frontend["build"] == {"network": "host"}  # an engine with no bridge builds on the host's network
     settings = parse_settings(FrontendSettings, [interpolate(a) for a in epd_command(frontend)[1:]], "epd frontend")
     assert settings.host == "127.0.0.1" and settings.port == 8000
 
@@ -241,3 +289,72 @@ def test_host_overlay_keeps_every_socket_on_loopback(services, host_services):
 def test_host_overlay_environment_names_settings_fields(host_services, name):
     for key in environment(host_services[name]):
         assert key[len("EPD_"):].lower() in SETTINGS[name].model_fields, f"{name}: {key}"
+
+
+def test_auth_overlay_gives_each_service_its_own_roles_credentials(services, auth, tmp_path):
+    """Each epd service reads the env file `epd credentials` writes for its own role."""
+    written = {path.name for path in StackCredentials.generate("epd").write(tmp_path)}
+    overlay_services = auth["services"]
+    assert set(overlay_services) == set(services)
+    for name in SETTINGS:
+        (env_file,) = overlay_services[name]["env_file"]
+        assert interpolate(env_file) == f"./secrets/{name}.env" and f"{name}.env" in written
+    assert interpolate(auth["secrets"]["nats-auth"]["file"]) == "./secrets/nats-auth.conf"
+
+
+def test_auth_overlay_mounts_the_users_where_epd_nats_reads_them(auth):
+    nats_service = auth["services"]["nats"]
+    (secret,) = nats_service["secrets"]
+    assert secret == {"source": "nats-auth", "target": "nats-auth.conf"}  # /run/secrets/nats-auth.conf
+    script = (DEPLOY / "nats-entrypoint.sh").read_text()
+    assert "secret=/run/secrets/nats-auth.conf" in script and "private=/run/nats " in script
+    assert nats_service["tmpfs"] == ["/run/nats"]  # the copy only epd may read stays in memory
+    # Root for the copy alone, with only the capabilities it needs; epd-nats drops to epd before NATS runs.
+    assert nats_service["user"] == "root" and nats_service["cap_drop"] == ["ALL"]
+    assert set(nats_service["cap_add"]) <= {"CHOWN", "DAC_OVERRIDE", "FOWNER", "SETUID", "SETGID"}
+    assert "exec setpriv --reuid=epd --regid=epd" in script
+
+
+def test_overlays_touch_different_keys_so_either_order_merges_the_same(host_services, auth):
+    for name, service in auth["services"].items():
+        shared = set(service) & set(host_services.get(name, {}))
+        assert not shared, f"{name}: both overlays set {shared}; the later file would win"
+
+
+def test_nats_as_the_overlays_start_it_listens_on_loopback_and_refuses_anonymous_clients(tmp_path,
+                                                                                         host_services):
+    """The host overlay's nats-server command, plus the users file epd-nats passes with -c, run for real:
+    loopback only (clients and monitor), a client without credentials refused, a role's user let in."""
+    secrets = tmp_path / "secrets"
+    credentials = StackCredentials.generate("epd")
+    credentials.write(secrets)
+    assert {oct(path.stat().st_mode & 0o777) for path in secrets.iterdir()} == {"0o600"}
+    ports = {"NATS_PORT": str(free_port()), "NATS_MONITOR_PORT": str(free_port())}
+    command = [INTERPOLATION.sub(lambda m: ports.get(m["name"], m["default"] or ""), part)
+               for part in epd_command(host_services["nats"])]
+    command[command.index("-sd") + 1] = str(tmp_path / "store")
+    server = subprocess.Popen([nats_server_binary(), "-c", str(secrets / "nats-auth.conf"), *command],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        asyncio.run(_check_nats(ports, credentials))
+    finally:
+        server.terminate()
+        log = server.communicate(timeout=10)[0]
+    assert f"Listening for client connections on 127.0.0.1:{ports['NATS_PORT']}" in log, log
+    assert f"Starting http monitor on 127.0.0.1:{ports['NATS_MONITOR_PORT']}" in log, log
+
+
+async def _check_nats(ports: dict, credentials: StackCredentials) -> None:
+    url = f"nats://127.0.0.1:{ports['NATS_PORT']}"
+    for _ in range(100):
+        try:
+            nc = await nats.connect(url, user="encoder", password=credentials.passwords["encoder"],
+                                    allow_reconnect=False, connect_timeout=1)
+            break
+        except Exception:  # not listening yet
+            await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("nats-server never let the encoder's user in")
+    await nc.close()
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=1)
