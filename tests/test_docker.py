@@ -1,19 +1,30 @@
-"""The compose stack, actually run: the image built from deploy/Dockerfile, deploy/docker-compose.yml up
-(with deploy/compose.host.yml: host network, every socket on loopback), a chat request with an image
-through the ``openai`` client, encoders scaled to two and back under load, and a decode container
-SIGKILLed while requests stream, with none lost.
+"""The compose stacks, actually run, as the README starts them.
+
+The image is built by Compose itself on the host network (deploy/compose.host.yml), torch from this
+machine's wheel folder served on loopback where it has one (TORCH_FIND_LINKS). Users come from `epd
+credentials`, their files owned by another user than the image's (as for anyone whose uid is not 1000).
+
+- The secured stack on its own compose network (docker-compose.yml + compose.auth.yml): NATS published
+  nowhere and reached through the network only, an anonymous client refused, the ``client`` role unable
+  to publish work, an image chat through the published API.
+- The secured stack on the host network (+ compose.host.yml): an image chat and a text one through the
+  ``openai`` client, NATS and the API on loopback only, the same NATS checks, nats-server running as epd
+  with no capabilities and the users in a file only epd reads; encoders scaled to two (both encode) and
+  back under load, nothing lost; then E/P/D (``--profile split``) and a decode container SIGKILLed while
+  requests stream, none lost.
 
 Needs a Docker engine (DOCKER_HOST, or the default socket) and Docker Compose v2; skipped, saying which
 is missing, otherwise. No registry is needed: the base image is ``python:3.11-slim`` if the engine has it,
 else one made here by deploy/base-image.sh (root and debootstrap); a CPU torch wheel found in
-PIP_FIND_LINKS (or EPD_TORCH_WHEELS) is served to the build over loopback, else the build takes the CPU
-wheel from PyTorch's index. Everything the test creates (containers, volumes, images) is removed at the
+PIP_FIND_LINKS (or EPD_TORCH_WHEELS) is served to the build, else the build takes the CPU wheel from
+PyTorch's index. Everything the test creates (containers, volumes, networks, images) is removed at the
 end; EPD_DOCKER_KEEP=1 keeps the images for the next run. Measured timings are printed (pytest -s).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import http.server
 import json
@@ -34,8 +45,9 @@ from tests.support import chat_messages, endpoint_data, make_image, service_stat
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
-CONTEXT = ("pyproject.toml", "README.md", "shared", "services", "launcher", "tools", "deploy/Dockerfile")
+BASE, HOST, AUTH = (str(DEPLOY / name) for name in ("docker-compose.yml", "compose.host.yml", "compose.auth.yml"))
 LONG = 240  # tokens per request in the kill test: long enough to kill mid-stream
+WHEEL_PORT = 18765  # a fixed port when free: the URL is a build argument, part of the torch layer's cache key
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 TIMINGS: dict[str, float] = {}
@@ -52,6 +64,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without EPD_* (a setting here must not leak into the stack), plus ``extra``."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("EPD_")}, **extra}
+
+
+@contextlib.contextmanager
+def timed(name: str):
+    """Records how long the block took under ``name`` in TIMINGS."""
+    started = time.monotonic()
+    yield
+    TIMINGS[name] = time.monotonic() - started
 
 
 # ---------------------------------------------------------------- what this machine has
@@ -79,7 +104,8 @@ def docker():
     compose = compose_command()
     if not compose:
         pytest.skip("no Docker Compose v2 (`docker compose`); compose v1 cannot read deploy/docker-compose.yml")
-    return compose
+    yield compose
+    print("\ntimings here (s): " + ", ".join(f"{k} {v:.0f}" for k, v in TIMINGS.items()), file=sys.stderr)
 
 
 def image_exists(tag: str) -> bool:
@@ -100,34 +126,39 @@ def base_image(docker):
     if os.geteuid() != 0 or shutil.which("debootstrap") is None:
         pytest.skip("no base image (python:3.11-slim) in the engine and no way to make one here: "
                     "deploy/base-image.sh needs root and debootstrap")
-    started = time.monotonic()
-    tag = sh(str(DEPLOY / "base-image.sh"), "epd-base:bookworm", timeout=900).stdout.strip().splitlines()[-1]
-    TIMINGS["base image (debootstrap + import)"] = time.monotonic() - started
+    with timed("base image (debootstrap + import)"):
+        tag = sh(str(DEPLOY / "base-image.sh"), "epd-base:bookworm", timeout=900).stdout.strip().splitlines()[-1]
     yield tag
     if not keep_images():
         sh("docker", "rmi", tag, check=False)
 
 
+def pinned_torch() -> str:
+    return re.search(r'^ARG TORCH="?torch==([\w.]+)', (DEPLOY / "Dockerfile").read_text(), re.M)[1]
+
+
 def cpu_torch_wheels() -> Path | None:
     """A folder holding the CPU wheel of the torch the Dockerfile pins, if this machine has one."""
-    pinned = re.search(r'^ARG TORCH="?torch==([\w.]+)', (DEPLOY / "Dockerfile").read_text(), re.M)[1]
     folders = os.environ.get("EPD_TORCH_WHEELS", "").split() + os.environ.get("PIP_FIND_LINKS", "").split()
     for folder in folders:
-        if Path(folder).is_dir() and list(Path(folder).glob(f"torch-{pinned}+cpu-cp311-*.whl")):
+        if Path(folder).is_dir() and list(Path(folder).glob(f"torch-{pinned_torch()}+cpu-cp311-*.whl")):
             return Path(folder)
     return None
 
 
 class WheelServer:
-    """A folder over HTTP on loopback, for the build's pip (the build runs on the host network)."""
+    """A folder over HTTP on loopback, for the build's installer (the build runs on the host network)."""
 
     class Handler(http.server.SimpleHTTPRequestHandler):
-        def log_message(self, *args) -> None:  # quiet: pip's requests are no news
+        def log_message(self, *args) -> None:  # quiet: the installer's requests are no news
             pass
 
     def __init__(self, folder: Path):
         handler = functools.partial(self.Handler, directory=str(folder))
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        try:
+            self.server = http.server.ThreadingHTTPServer(("127.0.0.1", WHEEL_PORT), handler)
+        except OSError:
+            self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -137,53 +168,89 @@ class WheelServer:
 
 
 @pytest.fixture(scope="module")
-def epd_image(docker, base_image, tmp_path_factory):
-    """deploy/Dockerfile built from a context of exactly what it copies (the legacy builder reads no
-    per-Dockerfile ignore file, and a repository's .venv must not travel)."""
-    context = tmp_path_factory.mktemp("context")
-    for path in CONTEXT:
-        source, target = ROOT / path, context / path
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if source.is_dir():
-            shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        else:
-            shutil.copy2(source, target)
+def epd_image(docker, base_image):
+    """The image as Compose builds it offline: the host overlay's build on the host network, the wheel
+    folder as TORCH_FIND_LINKS."""
     tag = "epd:test-kept" if keep_images() else f"epd:test-{uuid.uuid4().hex[:8]}"  # kept: layers reused next time
-    args = ["--build-arg", f"BASE={base_image}"]
+    env = clean_env(EPD_IMAGE=tag, BASE_IMAGE=base_image)
     wheels = cpu_torch_wheels()
     server = WheelServer(wheels) if wheels else None
     if server:
-        pinned = re.search(r'^ARG TORCH="?torch==([\w.]+)', (DEPLOY / "Dockerfile").read_text(), re.M)[1]
-        args += ["--build-arg", f"TORCH=torch=={pinned}+cpu", "--build-arg", f"TORCH_FIND_LINKS={server.url}"]
-    started = time.monotonic()
+        env["TORCH_FIND_LINKS"] = server.url
     try:
-        sh("docker", "build", "--network", "host", "-f", str(context / "deploy" / "Dockerfile"), "-t", tag, *args,
-           str(context), timeout=1500)
+        with timed("epd image build (compose)"):
+            sh(*docker, "-p", f"epdbuild{uuid.uuid4().hex[:8]}", "-f", BASE, "-f", HOST, "build", timeout=1500, env=env)
     finally:
         if server:
             server.close()
-    TIMINGS["epd image build"] = time.monotonic() - started
     yield tag
     if not keep_images():
         sh("docker", "rmi", "-f", tag, check=False)
 
 
-# ---------------------------------------------------------------- the running stack
+@pytest.fixture(scope="module")
+def secrets(tmp_path_factory) -> Path:
+    """``epd credentials --out DIR``; as root, the files are then given to uid 4242: readable neither by the
+    image's user (1000) nor by anyone but their owner, as for a user whose uid is not the image's."""
+    folder = tmp_path_factory.mktemp("secrets")
+    sh(epd_executable(), "credentials", "--out", str(folder), env=clean_env())
+    if os.geteuid() == 0:
+        for path in [folder, *folder.iterdir()]:
+            os.chown(path, 4242, 4242)
+    return folder
+
+
+def epd_executable() -> str:
+    beside_python = Path(sys.executable).parent / "epd"
+    return str(beside_python) if beside_python.exists() else shutil.which("epd") or "epd"
+
+
+# ---------------------------------------------------------------- a running stack
 
 class ComposeStack:
-    def __init__(self, compose: list[str], image: str):
-        self.project = f"epdtest{uuid.uuid4().hex[:8]}"
-        self.ports = {name: free_port() for name in ("NATS_PORT", "NATS_MONITOR_PORT", "FRONTEND_PORT",
-                                                      "FRONTEND_HEALTH_PORT")}
-        self.env = {**{k: v for k, v in os.environ.items() if not k.startswith("EPD_")}, "EPD_IMAGE": image,
-                    **{k: str(v) for k, v in self.ports.items()}}
-        self.command = [*compose, "-p", self.project, "-f", str(DEPLOY / "docker-compose.yml"),
-                        "-f", str(DEPLOY / "compose.host.yml")]
-        self.base_url = f"http://127.0.0.1:{self.ports['FRONTEND_PORT']}/v1"
-        self.nats_url = f"nats://127.0.0.1:{self.ports['NATS_PORT']}"
+    """One compose project: the base file plus ``overlays``; on the host network when compose.host.yml is
+    among them, else on its own compose network with the API published on a free host port."""
 
-    def compose(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-        return sh(*self.command, *args, timeout=timeout, env=self.env)
+    def __init__(self, compose: list[str], image: str, overlays: list[str], secrets: Path):
+        self.compose_cli = compose
+        self.project = f"epdtest{uuid.uuid4().hex[:8]}"
+        self.host_network = HOST in overlays
+        names = ("NATS_PORT", "NATS_MONITOR_PORT", "FRONTEND_PORT", "FRONTEND_HEALTH_PORT")
+        self.ports = {name: free_port() for name in (names if self.host_network else names[2:3])}
+        self.secrets = secrets
+        self.env = clean_env(EPD_IMAGE=image, SECRETS_DIR=str(secrets), **{k: str(v) for k, v in self.ports.items()})
+        self.files = [arg for path in (BASE, *overlays) for arg in ("-f", path)]
+        self.profiles: list[str] = []
+        self.base_url = f"http://127.0.0.1:{self.ports['FRONTEND_PORT']}/v1"
+        self.nats_url = f"nats://127.0.0.1:{self.ports['NATS_PORT']}" if self.host_network else ""
+
+    def compose(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+        profiles = [arg for profile in self.profiles for arg in ("--profile", profile)]
+        return sh(*self.compose_cli, "-p", self.project, *self.files, *profiles, *args, timeout=timeout,
+                  env=self.env, check=check)
+
+    @contextlib.contextmanager
+    def running(self, request, name: str):
+        try:
+            with timed(f"{name}: compose up to serving"):
+                self.compose("up", "-d", "--no-build")
+                if not self.host_network:  # NATS is reached through the compose network: its address there
+                    (nats,) = self.containers("nats")
+                    address = sh("docker", "inspect", "-f", "{{range .NetworkSettings.Networks}}{{.IPAddress}}"
+                                 "{{end}}", nats).stdout.strip()
+                    self.nats_url = f"nats://{address}:4222"
+                asyncio.run(self.until_serving())
+            yield self
+        finally:
+            if request.session.testsfailed:
+                print(self.compose("logs", "--no-color", "--tail", "40", timeout=60, check=False).stdout[-20000:])
+            with timed(f"{name}: compose down"):
+                self.compose("down", "-v", "--remove-orphans", "--timeout", "40", timeout=300)
+
+    def credentials(self, role: str) -> dict[str, str]:
+        """The ``user``/``password`` of ``role`` from the env file `epd credentials` wrote."""
+        env = dict(line.split("=", 1) for line in (self.secrets / f"{role}.env").read_text().split())
+        return {"user": env["EPD_NATS_USER"], "password": env["EPD_NATS_PASSWORD"]}
 
     def scale(self, **counts: int) -> None:
         flags = [f"--scale={kind}={count}" for kind, count in counts.items()]
@@ -203,7 +270,7 @@ class ComposeStack:
     async def stats(self, kind: str) -> list[dict]:
         import nats
 
-        nc = await nats.connect(self.nats_url)
+        nc = await nats.connect(self.nats_url, **self.credentials("admin"))
         try:
             return [{"instance": s["metadata"]["instance"], **endpoint_data(s)}
                     for s in await service_stats(nc, f"epd-{kind}", wait=0.5)]
@@ -219,41 +286,51 @@ class ComposeStack:
             assert time.monotonic() < deadline, f"{len(found)} {kind} listed, not {count}"
             await asyncio.sleep(1)
 
+    async def until_routed(self, kind: str, count: int, timeout: float = 60) -> None:
+        """Until the frontend's own listing (its /metrics republish it, up to a second old) has ``count``
+        instances of ``kind``: what NATS lists, the frontend routes to only from its next poll on."""
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        pattern = re.compile(rf'^epd_service_stat{{instance="([^"]+)",service="epd-{kind}",', re.M)
+        async with httpx.AsyncClient() as http:
+            while True:
+                metrics = (await http.get(self.base_url.removesuffix("/v1") + "/metrics", timeout=5)).text
+                if len(set(pattern.findall(metrics))) == count:
+                    return
+                assert time.monotonic() < deadline, f"the frontend does not list {count} {kind}"
+                await asyncio.sleep(0.5)
+
+    async def until_serving(self, timeout: float = 400) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        ready = (f"http://127.0.0.1:{self.ports['FRONTEND_HEALTH_PORT']}/ready" if self.host_network
+                 else f"http://127.0.0.1:{self.ports['FRONTEND_PORT']}/health")
+        async with httpx.AsyncClient() as http:
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await http.get(ready, timeout=2)).status_code == 200:
+                        break
+                assert time.monotonic() < deadline, "the frontend never became ready"
+                await asyncio.sleep(1)
+        for kind in ("encoder", "language"):
+            await self.until_listed(kind, 1, timeout=max(1.0, deadline - time.monotonic()))
+
 
 @pytest.fixture(scope="module")
-def stack(docker, epd_image, request):
-    running = ComposeStack(docker, epd_image)
-    started = time.monotonic()
-    try:
-        running.compose("up", "-d", "--no-build")
-        asyncio.run(wait_until_serving(running))
-        TIMINGS["compose up to serving"] = time.monotonic() - started
-        yield running
-    finally:
-        if request.session.testsfailed:
-            print(running.compose("logs", "--no-color", "--tail", "40", timeout=60).stdout[-20000:])
-        stopped = time.monotonic()
-        running.compose("down", "-v", "--remove-orphans", "--timeout", "40", timeout=300)
-        TIMINGS["compose down"] = time.monotonic() - stopped
-        print("\ntimings here (s): " + ", ".join(f"{k} {v:.0f}" for k, v in TIMINGS.items()), file=sys.stderr)
+def secured(docker, epd_image, secrets, request):
+    """docker-compose.yml + compose.host.yml + compose.auth.yml, for the rest of the module."""
+    with ComposeStack(docker, epd_image, [HOST, AUTH], secrets).running(request, "host + auth") as stack:
+        yield stack
 
 
-async def wait_until_serving(stack: ComposeStack, timeout: float = 400) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    health = f"http://127.0.0.1:{stack.ports['FRONTEND_HEALTH_PORT']}/ready"
-    async with httpx.AsyncClient() as client:
-        while True:
-            try:
-                if (await client.get(health, timeout=2)).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the frontend never became ready"
-            await asyncio.sleep(1)
-    for kind in ("encoder", "prefill", "decode"):
-        await stack.until_listed(kind, 1, timeout=max(1.0, deadline - time.monotonic()))
+def bridge_networks_work() -> bool:
+    name = f"epdtest{uuid.uuid4().hex[:8]}"
+    made = subprocess.run(["docker", "network", "create", name], capture_output=True, timeout=60).returncode == 0
+    if made:
+        subprocess.run(["docker", "network", "rm", name], capture_output=True, timeout=60)
+    return made
 
 
 def client(stack: ComposeStack):
@@ -284,64 +361,168 @@ async def chat(api, model: str, text: str, images=(), max_tokens: int = 16) -> d
         return {"error": f"{type(err).__name__}: {err}"}
 
 
+async def an_image_chat_is_answered(stack: ComposeStack) -> None:
+    api = client(stack)
+    model = await model_name(api)
+    image = make_image(1, 96, 128)
+    reply = await api.chat.completions.create(model=model, messages=chat_messages("What is this?", [image]),
+                                              max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 12
+    assert reply.usage.prompt_tokens > 12  # the image's tokens are in the prompt
+    streamed = await chat(api, model, "What is this?", [image], max_tokens=12)
+    assert streamed["error"] is None
+    assert streamed["text"] == reply.choices[0].message.content  # greedy: the same answer both ways
+    assert sum(e["images"] for e in await stack.stats("encoder")) >= 1  # the encoder container encoded it
+
+
+async def nats_refuses_anonymous_and_keeps_the_client_role_off_work(stack: ComposeStack) -> None:
+    """No credentials: refused. The ``client`` role (client.env): publishing on a work subject is a
+    permissions violation and reaches no worker; asking for a chat over NATS is what it may do."""
+    import nats
+
+    from shared.bus.subjects import Subjects
+    from shared.client import chat as nats_chat
+
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        await nats.connect(stack.nats_url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=5)
+    violations: list[str] = []
+
+    async def on_error(err: Exception) -> None:
+        violations.append(str(err))
+
+    subjects = Subjects("epd")
+    work = [subjects.encode, subjects.prefill, subjects.decode, subjects.cancel, subjects.stream("r1")]
+    caller = await nats.connect(stack.nats_url, inbox_prefix=subjects.inbox("client"), error_cb=on_error,
+                                allow_reconnect=False, **stack.credentials("client"))
+    watcher = await nats.connect(stack.nats_url, allow_reconnect=False, **stack.credentials("admin"))
+    try:
+        watched = [await watcher.subscribe(subject) for subject in work]
+        await watcher.flush()
+        for subject in work:
+            await caller.publish(subject, b"{}")
+        await caller.flush()
+        await asyncio.sleep(1)
+        assert [s.subject for s in watched if s.pending_msgs] == []
+        assert sorted(v for v in violations if "permissions violation for publish" in v.lower()) == sorted(
+            f'nats: permissions violation for publish to "{subject}"' for subject in work), violations
+        model = await model_name(client(stack))
+        answer = await nats_chat(caller, {"model": model, "messages": [{"role": "user", "content": "Hi"}],
+                                          "max_tokens": 4, "ignore_eos": True}, timeout=120)
+        assert answer["choices"][0]["finish_reason"] == "length" and answer["usage"]["completion_tokens"] == 4
+    finally:
+        await caller.close()
+        await watcher.close()
+
+
+def listening_addresses(port: int) -> set[str]:
+    """Addresses with a TCP socket listening on ``port`` in this network namespace (/proc/net/tcp{,6})."""
+    found = set()
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        if not Path(table).exists():
+            continue
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                raw = b"".join(bytes.fromhex(address[i:i + 8])[::-1] for i in range(0, len(address), 8))
+                found.add(socket.inet_ntop(family, raw))
+    return found
+
+
 # ---------------------------------------------------------------- the tests (in this order)
 
-def test_a_chat_request_with_an_image_through_the_openai_client(stack):
+def test_the_secured_stack_on_its_own_network_publishes_only_the_api(docker, epd_image, secrets, request):
+    if not bridge_networks_work():
+        pytest.skip("this engine cannot make a bridge network (docker network create failed)")
+    stack = ComposeStack(docker, epd_image, [AUTH], secrets)
+    with stack.running(request, "auth alone"):
+        (nats,) = stack.containers("nats")
+        assert sh("docker", "port", nats).stdout.strip() == ""  # NATS is published nowhere
+        (frontend,) = stack.containers("frontend")
+        published = sh("docker", "port", frontend, "8000").stdout.split()
+        assert published and all(p.endswith(f":{stack.ports['FRONTEND_PORT']}") for p in published)
+        asyncio.run(an_image_chat_is_answered(stack))
+        asyncio.run(nats_refuses_anonymous_and_keeps_the_client_role_off_work(stack))
+
+
+def test_a_chat_with_an_image_and_a_text_one_through_the_openai_client(secured):
     async def scenario():
-        api = client(stack)
-        model = await model_name(api)
-        image = make_image(1, 96, 128)
-        reply = await api.chat.completions.create(model=model, messages=chat_messages("What is this?", [image]),
-                                                  max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
-        assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 12
-        assert reply.usage.prompt_tokens > 12  # the image's tokens are in the prompt
-        streamed = await chat(api, model, "What is this?", [image], max_tokens=12)
-        assert streamed["error"] is None
-        assert streamed["text"] == reply.choices[0].message.content  # greedy: the same answer both ways
-        images = [e["images"] for e in await stack.stats("encoder")]
-        assert sum(images) >= 1  # the encoder container did the encoding
+        await an_image_chat_is_answered(secured)
+        api = client(secured)
+        text = await chat(api, await model_name(api), "Say something.", max_tokens=8)
+        assert text["error"] is None and text["finish"] == "length" and text["tokens"] == 8
 
     asyncio.run(scenario())
 
 
-def test_encoders_scale_to_two_and_back_losing_nothing(stack):
+def test_nats_and_the_api_listen_on_loopback_only(secured):
+    for name in ("NATS_PORT", "NATS_MONITOR_PORT", "FRONTEND_PORT", "FRONTEND_HEALTH_PORT"):
+        assert listening_addresses(secured.ports[name]) == {"127.0.0.1"}, name
+
+
+def test_nats_refuses_anonymous_clients_and_the_client_role_cannot_publish_work(secured):
+    asyncio.run(nats_refuses_anonymous_and_keeps_the_client_role_off_work(secured))
+
+
+def test_nats_runs_as_epd_and_only_epd_reads_the_users(secured, secrets):
+    (nats,) = secured.containers("nats")
+    status = sh("docker", "exec", nats, "cat", "/proc/1/status").stdout  # PID 1 is nats-server itself
+    fields = dict(line.split(":", 1) for line in status.splitlines())
+    assert fields["Name"].strip() == "nats-server"
+    assert fields["Uid"].split() == ["1000"] * 4 and fields["CapEff"].strip() == "0" * 16
+    assert fields["NoNewPrivs"].strip() == "1"
+    copied = sh("docker", "exec", nats, "stat", "-c", "%U %a", "/run/nats/nats-auth.conf").stdout.split()
+    assert copied == ["epd", "400"]
+    on_host = secrets / "nats-auth.conf"
+    assert on_host.stat().st_mode & 0o777 == 0o600  # left as `epd credentials` wrote it
+
+
+def test_encoders_scale_to_two_and_back_losing_nothing(secured):
     async def scenario():
-        api = client(stack)
+        api = client(secured)
         model = await model_name(api)
         started = time.monotonic()
-        stack.scale(encoder=2)
-        encoders = await stack.until_listed("encoder", 2)
+        secured.scale(encoder=2)
+        encoders = await secured.until_listed("encoder", 2)
+        await secured.until_routed("encoder", 2)
         TIMINGS["second encoder up"] = time.monotonic() - started
         before = {e["instance"]: e["images"] for e in encoders}
         pictures = [[make_image(100 + 4 * i + j, 64, 64) for j in range(4)] for i in range(4)]
         results = await asyncio.gather(*(chat(api, model, "Compare them.", p) for p in pictures))
         assert all(r["error"] is None and r["finish"] == "length" for r in results), results
-        after = {e["instance"]: e["images"] for e in await stack.stats("encoder")}
+        after = {e["instance"]: e["images"] for e in await secured.stats("encoder")}
         assert all(after[i] > before[i] for i in before), f"an encoder got no images: {before} -> {after}"
 
         # Back to one while requests run: compose stops one encoder (SIGTERM), which drains what it holds.
         running = [asyncio.create_task(chat(api, model, "Again.", [make_image(200 + i, 64, 64)], max_tokens=32))
                    for i in range(6)]
         await asyncio.sleep(0.5)
-        await asyncio.to_thread(stack.scale, encoder=1)
+        await asyncio.to_thread(secured.scale, encoder=1)
         results = await asyncio.gather(*running)
         assert all(r["error"] is None and r["finish"] == "length" for r in results), results
-        await stack.until_listed("encoder", 1)
-        assert len(stack.containers("encoder")) == 1
+        await secured.until_listed("encoder", 1)
+        assert len(secured.containers("encoder")) == 1
         assert (await chat(api, model, "Still there?", [make_image(300, 64, 64)]))["error"] is None
 
     asyncio.run(scenario())
 
 
-def test_a_decode_container_killed_while_requests_stream_loses_none(stack):
+def test_split_a_decode_container_killed_while_requests_stream_loses_none(secured):
     async def scenario():
-        api = client(stack)
+        api = client(secured)
         model = await model_name(api)
-        stack.scale(decode=2)
-        await stack.until_listed("decode", 2)
+        started = time.monotonic()
+        secured.profiles = ["split"]  # E/P/D: prefill and decode workers in place of the language worker
+        secured.scale(language=0, prefill=1, decode=2)
+        await secured.until_listed("prefill", 1)
+        await secured.until_listed("decode", 2)
+        await secured.until_listed("language", 0)
+        for kind, count in (("prefill", 1), ("decode", 2), ("language", 0)):
+            await secured.until_routed(kind, count)
+        TIMINGS["E/PD to E/P/D"] = time.monotonic() - started
         prompts = [(f"Tell story number {i}.", [make_image(400 + i, 64, 64)] if i % 2 else []) for i in range(6)]
         running = [asyncio.create_task(chat(api, model, text, images, max_tokens=LONG)) for text, images in prompts]
-        victim = await serving_decode(stack)
+        victim = await serving_decode(secured)
         sh("docker", "kill", "--signal", "KILL", victim)
         results = await asyncio.gather(*running)
         lost = [(prompt[0], r) for prompt, r in zip(prompts, results)
