@@ -8,8 +8,10 @@
 #   export DOCKER_HOST=unix:///tmp/epd-docker/docker.sock
 #   kill "$(cat /tmp/epd-docker/dockerd.pid)"     # stop it
 #
-# Containers must then run with host networking (deploy/compose.host.yml). overlay2 is used where the
-# kernel offers it, else vfs (every layer a full copy: slower builds, more disk).
+# The default bridge is off, and so is NAT: containers reach nothing outside. Host networking
+# (deploy/compose.host.yml) works everywhere; where the kernel lets dockerd make bridges, Compose's own
+# networks work too (containers reach each other and the host). overlay2 is used where the kernel offers
+# it, else vfs (every layer a full copy: slower builds, more disk).
 set -euo pipefail
 dir=${1:-/tmp/epd-docker}
 mkdir -p "$dir"
