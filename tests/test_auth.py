@@ -102,10 +102,10 @@ def test_credentials_command_and_compose_overlay(tmp_path):
         for env_file in service.get("env_file", []):
             assert (out / Path(env_file).name).is_file(), env_file
             assert Path(env_file).stem == name  # each service runs as its own role
-    conf = tmp_path / "nats.conf"
-    conf.write_text(overlay["configs"]["nats-conf"]["content"].replace("/data", str(tmp_path / "js")))
-    (tmp_path / "nats-auth.conf").write_text((out / "nats-auth.conf").read_text())
-    check = subprocess.run([nats_server_binary(), "-t", "-c", str(conf)], capture_output=True, text=True)
+    secret = Path(overlay["secrets"]["nats-auth"]["file"])  # epd-nats passes it to nats-server as -c
+    assert (out / secret.name).is_file(), secret
+    check = subprocess.run([nats_server_binary(), "-t", "-c", str(out / secret.name)], capture_output=True,
+                           text=True)
     assert check.returncode == 0, check.stderr
 
 
