@@ -10,6 +10,8 @@ credentials` writes. tests/test_docker.py runs the stacks for real where an engi
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import re
 import shutil
@@ -101,14 +103,6 @@ def epd_executable() -> str:
     found = str(beside_python) if beside_python.exists() else shutil.which("epd")
     assert found, "the `epd` console script is not installed (pip install -e .)"
     return found
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_stack_services_present(services):
@@ -329,32 +323,35 @@ def test_nats_as_the_overlays_start_it_listens_on_loopback_and_refuses_anonymous
     credentials = StackCredentials.generate("epd")
     credentials.write(secrets)
     assert {oct(path.stat().st_mode & 0o777) for path in secrets.iterdir()} == {"0o600"}
-    ports = {"NATS_PORT": str(free_port()), "NATS_MONITOR_PORT": str(free_port())}
-    command = [INTERPOLATION.sub(lambda m: ports.get(m["name"], m["default"] or ""), part)
+    random = {"NATS_PORT": "-1", "NATS_MONITOR_PORT": "-1"}  # nats-server picks free ports, written below
+    command = [INTERPOLATION.sub(lambda m: random.get(m["name"], m["default"] or ""), part)
                for part in epd_command(host_services["nats"])]
     command[command.index("-sd") + 1] = str(tmp_path / "store")
-    server = subprocess.Popen([nats_server_binary(), "-c", str(secrets / "nats-auth.conf"), *command],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen([nats_server_binary(), "-c", str(secrets / "nats-auth.conf"), *command,
+                               "--ports_file_dir", str(tmp_path)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
     try:
-        asyncio.run(_check_nats(ports, credentials))
+        ports = asyncio.run(_listening(tmp_path / f"nats-server_{server.pid}.ports"))
+        assert [url.split("//")[1].rsplit(":", 1)[0] for url in ports["nats"] + ports["monitoring"]] == [
+            "127.0.0.1", "127.0.0.1"]
+        asyncio.run(_check_nats(ports["nats"][0], credentials))
     finally:
         server.terminate()
-        log = server.communicate(timeout=10)[0]
-    assert f"Listening for client connections on 127.0.0.1:{ports['NATS_PORT']}" in log, log
-    assert f"Starting http monitor on 127.0.0.1:{ports['NATS_MONITOR_PORT']}" in log, log
+        server.wait(timeout=10)
 
 
-async def _check_nats(ports: dict, credentials: StackCredentials) -> None:
-    url = f"nats://127.0.0.1:{ports['NATS_PORT']}"
-    for _ in range(100):
-        try:
-            nc = await nats.connect(url, user="encoder", password=credentials.passwords["encoder"],
-                                    allow_reconnect=False, connect_timeout=1)
-            break
-        except Exception:  # not listening yet
-            await asyncio.sleep(0.05)
-    else:
-        raise AssertionError("nats-server never let the encoder's user in")
+async def _listening(ports_file: Path) -> dict:
+    for _ in range(200):
+        if ports_file.exists():
+            with contextlib.suppress(ValueError):
+                return json.loads(ports_file.read_text())
+        await asyncio.sleep(0.05)
+    raise AssertionError("nats-server did not start listening")
+
+
+async def _check_nats(url: str, credentials: StackCredentials) -> None:
+    nc = await nats.connect(url, user="encoder", password=credentials.passwords["encoder"],
+                            allow_reconnect=False, connect_timeout=2)
     await nc.close()
     with pytest.raises(nats.errors.Error, match="Authorization Violation"):
-        await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=1)
+        await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2)
