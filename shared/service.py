@@ -213,7 +213,6 @@ def service_main(service_cls, settings_cls, argv: list[str] | None = None) -> No
     args = sys.argv[1:] if argv is None else argv
     settings = parse_settings(settings_cls, args, f"epd {service_cls.kind}")
     configure_logging(settings.log_level, settings.log_format, f"epd-{service_cls.kind}")
-    sys.setswitchinterval(settings.switch_interval_ms / 1e3)
     settings.apply_torch_threads()
     try:
         asyncio.run(service_cls(settings).run())

@@ -52,16 +52,6 @@ class CommonSettings(BaseSettings):
                                                             "0: off")
     health_host: str = Field("127.0.0.1", description="interface of the health endpoint; pods set 0.0.0.0 so "
                                                       "the kubelet can probe it")
-    switch_interval_ms: float = Field(5.0, gt=0, le=100, description="how often the interpreter hands the GIL "
-                                      "between threads that want it (sys.setswitchinterval; CPython's default 5): "
-                                      "a shorter one lets the event loop answer while an engine thread runs Python "
-                                      "(bench/gil_handoff.py)")
-    torch_threads: int = Field(0, ge=0, le=1024, description="torch's CPU threads for one operation "
-                               "(torch.set_num_threads). 0: one on a GPU, where the compute is on the device "
-                               "and a parallel region stalls on a busy host (a ten-image stack: 0.8 ms in one "
-                               "thread, 94 ms in two beside busy processes, bench/busy_host_threads.py); torch's "
-                               "own default on a CPU, "
-                               "or as OMP_NUM_THREADS says when it is set")
 
     @field_validator("subject_prefix")
     @classmethod
@@ -78,12 +68,13 @@ class CommonSettings(BaseSettings):
         return torch.device(self.device)
 
     def apply_torch_threads(self) -> None:
-        """``torch_threads`` into torch, before the process's first parallel region."""
-        import torch
+        """One CPU thread an operation for torch in a process on a GPU, as vLLM runs its workers, unless
+        ``OMP_NUM_THREADS`` says otherwise: the compute is on the device, and each short host-side
+        operation in torch's default of a thread per core is a parallel region that ends with its slowest
+        thread, which a host shared by a stack's processes deschedules. On a CPU, torch's own default."""
+        if "OMP_NUM_THREADS" not in os.environ and self.torch_device().type == "cuda":
+            import torch
 
-        if self.torch_threads:
-            torch.set_num_threads(self.torch_threads)
-        elif "OMP_NUM_THREADS" not in os.environ and self.torch_device().type == "cuda":
             torch.set_num_threads(1)
 
     def torch_dtype(self) -> "torch.dtype":

@@ -14,7 +14,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from shared.kernels import attention, decode_attention, fused, gemv, launch, moe, moe_routing, moe_small  # noqa: E402
+from shared.kernels import attention, decode_attention, fused, gemv, moe, moe_routing, moe_small  # noqa: E402
 
 
 def compile_for_hopper(kernel, pointers: dict[str, str], constants: dict, **options) -> None:
@@ -64,10 +64,10 @@ def main() -> int:
                          res_out_ptr=bf16, h_out_ptr=bf16)
     for n, k, norm, keep in ((5120, 2048, True, False), (2048, 4096, False, False), (128, 2048, True, True)):
         block_n, block_k, warps = gemv.tiles(n, k, norm=norm)
-        for whole, pdl in ((False, launch.AFTER_WAIT), (True, launch.AT_START)):  # and all weights before the wait
+        for whole in (False, True):  # and all weights before the wait
             compile_for_hopper(gemv._gemv_kernel, gemv_pointers, dict(
                 NORM=norm, RESIDUAL=norm, KEEP=keep, HAS_BIAS=False, ROWS_PAD=1, K_PAD=k, BLOCK_N=block_n,
-                BLOCK_K=block_k, PDL=pdl, WHOLE=whole), num_warps=warps, launch_pdl=True)
+                BLOCK_K=block_k, PDL=1, WHOLE=whole), num_warps=warps, launch_pdl=True)
     compile_for_hopper(fused._rope_store_kernel, dict(
         q_ptr=bf16, k_ptr=bf16, v_ptr=bf16, cos_ptr=bf16, sin_ptr=bf16, k_cache=bf16, v_cache=bf16, slots="*i64",
         q_norm=bf16, k_norm=bf16), dict(NUM_HEADS=32, NUM_KV_HEADS=4, HALF=64, HALF_PAD=64, HEADS_PAD=32, KV_PAD=4,

@@ -622,11 +622,11 @@ def test_stack_settings_reach_the_stacks_and_nothing_else_of_the_shell(monkeypat
     """--stack-env is how a sweep sets an engine option (the stacks see no other EPD_ variable)."""
     from bench.epd_vs_aggregated import parse_args, stack_env
 
-    monkeypatch.setenv("EPD_VIT_THREAD", "true")
+    monkeypatch.setenv("EPD_ENFORCE_EAGER", "true")
     args = parse_args(["--stack-env", "EPD_DECODE_STEP_TOKENS=2048", "--stack-env", "EPD_MPS_ACTIVE_THREADS=50"])
     env = stack_env(args)
     assert env["EPD_DECODE_STEP_TOKENS"] == "2048" and env["EPD_MPS_ACTIVE_THREADS"] == "50"
-    assert "EPD_VIT_THREAD" not in env
+    assert "EPD_ENFORCE_EAGER" not in env
     with pytest.raises(SystemExit):
         parse_args(["--stack-env", "DECODE=1"])
 

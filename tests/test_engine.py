@@ -404,7 +404,8 @@ def test_an_image_arriving_while_the_vit_runs_is_encoded_in_the_same_gap(model_p
 
     import numpy as np
 
-    from services.encoder.batcher import VisionBatcher, _Item
+    from services.encoder.batcher import VisionBatcher
+    from services.encoder.vit_inputs import QueuedImage
     from shared.model.processor import ImagePreprocessor
 
     _, _, tower = model_parts
@@ -414,7 +415,7 @@ def test_an_image_arriving_while_the_vit_runs_is_encoded_in_the_same_gap(model_p
     async def one_gap(budget_s: float) -> tuple[int, int]:
         loop = asyncio.get_running_loop()
         batcher = VisionBatcher(tower, loop, max_images=1, max_patches=10_000)
-        late = _Item(torch.from_numpy(second), grid2, loop.create_future())
+        late = QueuedImage(torch.from_numpy(second), grid2, loop.create_future())
 
         def arrives_meanwhile(patches: torch.Tensor) -> torch.Tensor:  # runs inside the first forward
             batcher._queue.put(late)
@@ -477,7 +478,7 @@ def test_an_encoder_forward_waits_for_the_rest_of_its_request(model_parts, tiny_
 
 
 def in_place_setup(model_parts, requests_with_reference, tiny_model):
-    """What both in-place tests start from: an engine with a sequence decoding throughout, request R
+    """What the in-place test starts from: an engine with a sequence decoding throughout, request R
     (``r9``, two images) to be parked, its images' patches, and an ``on_done`` hook per image that
     places the embeddings into R's parked prompt from the forwarding thread."""
     import numpy as np
@@ -557,106 +558,6 @@ def test_a_prompt_encoded_in_place_enters_the_engine_in_the_gap_that_encodes_its
     assert at["entered"] == at["gap"]  # placed before the step after the gap
     assert sorted(steps[at["gap"]]) == ["r0", "r3", "r9"]  # R's prefill beside P's, in that very step
     assert parked_seq.output_ids == hf_tokens
-
-
-def test_with_overlap_the_images_forward_runs_during_an_engine_step_and_the_prompt_enters_after_it(
-        model_parts, requests_with_reference, tiny_model):
-    """``VisionBatcher.overlap``: request R's two images, queued while a sequence decodes, are forwarded
-    inside an engine step — after its kernels are queued, before the engine thread waits for its tokens
-    (``Engine.during_step``) — not in a gap after it; their completion hooks run right after that step,
-    so R is prefilled in the very next one. R's greedy tokens are HF's."""
-    import asyncio
-    import threading
-
-    from services.aggregated.in_place import Parked
-    from services.encoder.batcher import VisionBatcher
-    from shared.engine.loop import EngineLoop
-
-    _, _, tower = model_parts
-    engine, busy, parked_seq, patches, hf_tokens, placer = in_place_setup(
-        model_parts, requests_with_reference, tiny_model)
-    steps: list[dict[str, int]] = []
-    at: dict[str, object] = {"forwarded_in": set()}
-    coming = {"r9": 1}  # R's images are on their way until the engine thread, mid-step, is told otherwise
-    release = threading.Event()
-
-    async def in_place() -> None:
-        loop = EngineLoop(engine, lambda outputs: steps.append({o.request_id: o.index for o in outputs}),
-                          lambda ids, message: None, asyncio.get_running_loop())
-        batcher = VisionBatcher(tower, asyncio.get_running_loop(), max_images=8, max_patches=10_000,
-                                sibling_wait_s=60.0, pending=lambda group: coming.get(group, 0))
-        batcher.overlap()
-        loop.attach(batcher)
-        launch, inside = batcher.launch, {"now": False}
-
-        def traced_launch() -> None:  # the sampler's hook, mid-step
-            if release.is_set():
-                coming.clear()  # here, so that no gap sees R's images complete before a step does
-            inside["now"] = True
-            try:
-                launch()
-            finally:
-                inside["now"] = False
-
-        engine.during_step(traced_launch)
-        parked = Parked(parked_seq, [None, None], 0.0, lambda seconds: at.setdefault("entered", loop.steps),
-                        lambda message: None)
-
-        def forwarding(pixels: torch.Tensor) -> torch.Tensor:
-            at["forwarded_in"].add("step" if inside["now"] else "gap")
-            at.setdefault("forwarded_at", loop.steps)  # the index of the step in progress
-            return pixels
-
-        place = placer(loop, parked)
-        loop.start()
-        try:
-            await loop.call(lambda e: None)  # the engine is stepping
-            jobs = [batcher.encode(torch.from_numpy(p), g, prepare=forwarding, group="r9", on_done=place(i))
-                    for i, (p, g) in enumerate(patches)]
-            await asyncio.sleep(0.2)  # steps go by: R's images are held, neither gap nor step waits for them
-            assert "forwarded_at" not in at and batcher.queued == 2 and busy.num_output > 2
-            release.set()
-            await asyncio.wait_for(asyncio.gather(*jobs), 60)
-            while parked_seq.status is not Status.FINISHED:
-                await asyncio.sleep(0.01)
-        finally:
-            await asyncio.to_thread(loop.stop)
-        assert batcher.batches == 1 and batcher.times.stats()["forward_count"] == 2
-
-    asyncio.run(in_place())
-    assert at["forwarded_in"] == {"step"}
-    assert at["entered"] == at["forwarded_at"] + 1  # its hooks ran right after the step that forwarded it
-    assert "r9" in steps[at["entered"]]  # R's prefill (and first token) in the very next step
-    assert parked_seq.output_ids == hf_tokens
-
-
-def test_an_overlapped_batch_waits_for_its_requests_images_no_longer_than_the_sibling_wait(model_parts):
-    """A batch held for its request's images still coming (a pull that hangs, say) goes once it has waited
-    ``sibling_wait_s``: it must not hold other requests' images behind it for the pull's whole timeout."""
-    import asyncio
-    import time
-
-    from services.encoder.batcher import VisionBatcher
-
-    config, _, tower = model_parts
-
-    async def run() -> tuple[int, int, int]:
-        batcher = VisionBatcher(tower, asyncio.get_running_loop(), max_images=8, max_patches=10_000,
-                                sibling_wait_s=0.2, pending=lambda group: 1)  # its sibling never comes
-        batcher.overlap()
-        grid = (1, 4, 4)
-        future = batcher.encode(torch.randn(16, config.vision.patch_dim), grid, group="r1")
-        batcher.launch()  # mid-step: held, its sibling still coming
-        held = batcher.launched
-        time.sleep(0.25)
-        batcher.launch()  # waited long enough: it goes alone
-        batcher.after_step()
-        batcher.step(wait=True)
-        embeds = await asyncio.wait_for(future, 10)
-        return held, batcher.launched, embeds.shape[0]
-
-    held, launched, rows = asyncio.run(run())
-    assert (held, launched, rows) == (0, 1, 4)  # 16 patches merged 2 x 2
 
 
 def test_prefill_steps_in_pieces_generate_hf_tokens(model_parts, requests_with_reference):

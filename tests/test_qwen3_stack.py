@@ -88,23 +88,17 @@ def test_image_embeds_carry_their_deepstack_levels(qwen3_stack, family_model):
     assert "deepstack levels" in err.value.response.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("vit, in_place", [("--vit-thread", True), ("--vit-thread", False), ("--vit-overlap", True)],
-                         ids=["vit-thread", "vit-thread-via-encoder-subjects", "vit-overlap"])
-def test_the_aggregated_process_serves_the_same(family_model, nats_url, vit, in_place):
-    """With its ViT in a thread of its own (``--vit-thread``), or in the engine thread during its steps
-    as well as between them (``--vit-overlap``; tests/test_video.py's aggregated stack runs it between
-    steps only, the default), concurrent requests: their images sent as pixels with the prompt and
-    encoded in place (the embeddings posted to the engine thread, or placed from the batcher's hooks),
-    or, with a frontend that does not (``--no-encode-in-place``), through the encoder subjects first.
-    (Whether a batch goes during a step or in a gap depends on timing here; tests/test_engine.py pins
-    the step case down.)"""
+def test_the_aggregated_process_serves_the_same(family_model, nats_url):
+    """The aggregated process (its ViT in the engine thread, between steps), concurrent requests: their
+    images sent as pixels with the prompt and encoded in place (the embeddings placed from the batcher's
+    hooks), the text-only one with none; every answer HF's."""
     family, path, reference = family_model
     if family != "qwen3_vl_moe":
         pytest.skip("one aggregated stack is enough: the MoE one")
     running = RunningStack(nats_url, path)
-    running.spawn("aggregated", vit)
+    running.spawn("aggregated")
     try:
-        running.start(encoders=0, prefills=0, decodes=0, frontend_args=() if in_place else ("--no-encode-in-place",))
+        running.start(encoders=0, prefills=0, decodes=0)
         running.wait_for({"aggregated": 1, "frontend": 1})
         cases = ["one-image", "two-images", "three-images", "text-only"]
         with ThreadPoolExecutor(len(cases)) as pool:
@@ -112,12 +106,12 @@ def test_the_aggregated_process_serves_the_same(family_model, nats_url, vit, in_
         for case, answer in zip(cases, answers):
             assert answer == expected(reference, case)[0], case
         [worker] = running.figures("aggregated")
-        assert worker["images"] == 6  # through its ViT either way (six different images)
-        assert (worker["prompts_in_place"], worker["images_in_place"]) == ((3, 6) if in_place else (0, 0))
-        # where the first_token stage goes: every prompt timed once in the engine; the intake of those
-        # that came with embeddings (the text-only one, or all of them through the encoder subjects)
+        assert worker["images"] == 6  # through its ViT (six different images)
+        assert (worker["prompts_in_place"], worker["images_in_place"]) == (3, 6)
+        # where the first_token stage goes: every prompt timed once in the engine; the intake of the one
+        # that came with no images
         assert worker["prompt_wait_count"] == worker["prompt_prefill_count"] == len(cases)
-        assert worker["prompt_intake_count"] == (1 if in_place else len(cases))
+        assert worker["prompt_intake_count"] == 1
         # the intake's parts: its pulls, then the engine thread taking the prompt, within the whole
         assert worker["prompt_pull_count"] == worker["prompt_handoff_count"] == worker["prompt_intake_count"]
         assert worker["prompt_pull_seconds_total"] + worker["prompt_handoff_seconds_total"] <= \

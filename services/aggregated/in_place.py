@@ -12,7 +12,7 @@ hops in a process of their own (docs/architecture.md, "The aggregated worker enc
    concurrent encoding, a peer, else the ViT, in the batcher's queue), and reply accepted;
 2. each image's embeddings land in the engine thread: from the batcher's completion hook right after
    the forward that made them (between two engine steps, no event-loop hop), or posted between steps
-   when they came otherwise (a cache hit, a joined encoding, a ViT thread of its own); the last one
+   when they came otherwise (a cache hit, a joined encoding, a peer); the last one
    adds the prompt to the engine before its next step;
 3. a failed encoding fails the request with an error event (the frontend resumes it elsewhere); a
    cancel drops a prompt still parked.

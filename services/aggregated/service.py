@@ -5,11 +5,8 @@ It is the joined language worker plus an ``Encoder``. A frontend sends it a requ
 images' pixels (metadata ``encodes_in_place``): the worker encodes them and its engine thread places the
 embeddings into the prompt right after the forward (``in_place``), with no trip back through the
 frontend. It also answers the encoder's subjects and takes prompts with embeddings, as a disaggregated
-stack's workers do (a frontend with ``--no-encode-in-place``). Its ViT forwards run in the engine's
-thread between two engine steps (``VisionBatcher.step``) and, with ``--vit-overlap``, also during a
-step on a stream of their own (``VisionBatcher.launch``); or with ``--vit-thread`` in a thread and on a
-CUDA stream of their own beside the engine, as an encoder's do (docs/architecture.md says which and
-why: both options trade other requests' time for an image's, so both are off).
+stack's workers do. Its ViT forwards run in the engine's thread between two engine steps
+(``VisionBatcher.step``): one thread drives the GPU (docs/architecture.md says why).
 Embeddings its own encoder holds come from its data plane's store without a copy.
 """
 
@@ -40,11 +37,8 @@ class AggregatedService(LanguageService):
 
     async def start_worker(self) -> None:
         # the vision tower first: the KV pool is sized from the memory that is left
-        beside = self.settings.vit_thread
-        await self.encoder.start(self.nc, self.resources, own_thread=beside, own_stream=beside,
-                                 overlap=self.settings.vit_overlap,
-                                 high_priority=self.settings.vit_overlap_priority == "high")
-        await self.worker.start(self.nc, self.resources, side=None if beside else self.encoder.batcher)
+        await self.encoder.start(self.nc, self.resources, own_thread=False)
+        await self.worker.start(self.nc, self.resources, side=self.encoder.batcher)
 
     def endpoints(self) -> list[Endpoint]:
         return [*self.encoder.endpoints(), *super().endpoints()]

@@ -78,13 +78,9 @@ class Encoder:
         self.arriving: Counter[str] = Counter()  # request id → its jobs here not yet queued for the ViT
         self._encode_endpoints: list[Endpoint] = []
 
-    async def start(self, nc, resources: AsyncExitStack, own_thread: bool = True, own_stream: bool = False,
-                    overlap: bool = False, high_priority: bool = True) -> None:
+    async def start(self, nc, resources: AsyncExitStack, own_thread: bool = True) -> None:
         """Load the tower and start batching; ``own_thread=False``: the caller's engine loop runs the
-        forwards (``attach`` it there), also during its steps with ``overlap`` (``VisionBatcher.overlap``,
-        on a stream of ``high_priority`` or not);
-        ``own_stream``: the thread's forwards go on a CUDA stream of their own (beside an engine in the
-        same process). Everything taken is released through ``resources``."""
+        forwards (``attach`` it there). Everything taken is released through ``resources``."""
         s = self.settings
         path = s.model_path()
         config = ModelConfig.from_checkpoint(path)
@@ -112,10 +108,8 @@ class Encoder:
                                      pending=lambda request_id: self.arriving.get(request_id, 0),
                                      mix_patches=graph_patches or None)
         if own_thread:
-            self.batcher.start(own_stream)
+            self.batcher.start()
             resources.push_async_callback(asyncio.to_thread, self.batcher.stop)
-        elif overlap:
-            self.batcher.overlap(high_priority)
         index = None
         if s.cache_index and s.encoder_cache_mb > 0:
             index = EmbeddingIndex(nc, self.subjects.prefix, ttl=s.cache_index_ttl)
@@ -291,7 +285,6 @@ class Encoder:
             "batches": b.batches if b else 0,
             "vit_cudnn_shapes": b.cudnn_shapes if b else 0,  # ViT shapes planned in cuDNN (the rest: flash)
             "batches_waited": b.waited if b else 0,  # forwards that waited for a request's other images
-            "batches_during_steps": b.launched if b else 0,  # launched during an engine step (overlap)
             "jobs_arriving": sum(self.arriving.values()),  # jobs received, not yet queued for the ViT
             "patches": b.patches if b else 0,
             **(b.batch_sizes.stats() if b else {}),

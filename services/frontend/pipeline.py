@@ -169,8 +169,7 @@ class Pipeline:
         encodes, sent = 0, False
         while True:
             target = self.intake.target(exclude=tried)
-            in_place = (bool(to_encode(images)) and self.settings.encode_in_place
-                        and self.intake.encodes_in_place(target))
+            in_place = bool(to_encode(images)) and self.intake.encodes_in_place(target)
             if not in_place and results is None:
                 results = await self._encode(generation, attempt)
                 encodes += 1

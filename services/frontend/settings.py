@@ -34,11 +34,6 @@ class FrontendSettings(CommonSettings):
                                                           "flight beyond the least-loaded one and still get it")
     encode_attempts: int = Field(3, ge=1, description="tries per image when an encoder fails or vanishes")
     prefill_timeout: float = Field(30.0, gt=0, description="seconds for prefill to accept a request")
-    encode_in_place: bool = Field(True, description="send a worker that encodes in place (aggregated) a request's "
-                                                    "prompt with its images' pixels: it encodes them and starts the "
-                                                    "prompt right after, without the round trip through this "
-                                                    "frontend; --no-encode-in-place: encode through the encoder "
-                                                    "subjects first, as for any other worker")
     first_token_timeout: float = Field(120.0, gt=0, description="seconds from admission to the first token")
     token_timeout: float = Field(60.0, gt=0, description="seconds between two tokens before the request fails")
     resume_attempts: int = Field(2, ge=0, description="times a request whose prefill/decode worker died is "

@@ -43,10 +43,6 @@ def build_engine(settings: EngineSettings, role: str) -> tuple[Engine, ModelConf
     device, dtype = settings.torch_device(), settings.torch_dtype()
     if device.type == "cuda":
         kernels.log_compiles(log)
-        if kernels.TRITON:
-            from shared.kernels import launch
-
-            launch.ENABLED = settings.pdl
     model = load_language_model(path, config, device, dtype, settings.load_format)
     max_len = min(settings.max_model_len or config.text.max_position_embeddings, config.text.max_position_embeddings)
     if device.type == "cuda" and role != "decode" and not settings.enforce_eager and settings.prefill_graph_tokens:

@@ -197,12 +197,6 @@ class Engine:
     def num_active(self) -> int:
         return len(self.scheduler) + len(self.reserved)
 
-    def during_step(self, hook: Callable[[], None] | None) -> None:
-        """``hook()`` runs in every step that samples, once its kernels are queued and before this thread
-        waits for them: other device work of the process, launched beside the step (it may return
-        before or once the step's kernels have ended); it must not raise."""
-        self.runner.sampler.before_sync = hook
-
     def step(self, on_layer_done: LayerHook | None = None) -> list[StepOutput]:
         """One step: prompt chunks (with decode rows riding along) or a decode step of every running
         sequence. During a step with prompt chunks, ``on_layer_done(layer, spans)`` is called after each

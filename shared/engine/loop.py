@@ -7,8 +7,6 @@ data plane. Other device work of the process (the aggregated worker's ViT) can b
 in this thread too, between two engine steps, so the two never contend for the device or the
 interpreter. What that work finishes can reach the engine in the same gap (``post`` from this thread
 runs at once): the aggregated worker's prompts encoded in place enter the engine before its next step.
-Side work may also be launched during a step, once its kernels are queued (``side.launch``, on a stream
-of its own), and handed over right after it (``side.after_step``).
 """
 
 from __future__ import annotations
@@ -43,13 +41,10 @@ class EngineLoop:
         self.steps = 0
 
     def attach(self, side) -> None:
-        """Run ``side.step(wait)`` between engine steps whenever ``side.has_work()`` (``wait``: the engine
-        is idle), ``side.launch()`` during each step that samples and ``side.after_step()`` after every
-        step. ``side.wake`` is set to wake this thread when new side work arrives while the engine idles.
-        Call before ``start``."""
+        """Run ``side.step()`` between engine steps whenever ``side.has_work()``. ``side.wake`` is set to
+        wake this thread when new side work arrives while the engine idles. Call before ``start``."""
         self._side = side
         side.wake = self.wake
-        self.engine.during_step(side.launch)
 
     def wake(self) -> None:
         """Any thread: end the engine thread's idle wait now."""
@@ -87,7 +82,7 @@ class EngineLoop:
             if self._stop:
                 continue
             if self._has_side_work():
-                self._side.step(wait=not self.engine.has_work())  # fails its own items, never the engine
+                self._side.step()  # fails its own items, never the engine
             if self.engine.has_work():
                 self._step()
 
@@ -99,9 +94,6 @@ class EngineLoop:
             log.exception("engine.step_failed")
             self._fail_everything(f"engine step failed: {type(err).__name__}")
             return
-        finally:
-            if self._side is not None:
-                self._side.after_step()  # what it launched during the step: hooks, ordering
         if outputs:
             self.loop.call_soon_threadsafe(self.on_outputs, outputs)
 

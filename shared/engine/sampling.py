@@ -127,9 +127,6 @@ class Sampler:
         else:
             self.generator.manual_seed(seed)
         self.processors = LogitsProcessors(self.device, eos_token_ids, grammars)
-        # the engine thread's other device work (``Engine.during_step``), launched once the step's
-        # kernels are queued and before the thread waits for its tokens
-        self.before_sync: Callable[[], None] | None = None
         self._logprobs: dict[int, TokenLogprobs] = {}  # id(seq) -> the last step's, until taken
 
     def sample(self, logits: torch.Tensor, seqs: Seq["Sequence"]) -> list[int]:
@@ -152,8 +149,6 @@ class Sampler:
             # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, in one vectorized pass.
             picked = (probs / noise).argmax(dim=-1)
             tokens[rows] = picked if ids is None else ids.gather(1, picked.unsqueeze(1)).squeeze(1)
-        if self.before_sync is not None:
-            self.before_sync()
         self._record_logprobs(logits, seqs, params, tokens)
         out = tokens.tolist()
         self.processors.accept(seqs, out)

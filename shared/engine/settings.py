@@ -42,10 +42,6 @@ class EngineSettings(CommonSettings):
                                                               "run as CUDA graphs between their attentions, padded "
                                                               "to a bucket (the host launches ~25 kernels a layer: "
                                                               "short prompts waited on it); 0: eager")
-    pdl: bool = Field(True, description="launch the decode step's Triton kernels with programmatic dependent "
-                                        "launch on GPUs that have it (compute capability 9+: each starts while the "
-                                        "previous finishes; −0.25 ms a batch-1 step of Qwen3-VL-30B-A3B on an H200); "
-                                        "--no-pdl: plain launches")
 
     @field_validator("max_batched_tokens", "decode_step_tokens")
     @classmethod

@@ -13,14 +13,8 @@ writes and before it writes anything (a buffer it writes may be one an earlier k
 the wait also covers every kernel before the previous one, since that one passed its own wait first.
 Kernels launched without it (cuBLAS, torch) wait for the previous kernel to finish, as always.
 
-``ENABLED`` (on by default on devices of compute capability 9 and up; never in Triton's interpreter)
-is switched off by the benchmarks to measure what it gives.
-
-``TRIGGER_FIRST`` lets the next kernel launch when this one starts instead of after its wait, so it loads
-its weights over two kernels' time instead of one. Still safe: the next kernel's wait returns only once
-this one has ended, which it does only after its own wait. A kernel whose successor reads outputs of the
-kernel *before* it ahead of its own wait (``moe_small``'s down GEMV reads the routing's ids) must keep
-the old order: it is launched with ``after_wait``'s mode.
+``ENABLED`` (on devices of compute capability 9 and up; never in Triton's interpreter) is switched off
+by the benchmarks to measure what it gives.
 """
 
 from __future__ import annotations
@@ -33,9 +27,6 @@ import triton
 import triton.language as tl
 
 ENABLED = True
-TRIGGER_FIRST = False  # measured: batch-1 step 2.446 -> 2.423 ms, and 2.371 -> 2.364 with the 16 KB preload: within noise; off
-
-AFTER_WAIT, AT_START = 1, 2  # the PDL modes: when the next kernel may launch
 
 
 @functools.cache
@@ -49,15 +40,8 @@ def interpreted() -> bool:
 
 
 def pdl(t: torch.Tensor) -> int:
-    """How kernels over ``t``'s device launch: 0 without PDL, else its mode (``AFTER_WAIT``, ``AT_START``)."""
-    if not (ENABLED and t.is_cuda and not interpreted() and _capable(t.device.index or 0)):
-        return 0
-    return AT_START if TRIGGER_FIRST else AFTER_WAIT
-
-
-def after_wait(mode: int) -> int:
-    """``mode`` for a kernel whose successor reads its predecessor's outputs before the successor's wait."""
-    return min(mode, AFTER_WAIT)
+    """How kernels over ``t``'s device launch: 1 with PDL, 0 without (a kernel's ``PDL`` constant)."""
+    return int(ENABLED and t.is_cuda and not interpreted() and _capable(t.device.index or 0))
 
 
 def options(enabled: int) -> dict:
@@ -67,11 +51,7 @@ def options(enabled: int) -> dict:
 
 @triton.jit
 def wait_for_inputs(PDL: tl.constexpr):
-    """Wait for the previous kernel (its writes visible); the next kernel may launch from then on, or
-    (``AT_START``, 2) from before the wait."""
-    if PDL == 2:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    elif PDL:
+    """Wait for the previous kernel (its writes visible); the next kernel may launch from then on."""
+    if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

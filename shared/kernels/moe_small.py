@@ -171,7 +171,7 @@ def gemv_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids
     _gate_up_kernel[(tokens * top_k, triton.cdiv(inter, gate_up_tiles.block_n))](
         x, gate_up, act, ids, inter, hidden, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
         TOP_K=top_k, BLOCK_N=gate_up_tiles.block_n, BLOCK_K=gate_up_tiles.block_k,
-        PDL=launch.after_wait(pdl) if EARLY_DOWN else pdl, num_warps=gate_up_tiles.num_warps, **launch.options(pdl))
+        PDL=pdl, num_warps=gate_up_tiles.num_warps, **launch.options(pdl))
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(tokens, triton.cdiv(hidden, down_tiles.block_n))](
         act, down, out, weights, ids, hidden, inter, act.stride(0), down.stride(0), down.stride(1), out.stride(0),

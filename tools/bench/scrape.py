@@ -17,9 +17,8 @@
   engine → the step with its first chunk begins), ``prompt_prefill`` (that step → its first token) — as
   ``<stage>_seconds_total`` /
   ``<stage>_count`` summed over instances; and their counters ``batches``
-  (ViT forwards), ``batches_waited`` (forwards that waited for a request's other images) and
-  ``batches_during_steps`` (the aggregated worker's forwards launched during an engine step,
-  ``--vit-overlap``), summed over instances: how many over a measurement, beside the stages' means.
+  (ViT forwards) and ``batches_waited`` (forwards that waited for a request's other images), summed
+  over instances: how many over a measurement, beside the stages' means.
 
 The gauges are the frontend's copy of a listing it refreshes about once a second, so a reading right
 after a measurement may miss its last images (and the frontend records a request's stages as it closes
@@ -39,7 +38,7 @@ import httpx
 ENCODER_STAGES = ("vit_queue", "vit_forward", "vit_forward_prep", "vit_forward_launch", "vit_forward_gpu", "job_pull", "job_encode",
                   "prompt_encode", "prompt_intake", "prompt_pull", "prompt_handoff", "prompt_wait",
                   "prompt_prefill", "pull_serve")
-ENCODER_COUNTS = ("batches", "batches_waited", "batches_during_steps")  # counters: increments, never means
+ENCODER_COUNTS = ("batches", "batches_waited")  # counters: increments, never means
 _STAGE = re.compile(r'^epd_stage_seconds_(sum|count)\{stage="(\w+)"\} (\S+)$', re.M)
 _STAT = re.compile(r'^epd_service_stat\{([^}]*)\} (\S+)$', re.M)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
