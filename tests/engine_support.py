@@ -13,7 +13,7 @@ from PIL import Image
 from shared.engine.engine import Engine
 from shared.engine.kv_cache import KVCache
 from shared.engine.runner import ModelRunner
-from shared.engine.sampling import SamplingParams
+from shared.messages.sampling import SamplingParams
 from shared.engine.sequence import ImageInput, Sequence
 from shared.model.config import ModelConfig
 from shared.model.loader import load_language_model, load_vision_tower

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.engine.sampling import SamplingParams
+from shared.messages.sampling import SamplingParams
 from shared.engine.sequence import ImageInput, Sequence, Status
 from tests.engine_support import (make_engine, model_parts, requests_with_reference, run_to_completion,  # noqa: F401
                                   sequence)

@@ -162,7 +162,7 @@ def test_a_prompts_image_slots_carry_embeddings_or_pixels_where_they_are_encoded
     as floats (a client's precomputed ones pass through here too). Each is a 400."""
     from services.language.intake import validate_prompt
     from shared.dataplane.handle import TensorHandle
-    from shared.engine.sampling import SamplingParams
+    from shared.messages.sampling import SamplingParams
     from shared.errors import ServiceError
     from shared.messages.encode import VideoSampling
     from shared.messages.prefill import ImageSlot, PrefillJob

@@ -258,7 +258,7 @@ def test_triton_backend_generates_hf_tokens(tiny_model, reference, few_rows, mon
     from shared.engine.engine import Engine
     from shared.engine.kv_cache import KVCache
     from shared.engine.runner import ModelRunner
-    from shared.engine.sampling import SamplingParams
+    from shared.messages.sampling import SamplingParams
     from shared.engine.sequence import ImageInput, Sequence
     from shared.model.config import ModelConfig
     from shared.model.loader import load_language_model, load_vision_tower
@@ -359,7 +359,7 @@ def test_mixed_steps_launch_the_kernels_the_decode_graphs_compiled(tiny_model, m
     from shared.engine.engine import Engine
     from shared.engine.kv_cache import KVCache
     from shared.engine.runner import ModelRunner
-    from shared.engine.sampling import SamplingParams
+    from shared.messages.sampling import SamplingParams
     from shared.engine.sequence import Sequence
     from shared.kernels import decode_attention as decode_module, fused
     from shared.model.config import ModelConfig

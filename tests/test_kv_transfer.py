@@ -15,7 +15,7 @@ from launcher.stack import Stack
 from shared.bus.calls import call, endpoint_data, service_stats
 from shared.bus.subjects import Subjects
 from shared.dataplane.plane import DataPlane
-from shared.engine.sampling import SamplingParams
+from shared.messages.sampling import SamplingParams
 from shared.messages import pack, unpack
 from shared.messages.control import Cancel
 from shared.messages.decode import DecodeStart, KVChunk, KVReservation, KVReserve

@@ -26,7 +26,7 @@ from shared.engine.block_manager import BlockManager
 from shared.engine.engine import Engine
 from shared.engine.kv_cache import KVCache
 from shared.engine.runner import ModelRunner
-from shared.engine.sampling import SamplingParams
+from shared.messages.sampling import SamplingParams
 from shared.engine.scheduler import Chunk
 from shared.engine.sequence import ImageInput, Sequence
 from shared.model.config import ModelConfig

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from shared.engine.prefix import ImageSpan, block_hashes
-from shared.engine.sampling import SamplingParams
+from shared.messages.sampling import SamplingParams
 from shared.engine.sequence import ImageInput, Sequence
 from tests.engine_support import (assistant, engine_prompt, hf_generate, make_engine, model_parts,  # noqa: F401
                                   requests_with_reference, run_to_completion, sequence, user)

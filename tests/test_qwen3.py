@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from shared.engine.engine import Engine
 from shared.engine.kv_cache import KVCache
 from shared.engine.runner import ModelRunner
-from shared.engine.sampling import SamplingParams
+from shared.messages.sampling import SamplingParams
 from shared.engine.sequence import ImageInput, Sequence
 from shared.model.config import ModelConfig
 from shared.model.geometry import ImageGeometry

@@ -11,7 +11,8 @@ import torch
 from shared.engine.engine import Engine
 from shared.engine.kv_cache import KVCache
 from shared.engine.runner import ModelRunner
-from shared.engine.sampling import Sampler, SamplingParams
+from shared.engine.sampling import Sampler
+from shared.messages.sampling import SamplingParams
 from shared.engine.sequence import Sequence
 from shared.model.config import ModelConfig
 from shared.model.loader import load_language_model

@@ -22,7 +22,7 @@ from services.frontend.generation import Generation, OutputOptions, Timing
 from services.frontend.logprobs import TokenText
 from services.frontend.protocol import ChatCompletionRequest
 from services.frontend.stream import TokenStream
-from shared.engine.sampling import SamplingParams
+from shared.messages.sampling import SamplingParams
 from shared.messages import pack
 from shared.messages.stream import TokenEvent
 

@@ -17,12 +17,12 @@ from shared.bus.service_api import Endpoint, Request
 from shared.bus.subjects import QUEUE
 from shared.dataplane.plane import DataPlane
 from shared.dataplane.store import DataPlaneError
-from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import Sequence
 from shared.errors import ServiceError
 from shared.logging import get_logger
 from shared.messages import pack, unpack
 from shared.messages.decode import DecodeAccepted, DecodeStart, KVChunk, KVReservation, KVReserve
+from shared.messages.sampling import SamplingParams
 from shared.messages.stream import error_event
 from shared.service import Service
 

@@ -23,8 +23,8 @@ from services.frontend.errors import ApiError
 from services.frontend.media import DecodedImage
 from services.frontend.prompt import Prompt
 from services.frontend.stream import TokenStream, WorkerLost
-from shared.engine.sampling import SamplingParams
 from shared.errors import ServiceError
+from shared.messages.sampling import SamplingParams
 from shared.messages.stream import TokenEvent, TokenLogprob
 
 

@@ -35,9 +35,9 @@ from services.frontend.prompt import Prompt, PromptBuilder, VideoShape, media_pa
 from services.frontend.protocol import ChatCompletionRequest
 from services.frontend.routing import IntakeRouter
 from services.frontend.sampling import SamplingBuilder, structured_constraint
+from services.frontend.stream import TokenStream
 from services.frontend.text_protocol import CompletionRequest
 from services.frontend.tools import tool_constraint
-from services.frontend.stream import TokenStream
 from services.frontend.video import DecodedVideo
 from shared.aio import TaskSet
 from shared.bus.calls import ServiceCallError
@@ -45,12 +45,12 @@ from shared.bus.directory import Directory
 from shared.bus.subjects import Subjects
 from shared.bus.watched import WorkerGone, call_watched
 from shared.dataplane.plane import DataPlane
-from shared.engine.sampling import SamplingParams
 from shared.logging import get_logger
 from shared.messages import pack, unpack
 from shared.messages.control import Cancel
 from shared.messages.encode import EncodeResult
 from shared.messages.prefill import EMBEDDINGS_GONE, ImageSlot, PrefillAccepted, PrefillJob
+from shared.messages.sampling import SamplingParams
 from shared.model.geometry import grid_tokens
 
 log = get_logger(__name__)

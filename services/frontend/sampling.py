@@ -15,8 +15,8 @@ from pathlib import Path
 from services.frontend.errors import ApiError
 from services.frontend.options import GenerationOptions
 from shared.engine.grammar import Grammars
-from shared.engine.sampling import Constraint, SamplingParams
 from shared.logging import get_logger
+from shared.messages.sampling import Constraint, SamplingParams
 
 log = get_logger(__name__)
 

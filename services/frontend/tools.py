@@ -15,7 +15,7 @@ import secrets
 from dataclasses import dataclass
 
 from services.frontend.protocol import ChatCompletionRequest, NamedToolChoice, Tool
-from shared.engine.sampling import Constraint
+from shared.messages.sampling import Constraint
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 

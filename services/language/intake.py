@@ -12,10 +12,10 @@ from shared.bus.service_api import Endpoint, Handler
 from shared.bus.subjects import QUEUE, Subjects
 from shared.dataplane.plane import DataPlane
 from shared.dataplane.store import DataPlaneError
-from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import ImageInput, Sequence
 from shared.errors import ServiceError
 from shared.messages.prefill import EMBEDDINGS_GONE, ImageSlot, PrefillJob
+from shared.messages.sampling import SamplingParams
 from shared.model.config import ModelConfig
 from shared.model.geometry import grid_tokens
 from shared.model.rope import video_time_interval

@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING
 import msgspec
 import torch
 
-from shared.engine.sampling import MAX_CHOICES, choice_seed
+from shared.engine.sampling import choice_seed
 from shared.engine.sequence import Sequence, Status
+from shared.messages.sampling import MAX_CHOICES
 
 if TYPE_CHECKING:
     from shared.engine.engine import Engine

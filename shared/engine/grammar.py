@@ -26,7 +26,7 @@ import torch
 from shared.logging import get_logger
 
 if TYPE_CHECKING:
-    from shared.engine.sampling import Constraint
+    from shared.messages.sampling import Constraint
     from shared.engine.sequence import Sequence
 
 log = get_logger(__name__)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.engine.prefix import ImageSpan
-from shared.engine.sampling import SamplingParams
+from shared.messages.sampling import SamplingParams
 from shared.model.geometry import Grid
 
 

@@ -16,9 +16,9 @@ from typing import Annotated
 from msgspec import Meta
 
 from shared.dataplane.handle import TensorHandle
-from shared.engine.sampling import SamplingParams
 from shared.messages import Message
 from shared.messages.prefill import MAX_PROMPT_TOKENS
+from shared.messages.sampling import SamplingParams
 
 RequestId = Annotated[str, Meta(max_length=128)]
 Subject = Annotated[str, Meta(max_length=256)]

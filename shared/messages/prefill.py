@@ -7,9 +7,9 @@ from typing import Annotated
 from msgspec import Meta
 
 from shared.dataplane.handle import TensorHandle
-from shared.engine.sampling import SamplingParams
 from shared.messages import Message
 from shared.messages.encode import MAX_VIDEO_FRAMES, VideoSampling
+from shared.messages.sampling import SamplingParams
 from shared.model.geometry import Grid
 
 MAX_PROMPT_TOKENS = 1 << 20

@@ -33,8 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import ImageInput, Sequence
+from shared.messages.sampling import SamplingParams
 from shared.model.geometry import Grid, grid_tokens
 from shared.model.rope import video_time_interval
 from shared.model.video import VideoGeometry, VideoTiming
