@@ -142,9 +142,9 @@ async def test_a_pull_request_over_the_control_size_is_refused():
     """Requests are capped (batches at 4 KiB, single pulls at 256 bytes); the holder answers, and keeps
     serving."""
     from shared.dataplane import wire
-    from shared.dataplane.zmq_transport import _Peer
+    from shared.dataplane.zmq_peer import ZmqPeer
     holder, = await started(DataPlane("zmq"))
-    peer = _Peer(holder._zmq_context(), holder.address)
+    peer = ZmqPeer(holder._zmq_context(), holder.address)
     tensor = torch.arange(10)
     handle = holder.publish(tensor)
     try:

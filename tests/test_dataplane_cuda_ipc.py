@@ -21,7 +21,7 @@ from shared.dataplane import cuda_ipc
 from shared.dataplane.handle import TensorHandle
 from shared.dataplane.plane import DataPlane
 from shared.dataplane.store import DataPlaneError
-from shared.dataplane.zmq_transport import ZmqClient
+from shared.dataplane.zmq_client import ZmqClient
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
@@ -272,8 +272,8 @@ async def test_a_consumer_naming_a_gpu_gets_a_host_tensors_bytes():
         peer_pull = await client.pull(handle, 10.0, None, None)  # no GPU: the plain path
         assert torch.equal(peer_pull, tensor)
         handle = holder.publish(tensor)
-        from shared.dataplane.zmq_transport import _Peer
-        peer = _Peer(holder._zmq_context(), handle.address)
+        from shared.dataplane.zmq_peer import ZmqPeer
+        peer = ZmqPeer(holder._zmq_context(), handle.address)
         try:
             got = await peer.pull(handle, 10.0, gpu="GPU-" + "f" * 8 + "-ffff-ffff-ffff-" + "f" * 12)
             assert not isinstance(got, cuda_ipc.CudaIpc) and torch.equal(got.reshape(-1), tensor)
@@ -289,10 +289,10 @@ async def test_a_holder_of_host_tensors_answers_a_batch_unbatched():
     """Any machine: a batch of the largest size fits the request cap, and a holder whose tensors are not on
     the GPU named says ``unbatched`` (the consumer then pulls them one by one)."""
     from shared.dataplane import wire
-    from shared.dataplane.zmq_transport import _Peer
+    from shared.dataplane.zmq_peer import ZmqPeer
     holder = DataPlane("zmq")
     await holder.start()
-    peer = _Peer(holder._zmq_context(), holder.address)
+    peer = ZmqPeer(holder._zmq_context(), holder.address)
     try:
         handles = [holder.publish(torch.arange(i + 1, dtype=torch.float32)) for i in range(wire.MAX_BATCH)]
         gpu = "GPU-" + "f" * 8 + "-ffff-ffff-ffff-" + "f" * 12
@@ -340,24 +340,21 @@ def test_export_pool_slots_go_back_on_their_ack_or_after_the_lease():
     lease are taken back."""
     from types import SimpleNamespace
 
-    import zmq.asyncio
-
     from shared.dataplane.store import TensorStore
-    from shared.dataplane.zmq_transport import ZmqServer
+    from shared.dataplane.zmq_staging import ExportSlots
 
-    store = TensorStore(1 << 20, lease_seconds=0.05)
-    server = ZmqServer(store, "127.0.0.1", "", zmq.asyncio.Context.instance(), mappable=True, pool_bytes=4096)
+    slots = ExportSlots(TensorStore(1 << 20, lease_seconds=0.05), pool_bytes=4096)
     pool = SimpleNamespace(slots=cuda_ipc.Slots(4 * cuda_ipc.ALIGN))
-    server._pools[0] = pool
-    a = server._take_slot(0, 2 * cuda_ipc.ALIGN, "a", "token-a")
-    b = server._take_slot(0, 2 * cuda_ipc.ALIGN, "b", "token-b")
+    slots._pools[0] = pool
+    a = slots.take(0, 2 * cuda_ipc.ALIGN, "a", "token-a")
+    b = slots.take(0, 2 * cuda_ipc.ALIGN, "b", "token-b")
     assert a == (pool, 0) and b == (pool, 2 * cuda_ipc.ALIGN)
-    assert server.stats()["pool_bytes_used"] == 4 * cuda_ipc.ALIGN
-    server._free_slot("a", "wrong", 0)  # not its token: kept
-    server._free_slot("b", "token-b", 0)  # not its slot: kept
-    assert server._take_slot(0, cuda_ipc.ALIGN, "c", "token-c") is None  # full, nothing expired yet
-    server._free_slot("a", "token-a", 0)
-    assert server._take_slot(0, cuda_ipc.ALIGN, "c", "token-c") == (pool, 0)
+    assert slots.used_bytes == 4 * cuda_ipc.ALIGN
+    slots.free("a", "wrong", 0)  # not its token: kept
+    slots.free("b", "token-b", 0)  # not its slot: kept
+    assert slots.take(0, cuda_ipc.ALIGN, "c", "token-c") is None  # full, nothing expired yet
+    slots.free("a", "token-a", 0)
+    assert slots.take(0, cuda_ipc.ALIGN, "c", "token-c") == (pool, 0)
     time.sleep(0.06)  # b's and c's consumers never ack
-    assert server._take_slot(0, 4 * cuda_ipc.ALIGN, "d", "token-d") == (pool, 0)  # both taken back
-    assert server.stats()["pool_bytes_used"] == 4 * cuda_ipc.ALIGN and set(server._slots) == {("d", 0)}
+    assert slots.take(0, 4 * cuda_ipc.ALIGN, "d", "token-d") == (pool, 0)  # both taken back
+    assert slots.used_bytes == 4 * cuda_ipc.ALIGN and set(slots._slots) == {("d", 0)}

@@ -133,10 +133,10 @@ class InPlacePrompts:
 
     def _check_grid(self, slot: ImageSlot) -> None:
         shape = slot.pixels.shape
-        if tuple(self.encoder.grid(shape, slot.sampling)) != tuple(slot.grid):
+        if tuple(self.encoder.vision.grid(shape, slot.sampling)) != tuple(slot.grid):
             raise ServiceError(400, "an image slot's grid is not the one its pixels are encoded at")
         if slot.sampling is not None:
-            timing = self.encoder.video_timing(slot.sampling)
+            timing = self.encoder.vision.video_timing(slot.sampling)
             if abs(timing.second_per_grid - slot.second_per_grid) > 1e-9:
                 raise ServiceError(400, "a video slot's temporal spacing is not its sampling's")
 

@@ -38,7 +38,7 @@ class AggregatedService(LanguageService):
     async def start_worker(self) -> None:
         # the vision tower first: the KV pool is sized from the memory that is left
         await self.encoder.start(self.nc, self.resources, own_thread=False)
-        await self.worker.start(self.nc, self.resources, side=self.encoder.batcher)
+        await self.worker.start(self.nc, self.resources, side=self.encoder.vision.batcher)
 
     def endpoints(self) -> list[Endpoint]:
         return [*self.encoder.endpoints(), *super().endpoints()]

@@ -1,7 +1,8 @@
-"""The vision half of a process: decoded pixels in, embeddings held on the data plane for prefill to pull.
+"""An encoder's work: decoded pixels in, embeddings held on the data plane for prefill to pull.
 
 ``Encoder`` is what the encoder service serves, and what the aggregated worker runs beside its engine
-(there its ViT forwards run in the engine's thread, see ``batcher``). It answers three requests:
+(``vision``: the tower and its preprocessing, whose forwards run in the aggregated worker's engine
+thread). It answers three requests:
 
 1. ``encode`` (the queue group, and this instance's own subject for routed images): pull the pixels
    (a video job: its sampled frames, resized within the video processor's budget),
@@ -18,19 +19,17 @@ import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable, Coroutine
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack
 
 import torch
 
-from services.encoder.batcher import VisionBatcher
 from services.encoder.cache import Embedding, EmbeddingCache
 from services.encoder.embeddings import EmbeddingSource
 from services.encoder.fingerprint import encoder_fingerprint
 from services.encoder.metrics import StageTimes
 from services.encoder.peers import PeerEncoders
 from services.encoder.settings import EncoderSettings
-from shared import kernels
+from services.encoder.vision import VisionEncoder
 from shared.bus.publisher import listen_for_cancels
 from shared.bus.service_api import Endpoint, Request
 from shared.bus.subjects import QUEUE, Subjects
@@ -41,14 +40,7 @@ from shared.embedding_index import EmbeddingIndex, embedding_key
 from shared.errors import ServiceError
 from shared.logging import get_logger
 from shared.messages import pack, unpack
-from shared.messages.encode import (EmbeddingFetch, EmbeddingLoan, EncodeJob, EncodeResult, VideoSampling,
-                                    VideoTiming)
-from shared.model.config import ModelConfig
-from shared.model import pieces
-from shared.model.geometry import ImageGeometry
-from shared.model.loader import load_vision_tower
-from shared.model.processor import ImagePreprocessor, TorchImagePreprocessor, preprocess_mode
-from shared.model.video_processor import VideoPreprocessor
+from shared.messages.encode import EmbeddingFetch, EmbeddingLoan, EncodeJob, EncodeResult, VideoSampling, VideoTiming
 
 log = get_logger(__name__)
 
@@ -62,17 +54,9 @@ class Encoder:
         self.instance = instance
         self.plane = plane
         self.cache = EmbeddingCache(settings.encoder_cache_mb << 20)
-        self.batcher: VisionBatcher | None = None
+        self.vision = VisionEncoder(settings)
         self.embeddings: EmbeddingSource | None = None
         self.fingerprint = ""
-        self.preprocess_mode = ""
-        self.on_device: TorchImagePreprocessor | None = None  # pixels → patches on the tower's device
-        self._cpu_preprocess: ImagePreprocessor | None = None  # or the checkpoint's processor on CPU threads
-        self.geometry: ImageGeometry | None = None  # the checkpoint's resize rule: an image's patch grid
-        self.video: VideoPreprocessor | None = None  # frames → patches: in the pool (pil) or on the device (torch)
-        self.videos = 0  # clips through the ViT
-        self.video_frames = 0  # their sampled frames
-        self._pool: ThreadPoolExecutor | None = None
         self.times = StageTimes(("pull", "encode"))
         self.jobs: dict[str, set[asyncio.Task]] = {}  # request id → its encode jobs running here
         self.arriving: Counter[str] = Counter()  # request id → its jobs here not yet queued for the ViT
@@ -83,33 +67,9 @@ class Encoder:
         forwards (``attach`` it there). Everything taken is released through ``resources``."""
         s = self.settings
         path = s.model_path()
-        config = ModelConfig.from_checkpoint(path)
-        if s.torch_device().type == "cuda":
-            kernels.log_compiles(log)
-        tower = await asyncio.to_thread(load_vision_tower, path, config, s.torch_device(), s.torch_dtype(),
-                                        s.load_format)
-        # forwards of up to this many patches run through CUDA graphs (0: none)
-        graph_patches = min(s.vit_graph_patches, s.max_batch_patches) if s.torch_device().type == "cuda" else 0
-        if graph_patches:
-            await asyncio.to_thread(pieces.capture, tower, graph_patches, s.vit_layout_graphs)
-        self.preprocess_mode = preprocess_mode(s.preprocess, s.torch_device())
-        self.geometry = ImageGeometry.from_checkpoint(path)
-        self.video = VideoPreprocessor.from_checkpoint(path, s.torch_dtype())
-        if self.preprocess_mode == "torch":
-            self.on_device = TorchImagePreprocessor(path, s.torch_dtype())  # run by the batcher, before the forward
-        else:
-            self._cpu_preprocess = ImagePreprocessor(path)
-        self._pool = ThreadPoolExecutor(s.preprocess_threads, thread_name_prefix="preprocess")  # and videos on CPU
-        resources.callback(self._pool.shutdown, wait=False, cancel_futures=True)
+        await self.vision.start(path, resources, lambda request_id: self.arriving.get(request_id, 0), own_thread)
         self.fingerprint = await asyncio.to_thread(encoder_fingerprint, path, s.load_format, str(s.torch_dtype()),
-                                                   self.preprocess_mode)
-        self.batcher = VisionBatcher(tower, asyncio.get_running_loop(), s.max_batch_images, s.max_batch_patches,
-                                     prepare=self.on_device, sibling_wait_s=s.vit_sibling_wait_ms / 1e3,
-                                     pending=lambda request_id: self.arriving.get(request_id, 0),
-                                     mix_patches=graph_patches or None)
-        if own_thread:
-            self.batcher.start()
-            resources.push_async_callback(asyncio.to_thread, self.batcher.stop)
+                                                   self.vision.preprocess_mode)
         index = None
         if s.cache_index and s.encoder_cache_mb > 0:
             index = EmbeddingIndex(nc, self.subjects.prefix, ttl=s.cache_index_ttl)
@@ -134,7 +94,7 @@ class Encoder:
 
     def metadata(self) -> dict[str, str]:
         # The frontend builds index keys with it, to find which encoder holds an image.
-        return {"cache_fingerprint": self.fingerprint, "preprocess": self.preprocess_mode}
+        return {"cache_fingerprint": self.fingerprint, "preprocess": self.vision.preprocess_mode}
 
     # -- 1. encode --------------------------------------------------------------------------------
     async def handle_encode(self, request: Request) -> bytes:
@@ -149,40 +109,12 @@ class Encoder:
 
     def check_pixels(self, image: TensorHandle, video: VideoSampling | None, content_hash: str) -> None:
         """An image's (or a clip's sampled frames') pixels as a job or a prompt names them, before pulling."""
-        if video is not None:
-            self._check_video(image, video)
-        elif image.dtype != "uint8" or len(image.shape) != 3 or image.shape[2] != 3:
-            raise ServiceError(400, "image must be uint8 pixels of shape [height, width, 3]")
-        if image.shape[-3] * image.shape[-2] > self.settings.max_image_pixels:
-            raise ServiceError(400, "image has too many pixels")
+        self.vision.check_pixels(image, video)
         if len(content_hash) < MIN_CONTENT_HASH:
             raise ServiceError(400, f"content_hash must be a hash of the image ({MIN_CONTENT_HASH}+ characters)")
 
-    def _check_video(self, frames: TensorHandle, sampling: VideoSampling) -> None:
-        if frames.dtype != "uint8" or len(frames.shape) != 4 or frames.shape[3] != 3:
-            raise ServiceError(400, "video must be uint8 frames of shape [frames, height, width, 3]")
-        if frames.shape[0] != len(sampling.frame_indices) or frames.shape[0] > self.settings.max_video_frames:
-            raise ServiceError(400, f"video must hold one frame per sampled index, at most "
-                                    f"{self.settings.max_video_frames}")
-        if max(sampling.frame_indices) >= sampling.total_frames:
-            raise ServiceError(400, "video frame index past the clip's frames")
-        try:
-            self.video.grid(*frames.shape[:3])
-        except ValueError as err:
-            raise ServiceError(400, f"video cannot be processed: {err}") from None
-
     def _timing(self, job: EncodeJob) -> VideoTiming | None:
-        return None if job.video is None else self.video_timing(job.video)
-
-    def video_timing(self, s: VideoSampling) -> VideoTiming:
-        timing = self.video.geometry.timing(s.frame_indices, s.total_frames, s.source_fps)
-        return VideoTiming(second_per_grid=timing.second_per_grid, timestamps=list(timing.timestamps))
-
-    def grid(self, shape: tuple[int, ...], video: VideoSampling | None) -> tuple[int, int, int]:
-        """The patch grid pixels of ``shape`` (a clip's: ``[T, H, W, 3]``) are encoded at."""
-        if video is not None:
-            return self.video.grid(*shape[:3])
-        return self.geometry.grid(shape[0], shape[1])
+        return None if job.video is None else self.vision.video_timing(job.video)
 
     async def pull_pixels(self, image: TensorHandle) -> torch.Tensor:
         try:
@@ -200,36 +132,9 @@ class Encoder:
                             on_done: Callable[[torch.Tensor], None] | None = None) -> Embedding:
         """Pulled pixels through preprocessing and the ViT (``on_done``: see ``VisionBatcher.encode``)."""
         started = time.monotonic()
-        group = arrival.request_id
-        if video is not None:
-            tensor, grid = await self._encode_video(pixels, arrival, on_done)
-        elif self.on_device is not None:  # preprocessed on the tower's device, by the batcher
-            grid = self.grid(pixels.shape, None)
-            tensor = await arrival.queued(self.batcher.encode(pixels, grid, group=group, on_done=on_done))
-        else:
-            loop = asyncio.get_running_loop()
-            patches, grid = await loop.run_in_executor(self._pool, self._cpu_preprocess, pixels.numpy())
-            tensor = await arrival.queued(self.batcher.encode(torch.from_numpy(patches), grid, group=group,
-                                                              on_done=on_done))
+        tensor, grid = await self.vision.encode(pixels, video, arrival.request_id, arrival.queued, on_done)
         self.times.add("encode", time.monotonic() - started)
         return Embedding(tensor, grid)
-
-    async def _encode_video(self, frames: torch.Tensor, arrival: "Arrival",
-                            on_done: Callable[[torch.Tensor], None] | None) -> tuple[torch.Tensor, tuple]:
-        """A clip's frames through the video processor (on the tower's device with torch preprocessing,
-        else on a CPU thread), then the ViT with other requests' images and clips."""
-        grid = self.video.grid(*frames.shape[:3])
-        group = arrival.request_id
-        if self.preprocess_mode == "torch":
-            tensor = await arrival.queued(self.batcher.encode(frames, grid, prepare=lambda f: self.video(f)[0],
-                                                              group=group, on_done=on_done))
-        else:
-            loop = asyncio.get_running_loop()
-            patches, grid = await loop.run_in_executor(self._pool, self.video, frames)
-            tensor = await arrival.queued(self.batcher.encode(patches, grid, group=group, on_done=on_done))
-        self.videos += 1
-        self.video_frames += int(frames.shape[0])
-        return tensor, grid
 
     def _publish(self, embedding: Embedding) -> TensorHandle:
         """A new one-pull handle: the cache keeps the tensor, so every job gets its own handle to it."""
@@ -276,21 +181,11 @@ class Encoder:
             task.cancel()
 
     def stats(self) -> dict:
-        b, e, c = self.batcher, self.embeddings, self.cache
+        e, c = self.embeddings, self.cache
         return {
-            "images": b.images if b else 0,  # images through the ViT (cache hits are not)
-            "videos": self.videos,  # clips through the ViT (counted among the images too)
-            "video_frames": self.video_frames,
-            "images_per_s": b.images_rate.rate() if b else 0.0,  # through the ViT, last 10 s
-            "batches": b.batches if b else 0,
-            "vit_cudnn_shapes": b.cudnn_shapes if b else 0,  # ViT shapes planned in cuDNN (the rest: flash)
-            "batches_waited": b.waited if b else 0,  # forwards that waited for a request's other images
+            **self.vision.stats(),
             "jobs_arriving": sum(self.arriving.values()),  # jobs received, not yet queued for the ViT
-            "patches": b.patches if b else 0,
-            **(b.batch_sizes.stats() if b else {}),
-            **(b.times.stats("vit_") if b else {}),  # waiting for a forward, and the forward itself
             **self.times.stats("job_"),  # pulling pixels; preprocessing + ViT as the job saw it
-            "queue_depth": b.queued if b else 0,
             "in_flight": sum(e.in_flight for e in self._encode_endpoints),
             "bytes_held": self.plane.store.bytes_held,  # data plane: embeddings waiting for their pull
             **{k: v for k, v in self.plane.stats().items() if k.startswith("pull_serve_")},  # pulls from its pool

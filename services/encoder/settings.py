@@ -19,15 +19,6 @@ class EncoderSettings(CommonSettings):
                                    "(docs/benchmarks.md): forwards bound by their launches (one to four 448x448 "
                                    "images, one 1080p image) take 20-45 % less time; those bound by their "
                                    "kernels (ten 448x448 images) within 10 % either way")
-    vit_layout_graphs: int = Field(8, ge=0, description="besides the graphs between attentions, capture up to "
-                                   "this many whole ViT forwards (attention included) as CUDA graphs, one per "
-                                   "batch layout (the images' sizes, in order) seen twice, of up to "
-                                   "EPD_VIT_GRAPH_PATCHES patches: their kernels no longer wait on the host; "
-                                   "0: none")
-    vit_sibling_wait_ms: float = Field(5.0, ge=0, le=1000, description="a ViT forward waits up to this long for "
-                                       "the rest of a request's images this encoder has received (their pixels "
-                                       "still being pulled or prepared), so a request's images ride one forward; "
-                                       "0: forward what is queued at once")
     preprocess: Literal["auto", "pil", "torch"] = Field(
         "auto", description="where images are resized and patchified: pil = the checkpoint's own processor on CPU "
                             "threads (exactly the reference); torch = tensor operations on the encoder's device "

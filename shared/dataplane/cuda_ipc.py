@@ -5,7 +5,7 @@ embedding and KV chunk through host memory: the holder copies to pinned memory, 
 the consumer copies them up again (41 ms for four 1080p images' embeddings, 527 ms for a 10k-token
 prompt's KV on an H200; docs/benchmarks.md). Over IPC the consumer copies device to device.
 
-The exchange (ZMQ transport, ``shared.dataplane.zmq_transport``):
+The exchange (ZMQ transport, ``shared.dataplane.zmq_server``, ``zmq_staging``, ``zmq_client``):
 
 1. ``publish`` of a GPU tensor records an event on the publishing thread's stream (``mark``): the point
    after which the tensor is complete, without whatever that stream queues later;

@@ -19,7 +19,8 @@ from shared.dataplane.inproc_transport import InprocClient, InprocServer, take
 from shared.dataplane.store import DataPlaneError, TensorStore
 from shared.dataplane.transport import TransportClient, TransportServer
 from shared.dataplane.ucx_transport import UcxClient, UcxServer
-from shared.dataplane.zmq_transport import ZmqClient, ZmqServer
+from shared.dataplane.zmq_client import ZmqClient
+from shared.dataplane.zmq_server import ZmqServer
 
 
 class DataPlane:

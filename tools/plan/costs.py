@@ -89,7 +89,7 @@ class VisionProbe:
     """The vision tower, loaded once, timed on batches of images of any size, preprocessed as the
     encoders do (``mode`` torch: on the device, inside the timed forward; pil: on CPU, timed apart);
     ``graph_patches``: forwards of up to that many patches as CUDA graphs (``EPD_VIT_GRAPH_PATCHES``), and
-    ``layout_graphs`` whole forwards of recurring batch layouts (``EPD_VIT_LAYOUT_GRAPHS``)."""
+    ``layout_graphs`` whole forwards of recurring batch layouts (``services.encoder.vision.LAYOUT_GRAPHS``)."""
 
     def __init__(self, settings, config, path, mode: str, graph_patches: int = 0, layout_graphs: int = 0):
         from shared.model.loader import load_vision_tower

@@ -60,9 +60,6 @@ class FloorSettings(EngineSettings):
     corun_seconds: float = Field(1.0, ge=0, description="seconds of each co-run measurement (0: skip them)")
     vit_graph_patches: int = Field(EncoderSettings.model_fields["vit_graph_patches"].default, ge=0, description="the encoders' EPD_VIT_GRAPH_PATCHES: the measured tower's "
                                                         "forwards of up to this many patches as CUDA graphs")
-    vit_layout_graphs: int = Field(EncoderSettings.model_fields["vit_layout_graphs"].default, ge=0,
-                                   description="the encoders' EPD_VIT_LAYOUT_GRAPHS: whole forwards of recurring "
-                                               "batch layouts as CUDA graphs")
 
 
 class ShapeWorkload(Workload, VideoWorkload):
@@ -125,9 +122,10 @@ def measure_floor(settings: FloorSettings, workloads: list[ShapeWorkload]) -> di
 
 def _vision(settings, path, config, mode, shapes) -> tuple[VisionProbe, dict]:
     """The tower, and per resolution (tokens per image, preprocess ms, {images: ViT ms}, grid)."""
+    from services.encoder.vision import LAYOUT_GRAPHS
     from tools.plan.costs import VisionProbe
 
-    vision = VisionProbe(settings, config, path, mode, settings.vit_graph_patches, settings.vit_layout_graphs)
+    vision = VisionProbe(settings, config, path, mode, settings.vit_graph_patches, LAYOUT_GRAPHS)
     seen: dict[str, tuple] = {}
     for (resolution, _), counts in shapes.items():
         width, height = parse_resolution(resolution)
