@@ -89,7 +89,7 @@ from tools.bench.tables import HEADER, ms, ordered_labels, row_text, stages  # n
 from tools.plan.cost_table import Costs  # noqa: E402
 from tools.plan.floor import shape_label  # noqa: E402
 from tools.plan.layouts import Layout, bench_layouts  # noqa: E402
-from tools.plan.model import Planner, Prediction, traffic  # noqa: E402
+from tools.plan.model import DATA_PLANE_GBS, Planner, Prediction, traffic  # noqa: E402
 from tools.plan.plan import json_default, recommend  # noqa: E402
 
 
@@ -230,11 +230,6 @@ def measure_floor(args, cases: list[Case], out: Path) -> dict:
     print("floor:", " ".join(cmd[:3]), "...", flush=True)
     subprocess.run(cmd, cwd=ROOT, env=child_env(args.tiny), check=True)
     return json.loads(out.read_text())
-
-
-# Data-plane bandwidth between two processes of one GPU (docs/benchmarks.md): UCX GPU to GPU (cuda_ipc),
-# ZMQ through host memory; what the planner charges for moving a request's embeddings.
-DATA_PLANE_GBS = {"ucx": 20.0, "zmq": 1.7}
 
 
 PARTS = ("media_ms", "vit_ms", "prefill_ms", "floor_ms")
@@ -412,8 +407,8 @@ class TopologyRun:
         workload = dict(w) if tokens is None else {**w, "output_len": tokens}
         return BenchSettings(base_url=self.meter.stack.api, label=self.topology.label, num_prompts=prompts,
                              request_rate=rate, max_concurrency=1 if math.isinf(rate) else 0, seed=seed, warmup=0,
-                             tokenizer=self.tokenizer, progress=False, timeout=self.args.request_timeout,
-                             slo_ttft=SLO.ttft_ms, slo_tpot=SLO.tpot_ms, slo_itl=SLO.itl_ms, **workload)
+                             tokenizer=self.tokenizer, timeout=self.args.request_timeout,
+                             goodput=f"ttft:{SLO.ttft_ms:g},itl:{SLO.itl_ms:g}", **workload)
 
 
 def start_stacks(args, chosen: list[Topology]) -> dict[str, tuple[StackProcess, float]]:

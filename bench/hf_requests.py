@@ -64,7 +64,7 @@ def requests(case_name: str, tiny: bool, num_prompts: int, seed: int,
     """The settings, images, first warm-up request and measured requests of an epd_vs_aggregated point."""
     case = next(c for c in CASES if c.name == case_name)
     settings = BenchSettings(label="hf generate()", num_prompts=num_prompts, seed=seed, warmup=WARMUP_REQUESTS,
-                             tokenizer=checkpoint, progress=False, **case_workload(case, tiny))
+                             tokenizer=checkpoint, **case_workload(case, tiny))
     pool, warm, measured = prepare(settings)
     return settings, pool, warm[0], measured
 

@@ -84,7 +84,7 @@ class ChatRun:
 
     def __init__(self, args, api: str, pool: ImagePool):
         self.args, self.api, self.pool = args, api, pool
-        self.generator = LoadGenerator(BenchSettings(base_url=api, timeout=args.request_timeout, progress=False))
+        self.generator = LoadGenerator(BenchSettings(base_url=api, timeout=args.request_timeout))
         self.t0 = time.perf_counter()
 
     async def run(self, chats: list[Conversation], replay: list[list[str]] | None = None) -> dict:

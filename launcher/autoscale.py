@@ -2,7 +2,7 @@
 it stays idle.
 
 Load is the encode jobs in flight per live encoder, as the encoders themselves report it in the NATS
-service API, sampled once a second. Its mean over the last ``--scale-up-after`` seconds above
+service API, sampled once a second. Its mean over the last ``up.SCALE_UP_AFTER_S`` seconds above
 ``--scale-up-load``: one more encoder (GPUs round-robin as at start). No job in flight in any sample
 of the last ``--scale-down-after`` seconds: the newest encoder is sent SIGTERM (it leaves the queue
 group, finishes its jobs and serves what it handed out, so scaling in loses nothing). One change at a

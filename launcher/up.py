@@ -30,28 +30,29 @@ from launcher.autoscale import EncoderAutoscaler
 from launcher.stack import Stack
 from launcher.supervisor import Supervisor
 from launcher.topology import Placement, TopologySettings
+from services.frontend.settings import HttpListener
 from shared.bus.directory import Directory
 from shared.logging import configure_logging, get_logger
 
 log = get_logger(__name__)
 
 
-class UpSettings(TopologySettings):
-    nats_url: str = Field("", description="use this NATS server; empty: start an embedded one (loopback)")
-    nats_auth: bool = Field(True, description="the embedded server gets generated per-role credentials and "
-                                              "subject permissions (--no-nats-auth: open, for debugging)")
-    host: str = Field("127.0.0.1", description="HTTP listen address")
-    port: int = Field(8000, ge=0, le=65535, description="HTTP port of the OpenAI-compatible API")
-    ready_timeout: float = Field(300.0, gt=0, description="seconds to wait for every service to come up")
+READY_TIMEOUT_S = 1800.0  # for every service to come up: a large checkpoint takes minutes to load
+SCALE_UP_AFTER_S = 2.0  # --encoders MIN:MAX: seconds the tier must stay over --scale-up-load to grow
+
+
+class UpSettings(HttpListener, TopologySettings):
+    nats_url: str = Field("", description="use this NATS server; empty: start an embedded one on loopback, "
+                                          "secured with generated per-role credentials")
     mps: Literal["auto", "on", "off"] = Field("auto", description="CUDA MPS for processes sharing a GPU: auto "
                                                                   "starts a daemon when they do and it exists")
     mps_shares: str = Field("", description="per-kind SM shares under MPS, e.g. encoder=40,language=100 "
-                                            "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)")
+                                            "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE): to keep one kind from "
+                                            "starving another")
     scale_up_load: float = Field(4.0, gt=0, description="--encoders MIN:MAX: add an encoder while the encode "
                                                         "jobs in flight per encoder stay above this")
-    scale_up_after: float = Field(2.0, gt=0, description="seconds the tier must stay that busy")
-    scale_down_after: float = Field(30.0, gt=0, description="seconds without an encode job in flight before an "
-                                                            "encoder is removed")
+    scale_down_after: float = Field(30.0, gt=0, description="--encoders MIN:MAX: seconds without an encode job "
+                                                            "in flight before an encoder is removed")
 
 
 def up(settings: UpSettings) -> int:
@@ -71,7 +72,7 @@ async def _run(settings: UpSettings) -> int:
            "EPD_LOAD_FORMAT": settings.load_format, "EPD_SUBJECT_PREFIX": settings.subject_prefix}
     env.pop("EPD_HEALTH_PORT", None)  # one port per process: probes are for pods, not a local stack
     workdir = Path(tempfile.mkdtemp(prefix="epd-up-"))  # private (0700): MPS pipes, logs
-    stack = Stack.start_nats(env, settings.nats_url, secure=settings.nats_auth)
+    stack = Stack.start_nats(env, settings.nats_url, secure=True)
     daemon = None
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -87,7 +88,7 @@ async def _run(settings: UpSettings) -> int:
             supervisor.start(_with_share(placement, shares), len(supervisor.live(placement.kind)))
         supervisor.start(Placement("frontend", None), 0, "--host", settings.host, "--port", str(settings.port))
         counts = {**settings.worker_counts(), "frontend": 1}
-        http = await stack.wait_ready(counts, settings.ready_timeout, interrupted=stopping.is_set)
+        http = await stack.wait_ready(counts, READY_TIMEOUT_S, interrupted=stopping.is_set)
         log.info("stack.ready", api=f"http://{http}/v1", nats=stack.nats_url, topology=settings.topology,
                  pd=settings.pd, mps=daemon is not None,
                  nats_client_credentials=str(stack.write_client_credentials() or ""), **settings.worker_counts())
@@ -114,7 +115,7 @@ async def _supervise(settings: UpSettings, stack: Stack, supervisor: Supervisor,
     if settings.encoder_scale.autoscaled:
         scaler = EncoderAutoscaler(supervisor, directory, settings.encoder_scale,
                                    lambda replica: _with_share(settings.placement("encoder", replica), shares),
-                                   settings.scale_up_load, settings.scale_up_after, settings.scale_down_after)
+                                   settings.scale_up_load, SCALE_UP_AFTER_S, settings.scale_down_after)
     try:
         while not stopping.is_set():
             now = time.monotonic()

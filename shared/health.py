@@ -11,8 +11,8 @@
 Plain HTTP/1.1 over asyncio streams, one request per connection. A request whose head exceeds
 ``MAX_REQUEST_BYTES`` or that does not arrive within ``READ_TIMEOUT`` seconds is dropped: the port may
 be reachable by more than the kubelet, so nothing a client sends can hold memory or a task for long.
-Listens on loopback unless told otherwise (``--health-host 0.0.0.0`` in a pod, where the kubelet probes
-the pod's IP).
+Listens where the data plane does: loopback unless told otherwise (``--data-host 0.0.0.0`` in a pod, where
+the kubelet probes the pod's IP).
 """
 
 from __future__ import annotations
@@ -84,9 +84,11 @@ class HealthServer:
 
 
 async def start_health(settings, state: Callable[[], str]) -> HealthServer | None:
-    """The health server ``settings`` ask for (``health_host``, ``health_port``), started; None when off."""
+    """The health server ``settings`` ask for (``health_port``), started on the interface the data plane listens
+    on (probes come from where peers do: loopback alone by default, the pod's IP in a pod); None when off."""
     if not settings.health_port:
         return None
-    server = HealthServer(settings.health_host, settings.health_port, state)
+    host = "127.0.0.1" if settings.data_host.startswith("ipc://") else settings.data_host
+    server = HealthServer(host, settings.health_port, state)
     await server.start()
     return server

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, SettingsConfigDict
 
 if TYPE_CHECKING:
@@ -23,35 +23,50 @@ class CommonSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="EPD_", cli_kebab_case=True, cli_implicit_flags=True,
                                       extra="forbid", validate_default=True)
 
-    nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma separated")
-    nats_user: str | None = Field(None, description="NATS user name")
-    nats_password: str | None = Field(None, description="NATS password")
-    nats_creds: str | None = Field(None, description="path to a NATS credentials file")
-    nats_tls_ca: str | None = Field(None, description="CA bundle to verify a TLS NATS server")
-    subject_prefix: str = Field("epd", description="prefix of every subject, so stacks can share one NATS")
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    log_format: Literal["console", "json"] = Field("console", description="console for people, json for collectors")
+    nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma separated: every "
+                                                               "service of a stack connects to the same server or "
+                                                               "cluster")
+    nats_user: str | None = Field(None, description="NATS user name, for a server that requires one (epd "
+                                                    "credentials writes one per role)")
+    nats_password: str | None = Field(None, description="NATS password of --nats-user")
+    nats_creds: str | None = Field(None, description="path to a NATS credentials file (JWT and nkey), for servers "
+                                                     "secured with decentralized auth")
+    nats_tls_ca: str | None = Field(None, description="CA bundle to verify a TLS NATS server (tls:// URLs) signed "
+                                                      "by a private CA")
+    subject_prefix: str = Field("epd", description="prefix of every subject: give each stack its own to let "
+                                                   "several share one NATS server")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="least severe log lines "
+                                                                                       "written")
+    log_format: Literal["console", "json"] = Field("console", description="console for people, json for log "
+                                                                          "collectors")
     model: str = Field("", description="HF checkpoint directory, or a preset name with --load-format dummy; "
                                        "empty: the built-in tiny random model")
-    load_format: Literal["auto", "dummy"] = Field("auto", description="dummy: random weights, real architecture")
+    load_format: Literal["auto", "dummy"] = Field("auto", description="dummy: random weights in the real "
+                                                                      "architecture, for benchmarks without a "
+                                                                      "download")
     device: str = Field("auto", description="torch device; auto: cuda if available, else cpu")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto: bf16 on GPU, fp32 on CPU")
-    transport: Literal["zmq", "ucx", "inproc"] = Field("zmq", description="data plane for tensors")
-    data_host: str = Field("127.0.0.1", description="interface the data plane listens on")
-    data_advertise: str = Field("", description="address peers use to reach this data plane; default: data-host; auto: this host's outward IP")
-    data_max_mb: int = Field(8192, ge=1, description="bytes this process may hold for peers to pull (MiB)")
-    lease_seconds: float = Field(60.0, gt=0, description="a tensor not pulled within this time is freed")
-    data_cuda_ipc: bool = Field(True, description="zmq: a pull between processes on one GPU maps the holder's "
-                                                  "memory (CUDA IPC) instead of copying through host memory")
-    data_cuda_ipc_pool_mb: int = Field(256, ge=0, description="zmq: GPU memory a holder stages same-GPU pulls in, "
-                                       "mapped once by each consumer (MiB per GPU, allocated at the first such "
-                                       "pull); 0, or a tensor that does not fit: it maps the tensor's own block "
-                                       "for each pull")
-    drain_seconds: float = Field(30.0, ge=0, description="on SIGTERM, time allowed for in-flight work")
-    health_port: int = Field(0, ge=0, le=65535, description="port of the health endpoint (GET /live, GET /ready); "
-                                                            "0: off")
-    health_host: str = Field("127.0.0.1", description="interface of the health endpoint; pods set 0.0.0.0 so "
-                                                      "the kubelet can probe it")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto: bf16 on GPU, fp32 on "
+                                                                                        "CPU")
+    transport: Literal["zmq", "ucx", "inproc"] = Field("zmq", description="data plane for tensors: zmq (TCP or a "
+                                                                          "Unix socket), ucx (the ucx extra; "
+                                                                          "RDMA/NVLink where the hardware has "
+                                                                          "them), inproc (one process)")
+    data_host: str = Field("127.0.0.1", description="interface the data plane (and the health endpoint) listens "
+                                                    "on: 0.0.0.0 (or this host's address) when services run on "
+                                                    "several hosts or in pods; ipc://DIR for a Unix socket between "
+                                                    "processes of one host")
+    data_advertise: str = Field("", description="address peers dial to pull from this data plane; default: "
+                                                "data-host; auto: this host's outward IP (containers, pods)")
+    data_max_mb: int = Field(8192, ge=1, description="tensors this process may hold for peers to pull (MiB): past "
+                                                     "it, new work is refused as busy until consumers pull")
+    data_cuda_ipc: bool = Field(True, description="zmq: a pull between processes on one GPU copies device to "
+                                                  "device from the holder's memory (CUDA IPC) instead of through "
+                                                  "host memory; --no-data-cuda-ipc where processes must not map "
+                                                  "each other's memory")
+    drain_seconds: float = Field(30.0, ge=0, description="on SIGTERM, time allowed for in-flight work before the "
+                                                         "process exits anyway")
+    health_port: int = Field(0, ge=0, le=65535, description="port of the health endpoint (GET /live, GET /ready) "
+                                                            "for an orchestrator's probes, on --data-host; 0: off")
 
     @field_validator("subject_prefix")
     @classmethod
@@ -111,6 +126,41 @@ class CommonSettings(BaseSettings):
 
             options["tls"] = ssl.create_default_context(cafile=self.nats_tls_ca)
         return options
+
+
+class ModelLength(BaseModel):
+    """The context, for the services that size or check prompts with it (the frontend, every engine)."""
+
+    max_model_len: int = Field(0, ge=0, description="longest sequence (prompt + output) accepted, in tokens; lower "
+                                                    "it to fit a smaller KV cache; 0: the model's limit")
+
+
+class MediaLimits(BaseModel):
+    """What one image or clip may be at most: the frontend refuses larger ones, and so do encoders (a NATS
+    client may send them jobs directly)."""
+
+    max_image_pixels: int = Field(40_000_000, ge=1, description="largest decoded image (or video frame) "
+                                                                "accepted (pixels)")
+    max_video_frames: int = Field(256, ge=1, description="sampled frames of one video accepted at most (the "
+                                                         "processor samples 2 a second)")
+
+
+class JobLimit(BaseModel):
+    """How much a worker takes on at once from its queue group."""
+
+    max_concurrent_jobs: int = Field(256, ge=1, description="requests of each kind (encode jobs, prompts, KV "
+                                                            "hand-offs) this worker handles at once; more wait "
+                                                            "in NATS for a worker with room: lower it to spread "
+                                                            "bursts over more workers")
+
+
+class CudaGraphs(BaseModel):
+    """CUDA graphs, captured at start-up (decode steps, prefill steps and ViT forwards between their
+    attentions, recurring ViT layouts whole)."""
+
+    enforce_eager: bool = Field(False, description="never capture CUDA graphs: quicker start-up and their memory "
+                                                   "left to the KV cache, slower steps; for debugging")
+
 
 
 def parse_settings(cls: type[S], args: list[str] | None, prog: str) -> S:

@@ -45,7 +45,7 @@ def bench_run(stack, tiny_model, tmp_path_factory) -> tuple[subprocess.Completed
     done = epd("bench", "--base-url", stack.base_url, "--label", "disaggregated", "--num-prompts", str(PROMPTS),
                "--warmup", "1", "--request-rate", "20", "--max-concurrency", "4", "--seed", "1", "--input-len", "16", "--output-len",
                str(OUTPUT_LEN), "--image-count", "2", "--random-image-count", "--image-resolution", "64x48",
-               "--text-ratio", "0.5", "--tokenizer", str(tiny_model), "--slo-ttft", "60000", "--no-progress",
+               "--text-ratio", "0.5", "--tokenizer", str(tiny_model), "--goodput", "ttft:60000",
                "--out", str(out))
     return done, json.loads(out.read_text()) if out.exists() else {}, out
 
@@ -219,7 +219,7 @@ def test_plan_recommends_a_topology(tiny_model, tmp_path):
     out = tmp_path / "plan.json"
     done = epd("plan", "--model", str(tiny_model), "--image-count", "2", "--image-resolution", "112x112",
                "--input-len", "16", "--output-len", "8", "--request-rate", "0.1", "--gpus", "2",
-               "--max-model-len", "512", "--decode-batch", "2", "--corun-seconds", "0.1", "--out", str(out))
+               "--max-model-len", "512", "--corun-seconds", "0.1", "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "recommended:" in done.stdout
     plan = json.loads(out.read_text())
@@ -368,16 +368,17 @@ def test_plan_agrees_with_a_simulation_of_the_engine_thread():
 
 
 def test_simulation_schedules_as_the_code_and_one_request_costs_its_floor():
-    from services.encoder.batcher import STEP_BUDGET_S
+    from services.encoder.batcher import MAX_BATCH_IMAGES, STEP_BUDGET_S
     from services.encoder.settings import EncoderSettings
-    from shared.engine.settings import EngineSettings
+    from services.encoder.vision import GRAPH_PATCHES
+    from shared.engine.scheduler import PRIORITY_WINDOW_S
     from tools.plan import simulate as sim
 
     assert sim.STEP_BUDGET_S == STEP_BUDGET_S
-    assert sim.MAX_BATCH_IMAGES == EncoderSettings.model_fields["max_batch_images"].default
+    assert sim.MAX_BATCH_IMAGES == MAX_BATCH_IMAGES
     assert sim.MAX_BATCH_PATCHES == EncoderSettings.model_fields["max_batch_patches"].default
-    assert sim.MIX_PATCHES == EncoderSettings.model_fields["vit_graph_patches"].default
-    assert sim.PRIORITY_WINDOW_S == EngineSettings.model_fields["prefill_priority_window"].default
+    assert sim.MIX_PATCHES == GRAPH_PATCHES
+    assert sim.PRIORITY_WINDOW_S == PRIORITY_WINDOW_S
     planner = Planner(h200_like(), 5.0, 3584 * 2)
     t = traffic(DYNAMO, 1e-3)
     alone = [Arrival(0.0, 10, 4), Arrival(100.0, 0, 4)]

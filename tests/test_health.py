@@ -76,9 +76,9 @@ async def test_live_ready_and_everything_else():
         await get(server.port, "/live")
 
 
-async def test_listens_on_loopback_by_default():
+async def test_listens_where_the_data_plane_does_loopback_by_default():
     settings = CommonSettings(health_port=free_port())
-    assert settings.health_host == "127.0.0.1"
+    assert settings.data_host == "127.0.0.1"
     server = await health.start_health(settings, lambda: "ready")
     try:
         assert server.host == "127.0.0.1" and server.port == settings.health_port

@@ -123,7 +123,7 @@ def test_epd_submit_durable_wait_prints_the_answer(stack):
 
 
 def test_job_submitted_before_any_service_runs_completes_once_they_start(nats_url, tiny_model, stack):
-    fresh = RunningStack(nats_url, tiny_model, env={"EPD_JOB_RETRY_DELAY": "0.5", "EPD_JOB_RETRY_MAX_DELAY": "1"})
+    fresh = RunningStack(nats_url, tiny_model)
     body = request("Tell me a short story.")  # text only: no encoder needed
     try:
         job_id = asyncio.run(submit_job(nats_url, body, fresh.prefix))

@@ -129,7 +129,7 @@ def test_plan_sizes_embeddings_with_their_deepstack_levels(family_model, tmp_pat
     env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
     done = subprocess.run([sys.executable, "-m", "launcher.cli", "plan", "--model", str(path), "--image-count", "2",
                            "--image-resolution", "128x128", "--input-len", "16", "--output-len", "8",
-                           "--request-rate", "0.1", "--gpus", "2", "--max-model-len", "512", "--decode-batch", "2",
+                           "--request-rate", "0.1", "--gpus", "2", "--max-model-len", "512",
                            "--corun-seconds", "0.1", "--out", str(out)], env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "recommended:" in done.stdout

@@ -162,9 +162,9 @@ def test_malformed_json_and_wrong_model(stack):
 @pytest.fixture(scope="module")
 def lean_stack(nats_url, tiny_model):
     """No encoder, one prefill and one decode; the frontend gives prefill 2 s to accept a request and
-    takes precomputed embeddings of 4 KiB at most."""
+    takes media (precomputed embeddings too) of 4 KiB at most."""
     running = RunningStack(nats_url, tiny_model, env={"EPD_PREFILL_TIMEOUT": "2",
-                                                      "EPD_MAX_IMAGE_EMBEDS_BYTES": "4096"}).start(encoders=0)
+                                                      "EPD_MAX_MEDIA_BYTES": "4096"}).start(encoders=0)
     yield running
     running.stop()
 
@@ -188,7 +188,7 @@ def test_a_stack_without_encoders_serves_precomputed_image_embeds(lean_stack, re
 
 
 def test_missing_and_stalled_stages_fail_fast(lean_stack):
-    image = make_image(1, 64, 64)
+    image = make_image(1, 16, 16)  # within the stack's 4 KiB media cap
     started = time.monotonic()
     with pytest.raises(openai.APIStatusError) as err:
         ask(lean_stack, [image])

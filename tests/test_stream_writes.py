@@ -54,7 +54,7 @@ def tokenizer(tiny_model):
 async def open_answer(nats_url, tokenizer, subject: str):
     """(client, the answer's writes as an async iterator): a streaming chat answer read from ``subject``."""
     nc = await nats.connect(nats_url)
-    stream = TokenStream(nc, subject, directory=None, first_token_timeout=10, token_timeout=10)
+    stream = TokenStream(nc, subject, directory=None, token_timeout=10)
     await stream.open()
     stream.expect(ATTEMPT, "")
     generation = Generation(Pipeline(tokenizer), ATTEMPT, prompt=None, images=[], sampling=SamplingParams(max_tokens=64),
@@ -137,7 +137,7 @@ async def test_a_token_ahead_of_its_turn_is_not_at_hand(nats_url, tokenizer):
     subject = "test.stream.ahead"
     nc = await nats.connect(nats_url)
     try:
-        stream = TokenStream(nc, subject, directory=None, first_token_timeout=10, token_timeout=10)
+        stream = TokenStream(nc, subject, directory=None, token_timeout=10)
         await stream.open()
         stream.expect(ATTEMPT, "")
         await nc.publish(subject, token(1, 5))  # index 1 before 0

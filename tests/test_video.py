@@ -243,27 +243,20 @@ def test_the_video_byte_cap_applies_before_decoding():
     from services.frontend.settings import FrontendSettings
     from services.frontend.errors import ApiError
 
-    loader = MediaLoader(FrontendSettings(max_video_bytes=1000), executor=None)
+    loader = MediaLoader(FrontendSettings(max_media_bytes=1000), executor=None)
     with pytest.raises(ApiError, match="video exceeds 1000 bytes"):
         loader._data_url(video_url(make_clip(*CLIP)), "video")
 
 
-def test_the_videos_of_a_request_are_capped_in_tokens(tiny_model):
+def test_the_media_parts_of_a_request_are_capped_per_kind():
+    """``--limit-mm-per-prompt``: a kind left out keeps its default; past a kind's cap, a 400 that names it."""
     from services.frontend.errors import ApiError
     from services.frontend.pipeline import Pipeline
-    from services.frontend.prompt import Prompt, PromptBuilder, VideoSlotPlan
     from services.frontend.settings import FrontendSettings
-    from shared.model.config import ModelConfig
-    from shared.model.geometry import ImageGeometry
-    from shared.model.processor import load_tokenizer
 
     pipeline = object.__new__(Pipeline)  # only its checks: no bus, no workers
-    pipeline.settings = FrontendSettings(max_video_tokens=20)
-    pipeline.builder = PromptBuilder(load_tokenizer(tiny_model), ModelConfig.from_checkpoint(tiny_model),
-                                     ImageGeometry.from_checkpoint(tiny_model))
-    prompt = Prompt(token_ids=[], image_offsets=[0, 30, 60], image_grids=[(2, 4, 6), (1, 8, 8), (2, 4, 6)],
-                    videos={0: VideoSlotPlan(1.0), 2: VideoSlotPlan(1.0)})  # 12 + 12 video tokens, an image between
-    with pytest.raises(ApiError, match="take 24 tokens; at most 20"):
-        pipeline._check_video_tokens(prompt)
-    pipeline.settings = FrontendSettings(max_video_tokens=24)
-    pipeline._check_video_tokens(prompt)
+    pipeline.settings = FrontendSettings(limit_mm_per_prompt={"video": 1})
+    assert pipeline.settings.limit_mm_per_prompt == {"image": 16, "video": 1}
+    pipeline._check_counts([("video", "a"), ("image", "b")] + [("image", "c")] * 15)
+    with pytest.raises(ApiError, match=r"too many videos: 2 \(at most 1\)"):
+        pipeline._check_counts([("video", "a"), ("video", "b")])

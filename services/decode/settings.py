@@ -5,9 +5,10 @@ from __future__ import annotations
 from pydantic import Field
 
 from shared.engine.settings import EngineSettings
+from shared.settings import JobLimit
 
 
-class DecodeSettings(EngineSettings):
-    max_concurrent_jobs: int = Field(512, ge=1, description="hand-offs being admitted at once")
-    reservation_timeout: float = Field(60.0, gt=0, description="seconds a KV reservation may wait for its "
-                                                               "transfer to complete and its start")
+class DecodeSettings(JobLimit, EngineSettings):
+    reservation_timeout: float = Field(60.0, gt=0, description="seconds KV room reserved for a prompt waits for "
+                                                               "its transfer and start before it is freed: above "
+                                                               "the longest prompt's prefill time")

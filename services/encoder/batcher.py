@@ -44,6 +44,7 @@ from shared.model.vision import VisionTower
 
 log = get_logger(__name__)
 
+MAX_BATCH_IMAGES = 32  # images in one forward at most (the patches bound it too)
 STEP_BUDGET_S = 0.25  # ViT seconds one gap between engine steps may take (two 1080p batches of four)
 SIBLING_WAIT_S = 0.005  # how long a forward waits for the rest of a request's images this process has received
 SIBLING_POLL_S = 0.001  # how often a batch waiting for a request's images looks whether they are still coming
@@ -235,7 +236,7 @@ class VisionBatcher:
     def _fits(self, batch: list[QueuedImage], patches: int, item: QueuedImage) -> bool:
         """Whether ``item`` joins ``batch`` (``patches`` so far): within ``max_patches``, and past
         ``mix_patches`` only as one more image of the one request the batch holds. A GPU's forward past its
-        graphs (``mix_patches``: ``EPD_VIT_GRAPH_PATCHES``) runs eagerly, waiting on the host, and gains
+        graphs (``mix_patches``: ``vision.GRAPH_PATCHES``) runs eagerly, waiting on the host, and gains
         nothing from its size, so two requests' images that do not fit one graph go in two forwards through
         theirs (the first request done first), while a request's own images still ride one forward, as
         the floor measures them."""

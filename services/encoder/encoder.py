@@ -45,6 +45,7 @@ from shared.messages.encode import EmbeddingFetch, EmbeddingLoan, EncodeJob, Enc
 log = get_logger(__name__)
 
 MIN_CONTENT_HASH = 16  # characters: shorter "hashes" would make unrelated images share cache entries
+PEER_FETCH_TIMEOUT_S = 5.0  # to ask another encoder for an image it holds (and again to pull it), else encode here
 
 
 class Encoder:
@@ -71,10 +72,10 @@ class Encoder:
         self.fingerprint = await asyncio.to_thread(encoder_fingerprint, path, s.load_format, str(s.torch_dtype()),
                                                    self.vision.preprocess_mode)
         index = None
-        if s.cache_index and s.encoder_cache_mb > 0:
-            index = EmbeddingIndex(nc, self.subjects.prefix, ttl=s.cache_index_ttl)
+        if s.encoder_cache_mb > 0:  # shared through JetStream where the server has it
+            index = EmbeddingIndex(nc, self.subjects.prefix)
             await index.open()
-        peers = PeerEncoders(nc, self.subjects, self.plane, s.peer_fetch_timeout)
+        peers = PeerEncoders(nc, self.subjects, self.plane, PEER_FETCH_TIMEOUT_S)
         self.embeddings = EmbeddingSource(self.cache, index, peers, self.instance)
         resources.push_async_callback(self.embeddings.close)
         subscription = await listen_for_cancels(nc, self.subjects, self.cancel)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from services.encoder.batcher import SIBLING_WAIT_S, VisionBatcher
+from services.encoder.batcher import MAX_BATCH_IMAGES, SIBLING_WAIT_S, VisionBatcher
 from services.encoder.settings import EncoderSettings
 from shared import kernels
 from shared.dataplane.handle import TensorHandle
@@ -32,6 +32,9 @@ from shared.model.video_processor import VideoPreprocessor
 
 log = get_logger(__name__)
 
+# ViT forwards of up to this many patches run as CUDA graphs between their attentions, padded to a bucket (a
+# 448x448 image: 784 patches; Qwen3-VL's 1080p: 8,160); bigger forwards are bound by their kernels anyway
+GRAPH_PATCHES = 8192
 LAYOUT_GRAPHS = 8  # besides the pieces: whole forwards captured as one CUDA graph each, per batch layout seen twice
 
 
@@ -60,7 +63,7 @@ class VisionEncoder:
         config = ModelConfig.from_checkpoint(path)
         tower = await asyncio.to_thread(load_vision_tower, path, config, device, dtype, s.load_format)
         # forwards of up to this many patches run through CUDA graphs (0: none)
-        graph_patches = min(s.vit_graph_patches, s.max_batch_patches) if device.type == "cuda" else 0
+        graph_patches = min(GRAPH_PATCHES, s.max_batch_patches) if device.type == "cuda" and not s.enforce_eager else 0
         if graph_patches:
             await asyncio.to_thread(pieces.capture, tower, graph_patches, LAYOUT_GRAPHS)
         self.preprocess_mode = preprocess_mode(s.preprocess, device)
@@ -72,7 +75,7 @@ class VisionEncoder:
             self._cpu_preprocess = ImagePreprocessor(path)
         self._pool = ThreadPoolExecutor(s.preprocess_threads, thread_name_prefix="preprocess")  # and videos on CPU
         resources.callback(self._pool.shutdown, wait=False, cancel_futures=True)
-        self.batcher = VisionBatcher(tower, asyncio.get_running_loop(), s.max_batch_images, s.max_batch_patches,
+        self.batcher = VisionBatcher(tower, asyncio.get_running_loop(), MAX_BATCH_IMAGES, s.max_batch_patches,
                                      prepare=self.on_device, sibling_wait_s=SIBLING_WAIT_S, pending=pending,
                                      mix_patches=graph_patches or None)
         if own_thread:

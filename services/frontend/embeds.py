@@ -10,7 +10,7 @@ runs the client's code, so they are refused with a 400 that says what to send in
 base64 of a safetensors file holding one tensor (``safetensors.torch.save({"t": tensor})``) or of a
 ``.npy`` file (``numpy.save``, read with ``allow_pickle=False``). The format is told by its first bytes.
 
-Checked before anything is published, each with its own 400: the bytes (``--max-image-embeds-bytes`` a
+Checked before anything is published, each with its own 400: the bytes (``--max-media-bytes`` a
 tensor, decoded), the dtypes (float32/float16/bfloat16 rows, integer grid), the grid (``t, h, w`` ≥ 1,
 ``h`` and ``w`` multiples of the merge size), the rows (``t·h·w / merge²`` of them, each as wide as the
 model's image rows: the vision tower's output, and on Qwen3-VL its deepstack levels beside it; see

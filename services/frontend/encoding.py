@@ -2,7 +2,7 @@
 ``EncodeJob`` per image (or video clip: its sampled frames) to the encoder the router picks, all in parallel.
 
 A failed attempt — a server error, a timeout, the encoder gone — goes again to the queue group (NATS
-picks a live encoder), up to ``--encode-attempts`` tries. Nobody serving the queue group at all is a
+picks a live encoder), up to ``ENCODE_ATTEMPTS`` tries. Nobody serving the queue group at all is a
 503 at once. The pixels stay published until every image is encoded: an encode may be retried.
 """
 
@@ -27,6 +27,8 @@ from shared.messages.encode import EncodeJob, EncodeResult
 
 log = get_logger(__name__)
 
+ENCODE_ATTEMPTS = 3  # tries per image when an encoder fails or vanishes
+
 
 class EncodeFanout:
     def __init__(self, nc, subjects: Subjects, plane: DataPlane, directory: Directory, settings):
@@ -35,14 +37,14 @@ class EncodeFanout:
         self.plane = plane
         self.directory = directory
         self.settings = settings
-        self.router = EncoderRouter(nc, directory, subjects, settings.encoder_load_margin)
+        self.router = EncoderRouter(nc, directory, subjects)
         self.encoded_images = 0
 
     async def encode(self, request_id: str, images: list[DecodedImage]) -> list[EncodeResult]:
         if not images:
             return []
         s = self.settings
-        lease = s.encode_timeout * s.encode_attempts + 30
+        lease = s.encode_timeout * ENCODE_ATTEMPTS + 30
         handles = publish_pixels(self.plane, images, lease)
         try:
             jobs = [EncodeJob(request_id=request_id, image=h, content_hash=i.content_hash,
@@ -55,8 +57,7 @@ class EncodeFanout:
                 self.plane.release(handle)
 
     async def _encode_one(self, job: EncodeJob, target: Target) -> EncodeResult:
-        attempts = self.settings.encode_attempts
-        for attempt in range(1, attempts + 1):
+        for attempt in range(1, ENCODE_ATTEMPTS + 1):
             try:
                 with self.router.outstanding.sending(target.instance):
                     reply = await call_watched(self.nc, self.directory, target, pack(job),
@@ -65,7 +66,7 @@ class EncodeFanout:
                 return unpack(EncodeResult, reply)
             except ServiceCallError as err:
                 direct = bool(target.instance)
-                retry = err.status >= 500 and (direct or not err.no_responders) and attempt < attempts
+                retry = err.status >= 500 and (direct or not err.no_responders) and attempt < ENCODE_ATTEMPTS
                 log.warning("encode.failed", request_id=job.request_id, status=err.status, retry=retry)
                 if not retry:
                     raise ApiError(err.status, "image encoding failed: " + err.message) from None

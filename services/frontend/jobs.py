@@ -32,6 +32,10 @@ from shared.logging import get_logger
 log = get_logger(__name__)
 
 _FETCH_WAIT = 0.5  # seconds one pull waits for a job; also how long stopping may take to notice
+CONCURRENCY = 8  # jobs one frontend runs at once: batch work beside the interactive requests
+ACK_WAIT = 60.0  # seconds without a progress signal before JetStream hands a job to another frontend
+RETRY_DELAY = 1.0  # seconds before a transiently failed job is tried again; doubles each attempt, up to
+RETRY_MAX_DELAY = 10.0  # so a job queued while the stack was down is answered within this of its recovery
 
 
 class JobEnvelope(BaseModel):
@@ -79,13 +83,12 @@ def transient(status: int) -> bool:
 
 
 class JobWorker:
-    """Pulls jobs while the frontend serves; at most ``job_concurrency`` run at once."""
+    """Pulls jobs while the frontend serves; at most ``CONCURRENCY`` run at once."""
 
     def __init__(self, gateway: Gateway, settings: FrontendSettings):
         self.gateway = gateway
-        self.settings = settings
-        self.streams = JobStreams(settings.subject_prefix, settings.result_max_age)
-        self.slots = asyncio.Semaphore(settings.job_concurrency)
+        self.streams = JobStreams(settings.subject_prefix)
+        self.slots = asyncio.Semaphore(CONCURRENCY)
         self.tasks = TaskSet("job")
         self.js = None
         self.done = self.failed = self.retried = 0
@@ -98,7 +101,7 @@ class JobWorker:
 
     async def _subscribe(self):
         await self.streams.ensure(self.js, update=True)
-        config = ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=self.settings.job_ack_wait)
+        config = ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=ACK_WAIT)
         return await self.js.pull_subscribe(self.streams.subjects.jobs, durable=JOB_CONSUMER,
                                             stream=self.streams.jobs, config=config)
 
@@ -172,8 +175,7 @@ class JobWorker:
                 return
             except ApiError as err:
                 error = err
-        last_try = 0 < self.settings.job_max_attempts <= attempt
-        if transient(error.status) and not last_try:
+        if transient(error.status):
             self.retried += 1
             delay = self._backoff(attempt)
             log.info("jobs.retry", job_id=job.id, status=error.status, attempt=attempt, delay=delay)
@@ -201,7 +203,7 @@ class JobWorker:
         """Tell JetStream the job is still being worked on, so a long answer is not redelivered meanwhile."""
         async def beat():
             while True:
-                await asyncio.sleep(self.settings.job_ack_wait / 3)
+                await asyncio.sleep(ACK_WAIT / 3)
                 await msg.in_progress()
 
         task = asyncio.create_task(beat(), name="job-keepalive")
@@ -210,9 +212,9 @@ class JobWorker:
         finally:  # in_progress() publishes, and nats-py's flush can swallow the cancel
             await cancel_until_done(task, timeout=5.0)
 
-    def _backoff(self, attempt: int) -> float:
-        s = self.settings
-        return min(s.job_retry_delay * 2 ** min(max(attempt - 1, 0), 30), s.job_retry_max_delay)
+    @staticmethod
+    def _backoff(attempt: int) -> float:
+        return min(RETRY_DELAY * 2 ** min(max(attempt - 1, 0), 30), RETRY_MAX_DELAY)
 
     async def drain(self) -> None:
         """Stop taking jobs and let the running ones finish (a cancelled one is nak'ed for another frontend)."""

@@ -127,37 +127,31 @@ class MediaLoader:
         if self.video_geometry is None:
             raise ApiError(400, "this model does not take video input")
         data = await self._read(url, "video")
-        s = self.settings
-        limits = VideoLimits(max_seconds=s.max_video_seconds, max_fps=s.max_video_fps, max_frames=s.max_video_frames,
-                             max_frame_pixels=s.max_video_frame_pixels, decode_timeout=s.video_decode_timeout)
+        limits = VideoLimits(max_frames=self.settings.max_video_frames)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, decode_video, data, self.video_geometry, limits)
-
-    def _cap(self, kind: str) -> int:
-        return self.settings.max_video_bytes if kind == "video" else self.settings.max_image_bytes
 
     # -- bytes of either kind ---------------------------------------------------------------------
     async def _read(self, url: str, kind: str = "image") -> bytes:
         scheme = _scheme(url)
         if scheme == "data":
             return self._data_url(url, kind)  # a clip's: its decode dwarfs the base64
-        if scheme == "https" or (scheme == "http" and self.settings.allow_http_media):
+        if scheme in ("https", "http"):
             try:
                 return await asyncio.wait_for(self._fetch(url, kind), self.settings.fetch_timeout)
             except asyncio.TimeoutError:
                 raise ApiError(400, f"fetching the {kind} URL timed out") from None
         if scheme == "file" and self.settings.local_media_dir:
             return await asyncio.to_thread(self._local_file, url, kind)
-        allowed = "data:, https:" + (", http:" if self.settings.allow_http_media else "") + \
-                  (", file:" if self.settings.local_media_dir else "")
+        allowed = "data:, https:, http:" + (", file:" if self.settings.local_media_dir else "")
         raise ApiError(400, f"unsupported {kind} URL scheme; allowed: {allowed}")
 
     def _data_url(self, url: str, kind: str = "image") -> bytes:
         header, sep, payload = url.partition(",")
         if not sep or not header.lower().startswith(f"data:{kind}/") or not header.lower().endswith(";base64"):
             raise ApiError(400, f"{kind} data URLs must look like data:{kind}/<type>;base64,<data>")
-        if len(payload) * 3 // 4 > self._cap(kind):
-            raise ApiError(400, f"{kind} exceeds {self._cap(kind)} bytes")
+        if len(payload) * 3 // 4 > self.settings.max_media_bytes:
+            raise ApiError(400, f"{kind} exceeds {self.settings.max_media_bytes} bytes")
         try:
             return base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
@@ -171,8 +165,8 @@ class MediaLoader:
         path = (root / unquote(parts.path).lstrip("/")).resolve()
         if not path.is_relative_to(root) or not path.is_file():
             raise ApiError(400, "file URL is outside the local media directory or does not exist")
-        if path.stat().st_size > self._cap(kind):
-            raise ApiError(400, f"{kind} exceeds {self._cap(kind)} bytes")
+        if path.stat().st_size > self.settings.max_media_bytes:
+            raise ApiError(400, f"{kind} exceeds {self.settings.max_media_bytes} bytes")
         return path.read_bytes()
 
     async def _fetch(self, url: str, kind: str = "image") -> bytes:
@@ -197,7 +191,7 @@ class MediaLoader:
         raise ApiError(400, f"the {kind} URL redirects too often")
 
     async def _capped_body(self, response: httpx.Response, kind: str = "image") -> bytes:
-        cap = self._cap(kind)
+        cap = self.settings.max_media_bytes
         declared = response.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > cap:
             raise ApiError(400, f"{kind} exceeds {cap} bytes")
@@ -212,7 +206,7 @@ class MediaLoader:
         """The URL rewritten to a checked IP address, the Host header, and the host name for TLS."""
         parts = urlsplit(url)
         scheme = parts.scheme.lower()
-        if scheme not in ("http", "https") or (scheme == "http" and not self.settings.allow_http_media):
+        if scheme not in ("http", "https"):
             raise ApiError(400, "image URL redirects to a scheme that is not allowed")
         host = (parts.hostname or "").lower()
         if not host or "@" in parts.netloc or "\\" in url:

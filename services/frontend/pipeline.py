@@ -13,7 +13,7 @@
    are pulled by the worker as an encoder's would be;
 4. hand back the ``Generation`` (tokens, text, finish), which calls ``resume`` if its worker is lost:
    re-encode (cache hits), prefill the prompt plus every token already streamed, continue numbering
-   from there (``output_offset``), at most ``--resume-attempts`` times.
+   from there (``output_offset``), at most ``RESUME_ATTEMPTS`` times.
 A request that ends before its answer starts (the client left, an error) cancels its work everywhere.
 """
 
@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import msgspec
 
 from services.frontend.embeds import EmbedsReader, ImageEmbeds, prompt_size, to_encode
-from services.frontend.encoding import EncodeFanout, publish_pixels
+from services.frontend.encoding import ENCODE_ATTEMPTS, EncodeFanout, publish_pixels
 from services.frontend.errors import ApiError
 from services.frontend.generation import Generation, OutputOptions, Timing
 from services.frontend.media import MediaLoader
@@ -51,9 +51,10 @@ from shared.messages.control import Cancel
 from shared.messages.encode import EncodeResult
 from shared.messages.prefill import EMBEDDINGS_GONE, ImageSlot, PrefillAccepted, PrefillJob
 from shared.messages.sampling import SamplingParams
-from shared.model.geometry import grid_tokens
 
 log = get_logger(__name__)
+
+RESUME_ATTEMPTS = 2  # times a request whose language worker died is resumed on (or sent to) other workers
 
 
 class Pipeline:
@@ -69,7 +70,7 @@ class Pipeline:
         self.sampling = sampling
         self.max_model_len = sampling.max_model_len
         self.plane = plane  # the request's pixels, for a worker that encodes in place, and given embeddings
-        self.embeds = EmbedsReader(builder.config, settings.max_image_embeds_bytes)
+        self.embeds = EmbedsReader(builder.config, settings.max_media_bytes)
         self.encoding = EncodeFanout(nc, subjects, plane, directory, settings)
         self.intake = IntakeRouter(directory, subjects)
         self.on_finished = on_finished  # metrics, once per generation
@@ -93,8 +94,7 @@ class Pipeline:
         loaded = time.time()
         prompt, sampling = await asyncio.get_running_loop().run_in_executor(
             self.prompts, self._prepare, request, images, prompt_index)
-        stream = TokenStream(self.nc, self.subjects.stream(request_id), self.directory,
-                             self.settings.first_token_timeout, self.settings.token_timeout)
+        stream = TokenStream(self.nc, self.subjects.stream(request_id), self.directory, self.settings.token_timeout)
         output = OutputOptions(request.stop_list(), request.skip_special_tokens is not False,
                                bool(request.include_stop_str_in_output))
         generation = Generation(self, request_id, prompt, images, sampling, output, stream, slot, timing)
@@ -121,14 +121,13 @@ class Pipeline:
             options = template_options(request, request.tools if request.uses_tools() else None)
             stills = [prompt_size(i) for i in images if not isinstance(i, DecodedVideo)]
             prompt = self.builder.build(request.messages, stills, options, self._video_shapes(images))
-            self._check_video_tokens(prompt)
             constraint, param = structured_constraint(request) or tool_constraint(request), "messages"
         sampling = self.sampling.build(request, len(prompt.token_ids), request.top_logprob_count, constraint, param)
         return prompt, sampling
 
     def _check_counts(self, parts: list[tuple[str, object]]) -> None:
         s = self.settings
-        for kind, limit in (("image", s.max_images_per_request), ("video", s.max_videos_per_request)):
+        for kind, limit in s.limit_mm_per_prompt.items():
             count = sum(k.startswith(kind) for k, _ in parts)  # images: image_url and image_embeds parts
             if count > limit:
                 raise ApiError(400, f"too many {kind}s: {count} (at most {limit})", "messages")
@@ -138,13 +137,6 @@ class Pipeline:
         return [VideoShape(v.num_frames, v.height, v.width,
                            geometry.timing(v.sampling.frame_indices, v.sampling.total_frames, v.sampling.source_fps))
                 for v in media if isinstance(v, DecodedVideo)]
-
-    def _check_video_tokens(self, prompt: Prompt) -> None:
-        merge = self.builder.config.vision.merge_size
-        tokens = sum(grid_tokens(prompt.image_grids[i], merge) for i in prompt.videos)
-        if tokens > self.settings.max_video_tokens:
-            raise ApiError(400, f"the videos of this request take {tokens} tokens; at most "
-                                f"{self.settings.max_video_tokens} are allowed", "messages")
 
     def text_prompt(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
         """A text completion's prompt as token ids. Unlike chat (where the template is ours and client text
@@ -189,15 +181,15 @@ class Pipeline:
                     # died before it accepted, or left (draining) since it was listed: another takes it now
                     tried.add(target.instance)
                     log.warning("prefill.worker_gone", request_id=attempt, worker=target.instance)
-                    if len(tried) > self.settings.resume_attempts:
+                    if len(tried) > RESUME_ATTEMPTS:
                         raise ApiError(503, "the prefill workers this request was sent to went away") from None
                     continue
-                if err.status == EMBEDDINGS_GONE and encodes < self.settings.encode_attempts and results:
+                if err.status == EMBEDDINGS_GONE and encodes < ENCODE_ATTEMPTS and results:
                     results = None  # their encoder went away before prefill pulled them: encode again
                     continue
                 if err.status == 504:
                     self.cancel_soon(attempt, "prefill timeout")
-                    if target.instance and len(tried) < self.settings.resume_attempts:
+                    if target.instance and len(tried) < RESUME_ATTEMPTS:
                         # slow is not dead, and that worker may still take it: cancelled there, the prompt
                         # goes to another under an id of its own (the cancel names the old one)
                         tried.add(target.instance)
@@ -265,7 +257,7 @@ class Pipeline:
     # -- 4. resume --------------------------------------------------------------------------------
     async def resume(self, generation: Generation, reason: str) -> None:
         """Continue on other workers from the prompt plus every token received so far."""
-        if generation.resumes >= self.settings.resume_attempts:
+        if generation.resumes >= RESUME_ATTEMPTS:
             raise ApiError(503, "the model workers serving this request failed")
         generation.resumes += 1
         log.warning("request.resume", request_id=generation.request_id, reason=reason,

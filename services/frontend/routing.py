@@ -66,7 +66,7 @@ class Outstanding:
 
 
 class EncoderRouter:
-    def __init__(self, nc, directory: Directory, subjects: Subjects, margin: int):
+    def __init__(self, nc, directory: Directory, subjects: Subjects, margin: int = 0):
         self.outstanding = Outstanding()
         self.directory = directory
         self.subjects = subjects

@@ -35,12 +35,11 @@ class WorkerLost(Exception):
 
 
 class TokenStream:
-    def __init__(self, nc, subject: str, directory: Directory, first_token_timeout: float, token_timeout: float):
+    def __init__(self, nc, subject: str, directory: Directory, token_timeout: float):
         self.nc = nc
         self.subject = subject
         self.directory = directory
-        self.first_token_timeout = first_token_timeout
-        self.token_timeout = token_timeout
+        self.token_timeout = token_timeout  # seconds without progress: to the first token, between two
         self.attempt = ""  # the id the current attempt runs under on the workers
         self.received: dict[int, int] = {}  # choice -> output tokens delivered so far, across attempts
         self._sub = None
@@ -105,10 +104,9 @@ class TokenStream:
         pending: dict[tuple[int, int], TokenEvent] = {}
         last_progress = time.monotonic()
         while True:
-            limit = self.first_token_timeout if not self.received else self.token_timeout
             event = await self._next()
             if event is None:
-                self._check(time.monotonic() - last_progress, limit)
+                self._check(time.monotonic() - last_progress, self.token_timeout)
                 continue
             if event.request_id != self.attempt:
                 continue  # a superseded attempt's late words

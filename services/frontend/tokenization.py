@@ -17,7 +17,7 @@ async def tokenize(pipeline: Pipeline, request: TokenizeRequest) -> TokenizeResp
         ids = await _in_prompt_thread(pipeline, pipeline.text_prompt, request.prompt, request.add_special_tokens is not False)
     else:
         parts = [(kind, part) for kind, part in media_parts(request.messages) if kind != "video"]
-        if len(parts) > pipeline.settings.max_images_per_request:
+        if len(parts) > pipeline.settings.limit_mm_per_prompt["image"]:
             raise ApiError(400, f"too many images: {len(parts)}", "messages")
         # their sizes (or given grids) decide how many placeholder tokens each gets
         images = await pipeline.media.load_media(parts, pipeline.embeds)

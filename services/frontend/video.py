@@ -35,11 +35,14 @@ CONTAINERS = {"mov,mp4,m4a,3gp,3g2,mj2", "matroska,webm", "avi", "mpegts", "mpeg
 
 @dataclass(frozen=True)
 class VideoLimits:
-    max_seconds: float
-    max_fps: float
-    max_frames: int  # sampled
-    max_frame_pixels: int
-    decode_timeout: float
+    """What a client's clip may be, each a 400 that names it: checked on the container's header before
+    decoding (length, frame rate, frame size, frames the processor would sample), then a decode deadline."""
+
+    max_frames: int  # sampled (the frontend's --max-video-frames)
+    max_seconds: float = 600.0
+    max_fps: float = 240.0
+    max_frame_pixels: int = 3840 * 2160
+    decode_timeout: float = 60.0  # seconds
 
 
 @dataclass(frozen=True)

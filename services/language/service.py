@@ -42,7 +42,7 @@ class LanguageService(Service):
         await self.worker.start(self.nc, self.resources)
 
     def endpoints(self) -> list[Endpoint]:
-        return intake_endpoints(self.subjects, self.instance, self.handle_prompt, self.settings.max_concurrent_prompts)
+        return intake_endpoints(self.subjects, self.instance, self.handle_prompt, self.settings.max_concurrent_jobs)
 
     async def handle_prompt(self, request: Request) -> bytes:
         job = unpack(PrefillJob, request.data)

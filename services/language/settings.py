@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field
-
 from shared.engine.settings import EngineSettings
+from shared.settings import JobLimit
 
 
-class LanguageSettings(EngineSettings):
-    max_concurrent_prompts: int = Field(256, ge=1, description="prompts being admitted at once; more wait in NATS")
+class LanguageSettings(JobLimit, EngineSettings):
+    pass

@@ -5,10 +5,10 @@ numbered the same on both sides).
 1. ``reserve``: a decode worker with room holds blocks for the prompt. The request goes to the decode
    worker with the most room this prefill worker knows of (its own ``Directory``), watched while it
    answers: one that is gone, has left or is full is skipped for the next at once. While every decode
-   worker is full the request waits here, asking again with back-off, for up to ``--decode-wait``
-   seconds: overload queues requests instead of failing them.
+   worker is full the request waits here, asking again with back-off, for up to ``DECODE_WAIT_S``:
+   overload queues requests instead of failing them.
 2. ``on_layer_done`` (engine thread, during a step with prompt chunks): after each group of
-   ``--kv-chunk-layers`` layers, those layers' KV of the tokens this step computed (a ``KVSpan``; the
+   ``KV_CHUNK_LAYERS`` layers, those layers' KV of the tokens this step computed (a ``KVSpan``; the
    first span of a prompt starts at 0 and carries its cached prefix) is copied out, published, and a
    ``KVChunk`` sent to the reserving worker — the transfer overlaps the remaining layers' and chunks'
    compute.
@@ -42,6 +42,9 @@ from shared.messages.prefill import PrefillJob
 
 log = get_logger(__name__)
 
+KV_CHUNK_LAYERS = 4  # layers per KV chunk streamed to decode during prefill
+ANSWER_TIMEOUT = 30.0  # seconds a decode worker has to answer (reserve, take a KV chunk, start)
+DECODE_WAIT_S = 20.0  # for KV room while every decode worker is full, then 503 (below the frontend's prefill timeout)
 _FULL_RETRY_FIRST = 0.05  # seconds before asking full decode workers again; doubles up to the next
 _FULL_RETRY_MAX = 0.5
 
@@ -57,13 +60,12 @@ class Handoff:
 
 
 class Handoffs:
-    def __init__(self, worker: LanguageWorker, nc, subjects, plane: DataPlane, directory: Directory, settings):
+    def __init__(self, worker: LanguageWorker, nc, subjects, plane: DataPlane, directory: Directory):
         self.worker = worker
         self.nc = nc
         self.directory = directory  # the decode workers, and whether the one asked is still there
         self.subjects = subjects
         self.plane = plane
-        self.settings = settings
         self.active: dict[str, Handoff] = {}
         self.tasks = TaskSet("handoff", expected=(ServiceCallError,))
         self.waited_for_decode = 0  # times a request was told "every decode worker is full" and waited
@@ -74,12 +76,12 @@ class Handoffs:
         """Room on a decode worker; the ``Tracked`` that hands the request over after its first token."""
         request = pack(KVReserve(request_id=job.request_id, num_tokens=len(job.token_ids),
                                  max_tokens=job.sampling.max_tokens, stream=job.stream, prefill_id=self.worker.instance))
-        deadline = time.monotonic() + self.settings.decode_wait
+        deadline = time.monotonic() + DECODE_WAIT_S
         pause, tried = _FULL_RETRY_FIRST, set()
         while True:
             target = self._decode_target(tried)
             try:
-                reply = await call_watched(self.nc, self.directory, target, request, self.settings.handoff_timeout,
+                reply = await call_watched(self.nc, self.directory, target, request, ANSWER_TIMEOUT,
                                            "decode worker")
                 break
             except ServiceCallError as err:
@@ -125,7 +127,7 @@ class Handoffs:
     # -- 2. KV streaming (engine thread → event loop) ---------------------------------------------
     def on_layer_done(self, layer: int, spans: list[KVSpan]) -> None:
         """Engine thread: at the end of each layer group, copy the group's KV of this step's tokens out."""
-        group = self.settings.kv_chunk_layers
+        group = KV_CHUNK_LAYERS
         layers = self.worker.config.text.num_layers
         if (layer + 1) % group and layer + 1 != layers:
             return
@@ -142,7 +144,7 @@ class Handoffs:
         handle = self.plane.publish(kv, consumers=1)
         chunk = KVChunk(request_id=request_id, first_layer=first, last_layer=last, first_token=first_token, kv=handle)
         task = self.tasks.spawn(call(self.nc, self.subjects.decode_kv(handoff.decode_id), pack(chunk),
-                                     self.settings.handoff_timeout, "decode worker"))
+                                     ANSWER_TIMEOUT, "decode worker"))
         task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or self.plane.release(handle))
         handoff.chunks.append(task)
         self.chunks_sent += 1
@@ -170,7 +172,7 @@ class Handoffs:
             for chunk in handoff.chunks:
                 await chunk
             reply = await call(self.nc, self.subjects.decode_start(handoff.decode_id), pack(start),
-                               self.settings.handoff_timeout, "decode worker")
+                               ANSWER_TIMEOUT, "decode worker")
             unpack(DecodeAccepted, reply)
             handoff.started = True
             self.worker.end(rid, "handed off")

@@ -33,7 +33,7 @@ class PrefillService(Service):
         self.directory = Directory(self.nc, self.subjects.prefix)
         self.directory.start()
         self.resources.push_async_callback(self.directory.stop)
-        self.handoffs = Handoffs(self.worker, self.nc, self.subjects, self.plane, self.directory, self.settings)
+        self.handoffs = Handoffs(self.worker, self.nc, self.subjects, self.plane, self.directory)
         await self.worker.start(self.nc, self.resources)
         self.resources.push_async_callback(self.handoffs.tasks.cancel)
         engine = self.worker.engine

@@ -21,12 +21,13 @@ from shared.dataplane.transport import TransportClient, TransportServer
 from shared.dataplane.ucx_transport import UcxClient, UcxServer
 from shared.dataplane.zmq_client import ZmqClient
 from shared.dataplane.zmq_server import ZmqServer
+from shared.dataplane.zmq_staging import POOL_BYTES
 
 
 class DataPlane:
     def __init__(self, transport: str = "zmq", host: str = "127.0.0.1", advertise: str = "",
                  max_bytes: int = 8 << 30, lease_seconds: float = 60.0, pull_timeout: float = 60.0,
-                 cuda_ipc: bool = True, cuda_ipc_pool_mb: int = 256):
+                 cuda_ipc: bool = True, cuda_ipc_pool_mb: int = POOL_BYTES >> 20):
         if transport not in TRANSPORTS:
             raise ValueError(f"data plane transport {transport!r} is not one of {', '.join(TRANSPORTS)}")
         self.transport = transport
@@ -44,9 +45,8 @@ class DataPlane:
 
     @classmethod
     def from_settings(cls, settings) -> "DataPlane":
-        return cls(settings.transport, settings.data_host, settings.data_advertise,
-                   settings.data_max_mb << 20, settings.lease_seconds, cuda_ipc=settings.data_cuda_ipc,
-                   cuda_ipc_pool_mb=settings.data_cuda_ipc_pool_mb)
+        return cls(settings.transport, settings.data_host, settings.data_advertise, settings.data_max_mb << 20,
+                   cuda_ipc=settings.data_cuda_ipc)
 
     @property
     def address(self) -> str:

@@ -20,6 +20,10 @@ from shared import kernels
 
 log = get_logger(__name__)
 
+# prefill and mixed steps of up to this many tokens run as CUDA graphs between their attentions (padded to a
+# bucket: launched kernel by kernel, short prompts waited on the host); --enforce-eager: none
+PREFILL_GRAPH_TOKENS = 4096
+
 
 def kv_pool_blocks(settings: EngineSettings, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> int:
     per_block = KVCache.bytes_per_block(config.text, settings.block_size, dtype)
@@ -45,9 +49,9 @@ def build_engine(settings: EngineSettings, role: str) -> tuple[Engine, ModelConf
         kernels.log_compiles(log)
     model = load_language_model(path, config, device, dtype, settings.load_format)
     max_len = min(settings.max_model_len or config.text.max_position_embeddings, config.text.max_position_embeddings)
-    if device.type == "cuda" and role != "decode" and not settings.enforce_eager and settings.prefill_graph_tokens:
+    if device.type == "cuda" and role != "decode" and not settings.enforce_eager:
         # before the KV pool is sized from what this process holds: the graphs' buffers and pool count in it
-        pieces.capture(model, min(settings.prefill_graph_tokens, settings.step_token_budget(device)))
+        pieces.capture(model, min(PREFILL_GRAPH_TOKENS, settings.step_token_budget(device)))
     blocks = kv_pool_blocks(settings, config, device, dtype)
     cache = KVCache(config.text, blocks, settings.block_size, dtype, device)
     log.info("engine.kv_pool", role=role, blocks=blocks, block_size=settings.block_size,
@@ -58,8 +62,7 @@ def build_engine(settings: EngineSettings, role: str) -> tuple[Engine, ModelConf
                       grammars=lambda: Grammars(load_tokenizer(path), config.text.vocab_size, config.eos_token_ids))
     runner = ModelRunner(model, cache, config.vision.merge_size, sampler=sampler)
     engine = Engine(runner, config.eos_token_ids, max_len, role, settings.max_num_seqs,
-                    settings.step_token_budget(device), settings.prefill_priority_window,
-                    chunked_prefill=settings.chunked_prefill, prefix_caching=settings.prefix_caching,
+                    settings.step_token_budget(device), chunked_prefill=settings.chunked_prefill, prefix_caching=settings.prefix_caching,
                     decode_step_tokens=settings.decode_step_tokens)
     if device.type == "cuda" and role != "prefill" and not settings.enforce_eager:
         runner.capture_graphs(settings.max_num_seqs, max_len)

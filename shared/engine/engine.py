@@ -24,7 +24,7 @@ from shared.engine.block_manager import BlockManager, blocks_for
 from shared.engine.prefix import block_hashes
 from shared.engine.runner import ModelRunner
 from shared.engine.sampling import TokenLogprobs
-from shared.engine.scheduler import Chunk, Scheduler
+from shared.engine.scheduler import PRIORITY_WINDOW_S, Chunk, Scheduler
 from shared.engine.sequence import Sequence, Status
 from shared.logging import get_logger
 
@@ -65,7 +65,7 @@ LayerHook = Callable[[int, list[KVSpan]], None]  # (layer, spans), in the engine
 
 class Engine:
     def __init__(self, runner: ModelRunner, eos_token_ids: tuple[int, ...], max_model_len: int, role: str = "both",
-                 max_num_seqs: int = 256, max_batched_tokens: int = 8192, priority_window: float = 2.0,
+                 max_num_seqs: int = 256, max_batched_tokens: int = 8192, priority_window: float = PRIORITY_WINDOW_S,
                  chunked_prefill: bool = True, prefix_caching: bool = True, decode_step_tokens: int = 0):
         if role not in ROLES:
             raise ValueError(f"engine role must be one of {ROLES}")

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from shared.engine.block_manager import BlockManager
 from shared.engine.sequence import Sequence, Status
 
+PRIORITY_WINDOW_S = 2.0  # a prompt passed over this long goes first (the priority window)
+
 
 @dataclass
 class Chunk:
@@ -54,7 +56,7 @@ class Plan:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_batched_tokens: int, swapper,
-                 priority_window: float = 2.0, chunked: bool = True, decode_step_tokens: int = 0):
+                 priority_window: float = PRIORITY_WINDOW_S, chunked: bool = True, decode_step_tokens: int = 0):
         self.blocks = blocks
         self.priority_window = priority_window  # seconds; 0: first come, first served
         self.max_num_seqs = max_num_seqs

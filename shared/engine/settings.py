@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field, field_validator
 
-from shared.settings import CommonSettings
+from shared.settings import CommonSettings, CudaGraphs, ModelLength
 
 if TYPE_CHECKING:
     import torch
@@ -15,33 +15,27 @@ GPU_STEP_TOKENS = 8192  # to confirm on the H200: bench/gpu_engine.py --sections
 CPU_STEP_TOKENS = 512
 
 
-class EngineSettings(CommonSettings):
-    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
-    max_model_len: int = Field(0, ge=0, description="longest sequence (prompt + output); 0: the model's limit")
-    max_num_seqs: int = Field(256, ge=1, description="sequences in one batch at most")
+class EngineSettings(CudaGraphs, ModelLength, CommonSettings):
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block: the unit the cache is allocated, "
+                                                           "shared and evicted in")
+    max_num_seqs: int = Field(256, ge=1, description="sequences in one batch at most; lower it to bound a step's "
+                                                     "time and memory")
     max_batched_tokens: int = Field(0, ge=0, description="tokens one step computes at most: prompt chunks plus one "
-                                                         "per decoding sequence; 0: 8192 on GPU, 512 on CPU")
+                                                         "per decoding sequence; larger gives prompts more throughput, "
+                                                         "smaller keeps decode steps short; 0: 8192 on GPU, 512 on CPU")
     decode_step_tokens: int = Field(0, ge=0, description="tokens one step computes at most while sequences are "
-                                                         "decoding: it bounds their inter-token gap (a 7B on an "
-                                                         "H200: ~65 ms a step at 2,048, ~230 ms at 8,192); prompts "
-                                                         "alone still get max_batched_tokens; 0: max_batched_tokens")
+                                                         "decoding: it bounds their inter-token gap; prompts alone "
+                                                         "still get max_batched_tokens; 0: max_batched_tokens")
     chunked_prefill: bool = Field(True, description="split prompts longer than the step budget into chunks, decode "
                                                     "rows riding along in every step; --no-chunked-prefill: prompts "
                                                     "whole, in steps of their own")
     prefix_caching: bool = Field(True, description="reuse the KV of a prompt's longest cached prefix (text, and "
                                                    "images by content hash); --no-prefix-caching: compute every prompt")
-    prefill_priority_window: float = Field(2.0, ge=0, description="waiting prompts start shortest first (text "
-                                                                  "before multi-image prompts), but one passed over "
-                                                                  "for this many seconds goes first; 0: first come, "
-                                                                  "first served")
     kv_cache_mb: int = Field(0, ge=0, description="KV pool size in MiB; 0: from --gpu-memory-utilization "
                                                   "on GPU, 256 MiB on CPU")
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="share of GPU memory this process may use")
-    enforce_eager: bool = Field(False, description="never capture CUDA graphs, for decode or prefill (debugging)")
-    prefill_graph_tokens: int = Field(4096, ge=0, description="prefill and mixed steps of up to this many tokens "
-                                                              "run as CUDA graphs between their attentions, padded "
-                                                              "to a bucket (the host launches ~25 kernels a layer: "
-                                                              "short prompts waited on it); 0: eager")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="share of GPU memory this process may use "
+                                                                        "(weights, graphs, KV pool); lower it for "
+                                                                        "processes sharing a GPU")
 
     @field_validator("max_batched_tokens", "decode_step_tokens")
     @classmethod

@@ -77,5 +77,5 @@ def main(settings) -> int:
     runs = load_runs(settings.files)
     if not runs:
         raise SystemExit("epd bench plot: no runs in the given files")
-    print(plot(runs, settings.out, settings.title))
+    print(plot(runs, settings.out))
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import platform
 import sys
 import time
@@ -23,8 +24,8 @@ import numpy as np
 from tools.bench.client import RequestResult, request_body, send
 from tools.bench.dataset import ImagePool, RequestSpec, build_requests
 from tools.bench.metrics import Slo, by_class, format_summary, summarize
+from tools.bench.settings import BenchSettings, parse_goodput
 from tools.bench.video import VideoPool, assign_videos
-from tools.bench.settings import BenchSettings
 
 WARMUP_TOKENS = 16  # a warm-up request exercises every stage; a long output would only add time
 
@@ -42,7 +43,8 @@ class LoadGenerator:
     def __init__(self, settings: BenchSettings):
         self.settings = settings
         self.url = settings.base_url.rstrip("/") + "/chat/completions"
-        headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+        api_key = os.environ.get("OPENAI_API_KEY", "")  # as vLLM's benchmark reads it
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(settings.timeout, connect=30),
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         self.model = settings.model
@@ -132,7 +134,7 @@ async def bench(settings: BenchSettings, before_measured: Callable[[], Awaitable
 
 
 def report(settings: BenchSettings, model: str, results: list[RequestResult], duration: float) -> dict:
-    slo = Slo(settings.slo_ttft, settings.slo_tpot, settings.slo_itl)
+    slo = Slo(**parse_goodput(settings.goodput))
     summary = summarize(results, duration, slo)
     rate = settings.request_rate
     return {
@@ -140,7 +142,7 @@ def report(settings: BenchSettings, model: str, results: list[RequestResult], du
         "request_rate": None if math.isinf(rate) else rate,  # JSON has no infinity: null means all at once
         "model": model,
         "config": {k: (None if isinstance(v, float) and math.isinf(v) else v)
-                   for k, v in settings.model_dump().items() if k != "api_key"},
+                   for k, v in settings.model_dump().items()},
         "environment": {"python": sys.version.split()[0], "platform": platform.platform(),
                         "httpx": httpx.__version__},
         "summary": summary,
@@ -151,7 +153,8 @@ def report(settings: BenchSettings, model: str, results: list[RequestResult], du
 
 
 def _progress_bar(settings: BenchSettings):
-    if not settings.progress:
+    """On a terminal only (a log file or another program's pipe gets the summary alone)."""
+    if not sys.stderr.isatty():
         return None
     from tqdm import tqdm
 

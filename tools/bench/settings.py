@@ -11,6 +11,21 @@ from pydantic_settings import BaseSettings, CliPositionalArg, SettingsConfigDict
 RESOLUTIONS = {"360p": (640, 360), "720p": (1280, 720), "1080p": (1920, 1080), "4k": (3840, 2160)}
 
 
+def parse_goodput(text: str) -> dict[str, float]:
+    """``ttft:2000,itl:100`` → ``{"ttft_ms": 2000.0, "itl_ms": 100.0}`` (``metrics.Slo``'s fields); empty: none."""
+    limits = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, ms = part.partition(":")
+        try:
+            value = float(ms)
+        except ValueError:
+            value = -1.0
+        if not sep or key not in ("ttft", "tpot", "itl") or f"{key}_ms" in limits or value <= 0:
+            raise ValueError(f"goodput {text!r}: ttft:MS, tpot:MS, itl:MS (positive milliseconds), comma separated")
+        limits[f"{key}_ms"] = value
+    return limits
+
+
 def parse_resolution(value: str) -> tuple[int, int]:
     """``360p``/``720p``/``1080p``/``4k`` or ``WxH`` → (width, height)."""
     text = value.strip().lower()
@@ -32,6 +47,8 @@ class Workload(BaseModel):
     random_image_count: bool = Field(False, description="draw each image request's count from 1..--image-count")
     image_resolution: str = Field("1080p", description="360p, 720p, 1080p, 4k or WIDTHxHEIGHT")
     text_ratio: float = Field(0.0, ge=0, le=1, description="share of requests that are text only (mixed traffic)")
+    image_format: Literal["png", "jpeg"] = Field("jpeg", description="how clients send images (data URLs the "
+                                                                    "frontend decodes)")
 
     @field_validator("image_resolution")
     @classmethod
@@ -81,7 +98,6 @@ class BenchSettings(BaseSettings, VideoWorkload, Workload):
 
     base_url: str = Field("http://127.0.0.1:8000/v1", description="the OpenAI-compatible API (ours or another)")
     model: str = Field("", description="model name to ask for; empty: the first one /v1/models lists")
-    api_key: str = Field("", description="bearer token, for servers that want one")
     label: str = Field("", description="topology or system name recorded in the results (plots group by it)")
     num_prompts: int = Field(100, ge=1, description="requests measured")
     warmup: int = Field(2, ge=0, description="requests sent (and waited for) before measuring")
@@ -91,17 +107,20 @@ class BenchSettings(BaseSettings, VideoWorkload, Workload):
     seed: int = Field(0, description="seed of arrivals, prompts and images (the same seed sends the same "
                                      "images again: change it between runs against an embedding cache)")
     tokenizer: str = Field("", description="HF tokenizer directory: size text prompts exactly to --input-len")
-    image_format: Literal["png", "jpeg"] = Field("jpeg", description="how images are sent (data URLs)")
     repeat_ratio: float = Field(0.0, ge=0, le=1, description="share of images that repeat an earlier one "
                                                              "(exercises embedding caches)")
     ignore_eos: bool = Field(True, description="force --output-len tokens (vLLM's ignore_eos extension)")
-    slo_ttft: float = Field(0.0, ge=0, description="goodput SLO on time to first token, ms (0: none)")
-    slo_tpot: float = Field(0.0, ge=0, description="goodput SLO on time per output token, ms (0: none)")
-    slo_itl: float = Field(0.0, ge=0, description="goodput SLO on inter-token latency, ms, held against each "
-                                                  "request's own 99th-percentile gap (0: none)")
+    goodput: str = Field("", description="the SLO goodput counts requests within, in ms: ttft:MS, tpot:MS and "
+                                         "itl:MS (held against each request's own 99th-percentile gap), comma "
+                                         "separated, e.g. ttft:2000,itl:100 (vLLM's --goodput); empty: none")
     timeout: float = Field(600.0, gt=0, description="seconds one request may take")
     out: str = Field("", description="write the results (summary, per class, per request) to this JSON file")
-    progress: bool = Field(True, description="show a progress bar (stderr)")
+
+    @field_validator("goodput")
+    @classmethod
+    def _goodput(cls, value: str) -> str:
+        parse_goodput(value)
+        return value
 
 
 class PlotSettings(BaseSettings):
@@ -111,4 +130,3 @@ class PlotSettings(BaseSettings):
     files: CliPositionalArg[list[str]] = Field(description="results JSON files of `epd bench --out` (or of "
                                                            "bench/epd_vs_aggregated.py)")
     out: str = Field("latency_vs_rate.png", description="the PNG to write")
-    title: str = Field("", description="title of the figure")

@@ -88,7 +88,7 @@ def measure_clip_media(data: bytes, geometry: VideoGeometry) -> tuple[float, "De
 class VisionProbe:
     """The vision tower, loaded once, timed on batches of images of any size, preprocessed as the
     encoders do (``mode`` torch: on the device, inside the timed forward; pil: on CPU, timed apart);
-    ``graph_patches``: forwards of up to that many patches as CUDA graphs (``EPD_VIT_GRAPH_PATCHES``), and
+    ``graph_patches``: forwards of up to that many patches as CUDA graphs (``vision.GRAPH_PATCHES``), and
     ``layout_graphs`` whole forwards of recurring batch layouts (``services.encoder.vision.LAYOUT_GRAPHS``)."""
 
     def __init__(self, settings, config, path, mode: str, graph_patches: int = 0, layout_graphs: int = 0):
@@ -97,7 +97,7 @@ class VisionProbe:
         self.device, self.dtype = settings.torch_device(), settings.torch_dtype()
         self.config, self.path, self.mode = config, path, mode
         self.tower = load_vision_tower(path, config, self.device, self.dtype, settings.load_format)
-        if self.device.type == "cuda" and graph_patches:  # as encoders with EPD_VIT_GRAPH_PATCHES run it
+        if self.device.type == "cuda" and graph_patches:  # as encoders run it
             from shared.model import pieces
 
             pieces.capture(self.tower, graph_patches, layout_graphs)
@@ -328,7 +328,7 @@ def measure_corun(vision: VisionProbe, engine: EngineProbe, image_size: tuple[in
     return {"vit|decode": vit_decode, "decode|vit": decode_vit, "vit|prefill": vit_prefill, "prefill|vit": prefill_vit}
 
 
-def measure_costs(settings) -> Costs:
+def measure_costs(settings, decode_batch: int) -> Costs:
     """Every cost ``epd plan`` needs for ``settings``' workload (see the module's docstring)."""
     from shared.model.config import ModelConfig
     from shared.model.processor import preprocess_mode
@@ -355,11 +355,11 @@ def measure_costs(settings) -> Costs:
         corun = {}
         if settings.corun_seconds > 0:
             prompt = engine.prompt(settings.input_len, prefill_counts[len(prefill_counts) // 2], image_tokens, grid)
-            corun = measure_corun(vision, engine, (width, height), corun_images, prompt, settings.decode_batch,
+            corun = measure_corun(vision, engine, (width, height), corun_images, prompt, decode_batch,
                                   settings.corun_seconds)
             if child is not None:
-                corun.update(measure_timeslice(child, engine, settings.decode_batch, prompt, settings.corun_seconds))
-        decode_ms = engine.decode_steps(settings.decode_batch)
+                corun.update(measure_timeslice(child, engine, decode_batch, prompt, settings.corun_seconds))
+        decode_ms = engine.decode_steps(decode_batch)
     return Costs(model=path.name, device=str(settings.torch_device()), dtype=str(settings.torch_dtype()),
                  resolution=settings.image_resolution, image_tokens=image_tokens, preprocess_ms=preprocess_ms,
                  preprocess_threads=settings.preprocess_threads, vit_ms=vit_ms, prefill_ms=prefill_ms,

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
-from services.encoder.settings import EncoderSettings
-from services.frontend.settings import FrontendSettings
+from services.encoder.settings import Preprocessing
+from services.frontend.settings import MediaDecoding
 from shared.engine.settings import EngineSettings
 from shared.settings import parse_settings
 from tools.bench.settings import VideoWorkload, Workload, parse_resolution
@@ -46,20 +46,15 @@ if TYPE_CHECKING:
     from tools.plan.costs import EngineProbe, VisionProbe
 
 
-class FloorSettings(EngineSettings):
+class FloorSettings(MediaDecoding, Preprocessing, EngineSettings):
     shapes: str = Field(description="JSON list of workloads (epd bench's Workload fields) whose request shapes "
                                     "to measure")
     out: str = Field(description="the JSON file to write")
     max_num_seqs: int = Field(64, ge=1, description="the measuring engine's batch limit")
     kv_cache_mb: int = Field(8192, ge=0, description="KV pool of the measuring engine (MiB)")
     decode_batch: int = Field(32, ge=2, description="the larger batch decode steps are timed at")
-    preprocess: Literal["auto", "pil", "torch"] = Field("auto", description="where encoders preprocess images")
-    preprocess_threads: int = Field(2, ge=1, description="image preprocessing threads per encoder (pil)")
-    media_threads: int = Field(FrontendSettings.model_fields["media_threads"].default, ge=1, description="the frontend's image-decoding threads")
     image_format: Literal["png", "jpeg"] = Field("jpeg", description="how clients send images")
     corun_seconds: float = Field(1.0, ge=0, description="seconds of each co-run measurement (0: skip them)")
-    vit_graph_patches: int = Field(EncoderSettings.model_fields["vit_graph_patches"].default, ge=0, description="the encoders' EPD_VIT_GRAPH_PATCHES: the measured tower's "
-                                                        "forwards of up to this many patches as CUDA graphs")
 
 
 class ShapeWorkload(Workload, VideoWorkload):
@@ -122,10 +117,10 @@ def measure_floor(settings: FloorSettings, workloads: list[ShapeWorkload]) -> di
 
 def _vision(settings, path, config, mode, shapes) -> tuple[VisionProbe, dict]:
     """The tower, and per resolution (tokens per image, preprocess ms, {images: ViT ms}, grid)."""
-    from services.encoder.vision import LAYOUT_GRAPHS
+    from services.encoder.vision import GRAPH_PATCHES, LAYOUT_GRAPHS
     from tools.plan.costs import VisionProbe
 
-    vision = VisionProbe(settings, config, path, mode, settings.vit_graph_patches, LAYOUT_GRAPHS)
+    vision = VisionProbe(settings, config, path, mode, 0 if settings.enforce_eager else GRAPH_PATCHES, LAYOUT_GRAPHS)
     seen: dict[str, tuple] = {}
     for (resolution, _), counts in shapes.items():
         width, height = parse_resolution(resolution)

@@ -219,8 +219,13 @@ class EngineThread:
         return expected_fill(room / per_prompt, count) * per_prompt * per_token
 
 
+# Data-plane bandwidth between two processes of one GPU (docs/benchmarks.md): UCX GPU to GPU (cuda_ipc),
+# ZMQ through host memory; what the planner charges for moving a request's embeddings.
+DATA_PLANE_GBS = {"ucx": 20.0, "zmq": 1.7}
+
+
 class Planner:
-    def __init__(self, costs: Costs, data_plane_gbs: float = 5.0, hidden_bytes: int = 0, max_batch: int = 256,
+    def __init__(self, costs: Costs, data_plane_gbs: float = DATA_PLANE_GBS["zmq"], hidden_bytes: int = 0, max_batch: int = 256,
                  step_tokens: int = GPU_STEP_TOKENS):
         self.costs = costs
         self.step_tokens = step_tokens  # tokens an engine step computes at most (--max-batched-tokens)

@@ -11,19 +11,19 @@ import json
 import math
 from dataclasses import asdict
 from pathlib import Path
-from typing import Literal
 
 from pydantic import Field
 
-from services.frontend.settings import FrontendSettings
+from services.encoder.settings import Preprocessing
+from services.frontend.settings import MediaDecoding
 from tools.plan.cost_table import Costs
 from tools.plan.layouts import Layout, layouts
-from tools.plan.model import Planner, Prediction, Traffic, traffic  # noqa: F401 - the planner's public names
+from tools.plan.model import DATA_PLANE_GBS, Planner, Prediction, Traffic, traffic  # noqa: F401 - the planner's public names
 from tools.bench.settings import Workload
 from shared.engine.settings import EngineSettings
 
 
-class PlanSettings(EngineSettings, Workload):
+class PlanSettings(MediaDecoding, Preprocessing, Workload, EngineSettings):
     """Measures the model's ViT, prefill and decode costs (and the frontend's image decoding, and how much
     a ViT forward and the language model slow each other side by side) on this machine, then predicts
     mean TTFT and TPOT of each layout for the workload: ViT v(n) per forward, prefill P by prompt tokens,
@@ -38,17 +38,12 @@ class PlanSettings(EngineSettings, Workload):
     gpus: int = Field(0, ge=0, description="GPUs to lay the services out on; 0: every visible GPU (1 on CPU)")
     max_num_seqs: int = Field(64, ge=1, description="the measuring engine's batch limit (graph capture is "
                                                     "per batch size: fewer is quicker)")
-    decode_batch: int = Field(16, ge=2, description="the larger batch decode steps are timed at")
-    preprocess: Literal["auto", "pil", "torch"] = Field("auto", description="where encoders preprocess images "
-                                                                          "(as `epd encoder --preprocess`)")
-    preprocess_threads: int = Field(2, ge=1, description="image preprocessing threads per encoder (pil)")
-    media_threads: int = Field(FrontendSettings.model_fields["media_threads"].default, ge=1, description="the frontend's image-decoding threads (as `epd frontend`)")
-    image_format: Literal["png", "jpeg"] = Field("jpeg", description="how clients send images (the frontend "
-                                                                    "decodes them)")
-    data_plane_gbs: float = Field(5.0, gt=0, description="assumed data-plane bandwidth between processes (GB/s)")
     corun_seconds: float = Field(1.0, ge=0, description="seconds each co-run measurement (ViT beside decode, "
                                                         "ViT beside prefill) runs; 0: skip, assume a factor")
     out: str = Field("", description="write costs, predictions and the recommendation to this JSON file")
+
+
+DECODE_BATCH = 16  # the larger batch decode steps are timed at (the smaller: 1)
 
 
 def recommend(predictions: list[Prediction], layouts_by_name: dict[str, Layout]) -> Prediction | None:
@@ -77,8 +72,9 @@ def main(settings: PlanSettings) -> int:
     gpus = settings.gpus or visible_gpus()
     from tools.plan.costs import measure_costs  # torch, the model: only to measure
 
-    costs = measure_costs(settings)
-    planner = Planner(costs, settings.data_plane_gbs, embedding_bytes(settings))
+    costs = measure_costs(settings, DECODE_BATCH)
+    bandwidth = DATA_PLANE_GBS.get(settings.transport, DATA_PLANE_GBS["zmq"])  # --transport: the stack's
+    planner = Planner(costs, bandwidth, embedding_bytes(settings))
     candidates = layouts(gpus)
     by_name = {layout.label(): layout for layout in candidates}
     print(describe_costs(costs))
@@ -93,7 +89,7 @@ def main(settings: PlanSettings) -> int:
     if settings.out:
         Path(settings.out).write_text(json.dumps(
             {"costs": costs.to_json(), "gpus": gpus, "workload": Workload.model_validate(
-                settings, from_attributes=True).model_dump(), "data_plane_gbs": settings.data_plane_gbs,
+                settings, from_attributes=True).model_dump(), "data_plane_gbs": bandwidth,
              "embedding_bytes": planner.hidden_bytes, "rates": results}, indent=1, default=json_default))
     return 0
 

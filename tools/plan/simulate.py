@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from tools.plan.layouts import Layout
 from tools.plan.model import Planner, Traffic
 
-# as the code has them (tests compare): services/encoder/batcher.py, services/encoder/settings.py,
-# shared/engine/settings.py; tools/plan stays without torch
+# as the code has them (tests compare): services/encoder/batcher.py, vision.py and settings.py,
+# shared/engine/scheduler.py; tools/plan stays without torch
 STEP_BUDGET_S = 0.25
 MAX_BATCH_IMAGES = 32
 MAX_BATCH_PATCHES = 65536
