@@ -158,8 +158,9 @@ class CudaGraphs(BaseModel):
     """CUDA graphs, captured at start-up (decode steps, prefill steps and ViT forwards between their
     attentions, recurring ViT layouts whole)."""
 
-    enforce_eager: bool = Field(False, description="never capture CUDA graphs: quicker start-up and their memory "
-                                                   "left to the KV cache, slower steps; for debugging")
+    enforce_eager: bool = Field(False, description="never capture CUDA graphs (decode and prefill steps, ViT "
+                                                   "forwards): quicker start-up and less memory, slower steps; "
+                                                   "for debugging")
 
 
 

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shared.engine.grammar import GrammarMasks, Grammars
+from shared.engine.grammar import Grammars
+from shared.engine.grammar_masks import GrammarMasks
 
 if TYPE_CHECKING:
     from shared.engine.sequence import Sequence
