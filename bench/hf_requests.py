@@ -50,7 +50,8 @@ from tools.bench.dataset import ImagePool, RequestSpec  # noqa: E402
 from tools.bench.runner import prepare  # noqa: E402
 from tools.bench.settings import BenchSettings, Workload  # noqa: E402
 from shared.model.geometry import ImageGeometry, grid_tokens  # noqa: E402
-from shared.model.processor import ImagePreprocessor, load_tokenizer  # noqa: E402
+from shared.model.processor import ImagePreprocessor  # noqa: E402
+from shared.model.tokenizer import load_tokenizer  # noqa: E402
 
 WARMUP_REQUESTS = 2  # as epd_vs_aggregated.measure(): the warm-up images come first in the pool
 

@@ -42,6 +42,7 @@ class Service:
     kind = "service"
     description = ""
     intake_endpoints: set[str] | None = None  # endpoints left first on SIGTERM; None: all of them
+    uses_torch = True  # computes with torch (its threads are set at start); the frontend never loads it
 
     def __init__(self, settings):
         self.settings = settings
@@ -213,7 +214,8 @@ def service_main(service_cls, settings_cls, argv: list[str] | None = None) -> No
     args = sys.argv[1:] if argv is None else argv
     settings = parse_settings(settings_cls, args, f"epd {service_cls.kind}")
     configure_logging(settings.log_level, settings.log_format, f"epd-{service_cls.kind}")
-    settings.apply_torch_threads()
+    if service_cls.uses_torch:
+        settings.apply_torch_threads()
     try:
         asyncio.run(service_cls(settings).run())
     finally:

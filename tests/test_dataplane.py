@@ -103,7 +103,7 @@ async def test_inproc_hands_over_the_tensor_itself(expected):
 
 def test_the_wire_dtypes_are_torchs_with_their_sizes():
     from shared.dataplane.handle import ELEMENT_SIZES, dtype_name
-    from shared.dataplane.wire import DTYPES
+    from shared.dataplane.tensor_bytes import DTYPES
 
     assert {name: dtype.itemsize for name, dtype in DTYPES.items()} == ELEMENT_SIZES
     assert all(dtype_name(dtype) == name for name, dtype in DTYPES.items())

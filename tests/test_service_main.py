@@ -13,6 +13,7 @@ from shared.settings import CommonSettings
 
 class Probe:
     kind = "probe"
+    uses_torch = True
 
     def __init__(self, settings):
         pass

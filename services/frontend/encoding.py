@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 
-import torch
-
 from shared.bus.watched import call_watched
 from services.frontend.errors import ApiError
 from services.frontend.media import DecodedImage
@@ -77,4 +75,4 @@ class EncodeFanout:
 def publish_pixels(plane: DataPlane, images: list[DecodedImage], lease: float) -> list:
     """The images' (and clips' sampled frames') decoded pixels on the frontend's data plane, any number of
     pulls each until released."""
-    return [plane.publish(torch.from_numpy(i.pixels), consumers=None, lease=lease) for i in images]
+    return [plane.publish(i.pixels, consumers=None, lease=lease) for i in images]

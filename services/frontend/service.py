@@ -29,8 +29,8 @@ from shared.engine.grammar import Grammars
 from shared.logging import get_logger
 from shared.model.config import ModelConfig
 from shared.model.geometry import ImageGeometry
+from shared.model.tokenizer import load_tokenizer
 from shared.model.video import VideoGeometry
-from shared.model.processor import load_tokenizer
 from shared.service import Service
 
 log = get_logger(__name__)
@@ -44,6 +44,7 @@ class _Server(uvicorn.Server):
 class FrontendService(Service):
     kind = "frontend"
     description = "OpenAI-compatible gateway: renders, tokenizes, fetches media, fans out encode jobs"
+    uses_torch = False
 
     def __init__(self, settings: FrontendSettings):
         super().__init__(settings)

@@ -52,20 +52,9 @@ import functools
 import secrets
 import threading
 
-import msgspec
 import torch
 
-
-class CudaIpc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What a consumer needs to map a holder's GPU tensor (torch's ``_share_cuda_`` fields)."""
-    handle: bytes  # the allocation block's IPC memory handle
-    block_bytes: int  # size of the storage the tensor lives in
-    block_offset: int  # the storage's offset in the block
-    byte_offset: int  # the tensor's offset in its storage
-    counter: bytes  # name of the shared-memory file of reference counters
-    counter_offset: int
-    event: bytes  # IPC event handle: the copy waits for it
-    event_sync: bool
+from shared.dataplane.wire import CudaIpc
 
 
 class Unavailable(Exception):

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import uuid
 
+import numpy as np
 import torch
 
-from shared.dataplane import wire
+from shared.dataplane import tensor_bytes
 from shared.dataplane.handle import TensorHandle
 from shared.dataplane.store import DataPlaneError, TensorStore
 
@@ -44,9 +45,12 @@ class InprocClient:
 
 def take(store: TensorStore, handle: TensorHandle, device: torch.device | None,
          out: torch.Tensor | None = None) -> torch.Tensor:
-    """One pull straight from a store in this process: the tensor itself, copied or moved only if asked."""
+    """One pull straight from a store in this process: the tensor itself, copied or moved only if asked (a
+    host array held: as a tensor over its memory)."""
     tensor = store.get(handle.key, handle.token)
     store.done(handle.key)
+    if isinstance(tensor, np.ndarray):
+        tensor = torch.from_numpy(tensor)
     if out is None:
         return tensor if device is None else tensor.to(device)
-    return wire.deliver(wire.flat_bytes(tensor), handle, None, out)
+    return tensor_bytes.deliver(tensor_bytes.flat_bytes(tensor), handle, None, out)

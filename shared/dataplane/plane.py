@@ -4,24 +4,27 @@ A process serves what it holds over its configured transport (``ucx``, ``zmq`` o
 pull from holders of any transport; clients are made on first use, so a ZMQ deployment never loads
 UCX. A handle this process holds is taken from its own store whatever its transport: no copy. Over ZMQ,
 holder and consumer on one GPU exchange a CUDA IPC description instead of the bytes (``cuda_ipc``).
+
+A process that only holds host arrays (the frontend's decoded pixels, published as numpy) never loads
+torch: the ZMQ server sends their bytes as they are, and torch comes in with the first GPU tensor or pull.
 """
 
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 import zmq.asyncio
 
-from shared.dataplane import cuda_ipc
 from shared.dataplane.handle import TRANSPORTS, TensorHandle, dtype_name
-from shared.dataplane.inproc_transport import InprocClient, InprocServer, take
 from shared.dataplane.store import DataPlaneError, TensorStore
 from shared.dataplane.transport import TransportClient, TransportServer
-from shared.dataplane.ucx_transport import UcxClient, UcxServer
-from shared.dataplane.zmq_client import ZmqClient
 from shared.dataplane.zmq_server import ZmqServer
 from shared.dataplane.zmq_staging import POOL_BYTES
+
+if TYPE_CHECKING:
+    import torch
 
 
 class DataPlane:
@@ -70,19 +73,21 @@ class DataPlane:
         if self._context is not None:
             self._context.term()
 
-    def publish(self, tensor: torch.Tensor, consumers: int | None = 1, lease: float | None = None,
+    def publish(self, tensor: torch.Tensor | np.ndarray, consumers: int | None = 1, lease: float | None = None,
                 complete: bool = False) -> TensorHandle:
         """Hold ``tensor`` for ``consumers`` pulls (None: until released or its lease ends). A consumer on
         the same GPU may map it (``cuda_ipc``) and copies once the work queued before this call on the
         current stream is done; ``complete``: its producer synchronized already, so nothing queued since
         (the next batch) delays that copy."""
         ready = None
-        if self.cuda_ipc and tensor.is_cuda and not complete:
+        if self.cuda_ipc and getattr(tensor, "is_cuda", False) and not complete:
+            from shared.dataplane import cuda_ipc
+
             ready = cuda_ipc.mark(tensor)
         key, token, expires_at = self.store.put(tensor, consumers, lease, ready)
         return TensorHandle(transport=self.transport, address=self.address, key=key, token=token,
-                            dtype=dtype_name(tensor.dtype), shape=list(tensor.shape),
-                            nbytes=tensor.numel() * tensor.element_size(), expires_at=expires_at)
+                            dtype=dtype_name(tensor.dtype), shape=list(tensor.shape), nbytes=tensor.nbytes,
+                            expires_at=expires_at)
 
     def release(self, handle: TensorHandle) -> None:
         if handle.address == self.address:
@@ -94,6 +99,10 @@ class DataPlane:
         for others'), or received into ``out``: a contiguous buffer of the handle's byte size that the
         caller reuses (no allocation; UCX writes straight into it), returned viewed as the handle's
         dtype and shape. Raises DataPlaneError: the holder's refusal, ``timeout`` or ``unreachable``."""
+        import torch
+
+        from shared.dataplane.inproc_transport import take
+
         target = torch.device(device) if device is not None else None
         if handle.address == self.address:
             return take(self.store, handle, target, out)
@@ -105,6 +114,8 @@ class DataPlane:
     async def pull_many(self, handles: list[TensorHandle], device: torch.device | str | None = None) -> list[torch.Tensor]:
         """``pull`` of each handle, in order; those of one holder on this process's GPU come in one batch
         (ZMQ: staged together in the holder's export pool, one reply and one copy for all)."""
+        import torch
+
         target = torch.device(device) if device is not None else None
         groups: dict[tuple[str, str], list[int]] = {}
         for i, handle in enumerate(handles):
@@ -143,17 +154,27 @@ class DataPlane:
             return ZmqServer(self.store, self.host, self.advertise, self._zmq_context(), self.cuda_ipc,
                              self.cuda_ipc_pool_bytes)
         if self.transport == "ucx":
+            from shared.dataplane.ucx_transport import UcxServer
+
             return UcxServer(self.store, self.host, self.advertise)
+        from shared.dataplane.inproc_transport import InprocServer
+
         return InprocServer(self.store)
 
     def _client(self, transport: str) -> TransportClient:
         client = self._clients.get(transport)
         if client is None:
             if transport == "zmq":
+                from shared.dataplane.zmq_client import ZmqClient
+
                 client = ZmqClient(self._zmq_context(), self.cuda_ipc)
             elif transport == "ucx":
+                from shared.dataplane.ucx_transport import UcxClient
+
                 client = UcxClient()
             else:
+                from shared.dataplane.inproc_transport import InprocClient
+
                 client = InprocClient()
             self._clients[transport] = client
         return client
@@ -168,4 +189,6 @@ class DataPlane:
             await asyncio.sleep(1.0)
             self.store.sweep()
             if self.store.mapped:  # blocks consumers mapped and have let go of: torch frees them when asked
+                from shared.dataplane import cuda_ipc
+
                 cuda_ipc.collect()

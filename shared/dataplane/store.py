@@ -1,5 +1,8 @@
 """What a producer holds for its consumers: tensors under keys, each with a token, a lease and a pull count.
 
+A tensor is a torch tensor, or a host array (numpy) from a process that never loads torch (the frontend's
+decoded pixels): both are held contiguous and served as their bytes.
+
 A tensor is freed when it has been pulled by every consumer it was published for, when its lease
 expires (so a crashed consumer cannot leak the holder's memory), or when the producer releases it.
 Bytes held are bounded: a full store refuses to grow instead of swapping the machine to death.
@@ -13,8 +16,12 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 
 class DataPlaneError(Exception):
@@ -29,7 +36,7 @@ class DataPlaneError(Exception):
 
 @dataclass
 class _Entry:
-    tensor: torch.Tensor
+    tensor: torch.Tensor | np.ndarray
     token: str
     expires_at: float
     remaining: int | None  # pulls left; None: until released or expired
@@ -63,14 +70,14 @@ class TensorStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, tensor: torch.Tensor, consumers: int | None = 1, lease: float | None = None,
+    def put(self, tensor: torch.Tensor | np.ndarray, consumers: int | None = 1, lease: float | None = None,
             ready=None) -> tuple[str, str, float]:
         """Hold ``tensor`` for ``consumers`` pulls (None: until released or expired); returns (key, token,
         expires_at). ``ready``: a GPU tensor's CUDA event (``cuda_ipc.mark``). Raises DataPlaneError("full") rather
         than exceed ``max_bytes``."""
         if consumers is not None and consumers < 1:
             raise ValueError("a tensor is published for at least one consumer (or None: until released)")
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor.nbytes
         expires_at = time.time() + (lease or self.lease_seconds)
         key, token = secrets.token_hex(8), secrets.token_urlsafe(24)
         with self._lock:
@@ -79,11 +86,12 @@ class TensorStore:
                 self.refused += 1
                 raise DataPlaneError("full", f"data plane full: {self._bytes + nbytes} bytes would exceed "
                                              f"the limit of {self.max_bytes}")
-            self._entries[key] = _Entry(tensor.contiguous(), token, expires_at, consumers, nbytes, ready)
+            held = np.ascontiguousarray(tensor) if isinstance(tensor, np.ndarray) else tensor.contiguous()
+            self._entries[key] = _Entry(held, token, expires_at, consumers, nbytes, ready)
             self._bytes += nbytes
         return key, token, expires_at
 
-    def get(self, key: str, token: str, count: bool = True) -> torch.Tensor:
+    def get(self, key: str, token: str, count: bool = True) -> torch.Tensor | np.ndarray:
         """The tensor, if ``token`` is right and the lease holds. Does not count as a completed pull
         (``count``: as served; a batch counts its tensors once it knows it serves them all)."""
         with self._lock:

@@ -6,11 +6,12 @@ of every transport, so a deployment may mix them (e.g. UCX between GPU hosts, ZM
 
 from __future__ import annotations
 
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING, Protocol
 
 from shared.dataplane.handle import TensorHandle
+
+if TYPE_CHECKING:
+    import torch
 
 
 class TransportServer(Protocol):

@@ -17,9 +17,10 @@ import asyncio
 import itertools
 
 import msgspec
+import numpy as np
 import torch
 
-from shared.dataplane import ucx_runtime, wire
+from shared.dataplane import tensor_bytes, ucx_runtime, wire
 from shared.dataplane.handle import TensorHandle
 from shared.dataplane.net import resolve_advertise, split_address, url_host
 from shared.dataplane.store import DataPlaneError, TensorStore
@@ -132,11 +133,13 @@ async def _all(operations: list) -> None:
             raise outcome
 
 
-async def _payload(tensor: torch.Tensor, to_device: bool):
-    """What UCX sends: host memory as is; device memory as is to a consumer that receives into GPU
-    memory (cuda_ipc, GPUDirect RDMA), else a pinned host copy made off the loop: UCX's own path from
-    device memory into a remote host buffer measured 0.15 GB/s on an H200, 5x slower than staging."""
-    flat = wire.flat_bytes(tensor)
+async def _payload(tensor, to_device: bool):
+    """What UCX sends: host memory as is (a host array too); device memory as is to a consumer that receives
+    into GPU memory (cuda_ipc, GPUDirect RDMA), else a pinned host copy made off the loop: UCX's own path
+    from device memory into a remote host buffer measured 0.15 GB/s on an H200, 5x slower than staging."""
+    if isinstance(tensor, np.ndarray):
+        return tensor.reshape(-1).view(np.uint8)
+    flat = tensor_bytes.flat_bytes(tensor)
     if flat.device.type == "cpu":
         return flat.numpy()
     if to_device and ucx_runtime.cuda_support():
@@ -145,7 +148,7 @@ async def _payload(tensor: torch.Tensor, to_device: bool):
         event.record(torch.cuda.current_stream(flat.device))
         await asyncio.to_thread(event.synchronize)
         return flat
-    return (await asyncio.to_thread(wire.host_bytes, flat)).obj
+    return (await asyncio.to_thread(tensor_bytes.host_bytes, flat)).obj
 
 
 class _Peer:
@@ -180,7 +183,7 @@ class _Peer:
         except TimeoutError:
             self.abort()  # the only way to withdraw receives UCX has already posted
             raise DataPlaneError("timeout", f"no answer from the holder within {timeout:g}s") from None
-        return wire.deliver(flat, handle, device, out)
+        return tensor_bytes.deliver(flat, handle, device, out)
 
     async def _transfer(self, handle: TensorHandle, landing: torch.Tensor) -> torch.Tensor:
         """The handle's bytes, received into ``landing`` (flat uint8, host or, with CUDA support, GPU).
@@ -234,14 +237,14 @@ class _Peer:
 
 def _landing(handle: TensorHandle, device: torch.device | None, out: torch.Tensor | None) -> torch.Tensor:
     """Where UCX writes the bytes: the caller's ``out`` or a new buffer on ``device`` when UCX can write
-    that memory, else a new host buffer (moved or copied by ``wire.deliver`` afterwards)."""
+    that memory, else a new host buffer (moved or copied by ``tensor_bytes.deliver`` afterwards)."""
     target = out.device if out is not None else device
     direct = target is None or target.type == "cpu" or ucx_runtime.cuda_support()
     if out is not None:
-        flat = wire.check_out(out, handle)
+        flat = tensor_bytes.check_out(out, handle)
         if direct:
             return flat
-    return wire.empty_like_handle(handle, target if direct and target is not None else "cpu")
+    return tensor_bytes.empty_like_handle(handle, target if direct and target is not None else "cpu")
 
 
 class UcxClient:

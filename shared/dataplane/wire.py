@@ -1,4 +1,4 @@
-"""What the network transports say to each other, and how a tensor becomes bytes and back.
+"""What the network transports say to each other (how a tensor becomes bytes and back: ``tensor_bytes``).
 
 A pull is three messages: the consumer's ``PullRequest``, the holder's ``PullReply`` followed by the raw
 tensor bytes (or, holder and consumer on one GPU, a slot of the holder's export pool or a CUDA IPC
@@ -11,20 +11,28 @@ Control messages are small msgspec structs (MessagePack); nothing is ever unpick
 from __future__ import annotations
 
 import struct
-import warnings
 
 import msgspec
-import torch
+import numpy as np
 
-from shared.dataplane.cuda_ipc import CudaIpc
-from shared.dataplane.handle import ELEMENT_SIZES, TensorHandle
 from shared.dataplane.store import DataPlaneError, TensorStore
 
 CONTROL_BYTES = 256  # every control frame (UCX) is exactly this long; ZMQ caps requests at this size
 BATCH_BYTES = 4096  # ... and batches of pulls (``PullBatch``) at this one
 MAX_BATCH = 32  # handles a batch names (so it fits BATCH_BYTES)
 MAX_MESSAGE_CHARS = 160  # error messages are cut to fit a control frame
-DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in ELEMENT_SIZES}  # the handles' dtypes
+
+
+class CudaIpc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a consumer needs to map a holder's GPU tensor (torch's ``_share_cuda_`` fields; ``cuda_ipc``)."""
+    handle: bytes  # the allocation block's IPC memory handle
+    block_bytes: int  # size of the storage the tensor lives in
+    block_offset: int  # the storage's offset in the block
+    byte_offset: int  # the tensor's offset in its storage
+    counter: bytes  # name of the shared-memory file of reference counters
+    counter_offset: int
+    event: bytes  # IPC event handle: the copy waits for it
+    event_sync: bool
 
 
 class PullRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="pull"):
@@ -81,13 +89,13 @@ def refusal(code: str, message: str) -> PullReply:
     return PullReply(False, code, message[:MAX_MESSAGE_CHARS])
 
 
-def lookup(store: TensorStore, request: PullRequest) -> tuple[PullReply, torch.Tensor | None]:
-    """The holder's answer to a pull: its reply, and the tensor to send when the reply is ok."""
+def lookup(store: TensorStore, request: PullRequest):
+    """The holder's answer to a pull: its reply, and the tensor (or host array) to send when the reply is ok."""
     try:
         tensor = store.get(request.key, request.token)
     except DataPlaneError as err:
         return refusal(err.code, err.message), None
-    if tensor.numel() * tensor.element_size() != request.nbytes:
+    if tensor.nbytes != request.nbytes:
         return refusal("bad_request", "the handle's byte size does not match the tensor"), None
     return PullReply(True), tensor
 
@@ -111,58 +119,11 @@ def from_frame(frame: bytes | bytearray, decoder: msgspec.msgpack.Decoder):
     return decoder.decode(memoryview(frame)[_LENGTH.size:_LENGTH.size + length])
 
 
-def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's storage as a flat uint8 tensor on its own device, without a copy (it is contiguous)."""
-    return tensor.detach().reshape(-1).view(torch.uint8)
+def host_bytes(value) -> memoryview:
+    """A held array's bytes in host memory: a host array's own (the store holds them contiguous), a GPU
+    tensor's copied (``tensor_bytes.host_bytes``; blocks: call off the event loop)."""
+    if isinstance(value, np.ndarray):
+        return memoryview(value.reshape(-1).view(np.uint8))
+    from shared.dataplane import tensor_bytes  # a tensor: torch is loaded already
 
-
-def host_bytes(tensor: torch.Tensor) -> memoryview:
-    """The tensor's bytes in host memory: a view for a CPU tensor, else one copy into pinned memory (from
-    torch's cache of pinned blocks; 4x a pageable copy's speed). Blocks: call off the event loop."""
-    flat = flat_bytes(tensor)
-    if flat.device.type != "cpu":
-        host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)
-        host.copy_(flat, non_blocking=True)
-        torch.cuda.current_stream(flat.device).synchronize()
-        flat = host
-    return memoryview(flat.numpy())
-
-
-def empty_like_handle(handle: TensorHandle, device: torch.device | str = "cpu") -> torch.Tensor:
-    """A writable flat uint8 buffer that a handle's bytes are received into."""
-    return torch.empty(handle.nbytes, dtype=torch.uint8, device=device)
-
-
-def check_out(out: torch.Tensor, handle: TensorHandle) -> torch.Tensor:
-    """``out`` (a caller's buffer to receive into) as flat bytes; it must be contiguous and the right size."""
-    if not out.is_contiguous() or out.numel() * out.element_size() != handle.nbytes:
-        raise ValueError(f"out must be a contiguous tensor of {handle.nbytes} bytes")
-    return flat_bytes(out)
-
-
-def deliver(flat: torch.Tensor, handle: TensorHandle, device: torch.device | None,
-            out: torch.Tensor | None) -> torch.Tensor:
-    """Received bytes as the handle's tensor: copied into ``out`` (unless they landed there), else moved
-    to ``device`` if they are not on it already."""
-    if out is not None:
-        target = check_out(out, handle)
-        if target.data_ptr() != flat.data_ptr() and handle.nbytes:
-            target.copy_(flat)
-        return as_tensor(target, handle)
-    tensor = as_tensor(flat, handle)
-    return tensor if device is None or tensor.device == device else tensor.to(device)
-
-
-def as_tensor(flat: torch.Tensor, handle: TensorHandle) -> torch.Tensor:
-    """The received bytes seen as the handle's dtype and shape (no copy)."""
-    return flat.view(DTYPES[handle.dtype]).view(handle.shape)
-
-
-def tensor_from_buffer(buffer, handle: TensorHandle) -> torch.Tensor:
-    """A tensor over a received (read-only) buffer, without a copy; consumers copy on use."""
-    if handle.nbytes == 0:
-        return torch.empty(handle.shape, dtype=DTYPES[handle.dtype])
-    with warnings.catch_warnings():  # torch warns that the buffer is not writable
-        warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(buffer, dtype=torch.uint8)
-    return as_tensor(flat, handle)
+    return tensor_bytes.host_bytes(value)

@@ -9,7 +9,7 @@ import asyncio
 import torch
 import zmq.asyncio
 
-from shared.dataplane import cuda_ipc, wire
+from shared.dataplane import cuda_ipc, tensor_bytes, wire
 from shared.dataplane.handle import TensorHandle
 from shared.dataplane.store import DataPlaneError
 from shared.dataplane.zmq_peer import ZmqPeer
@@ -33,14 +33,14 @@ class ZmqClient:
         if not handle.address.startswith(("tcp://", "ipc://")):
             raise DataPlaneError("bad_request", "zmq handle with a non-zmq address")
         if out is not None:
-            wire.check_out(out, handle)
+            tensor_bytes.check_out(out, handle)
         peer = await self._peer(handle.address)
         target = out.device if out is not None else device
         if self.mapping and peer.mappable and target is not None and target.type == "cuda":
             gpu = cuda_ipc.gpu_id(_index(target))
             got = await peer.pull(handle, timeout, gpu)
             if not isinstance(got, (wire.PullReply, cuda_ipc.CudaIpc)):  # another GPU, or a holder that does not map
-                return wire.deliver(wire.flat_bytes(got), handle, device, out)
+                return tensor_bytes.deliver(tensor_bytes.flat_bytes(got), handle, device, out)
             try:
                 if isinstance(got, wire.PullReply):
                     return await self._copy_slot(peer, got, gpu, handle, target, out)
@@ -49,14 +49,14 @@ class ZmqClient:
                 peer.mappable = False
                 log.warning("dataplane.cuda_ipc_unavailable", holder=handle.address, error=str(err)[:200])
         tensor = await peer.pull(handle, timeout)  # lands in ZMQ's own buffer: one copy into ``out``
-        return wire.deliver(wire.flat_bytes(tensor), handle, device, out)
+        return tensor_bytes.deliver(tensor_bytes.flat_bytes(tensor), handle, device, out)
 
     @staticmethod
     async def _copy(peer: ZmqPeer, ipc: cuda_ipc.CudaIpc, handle: TensorHandle, target: torch.device,
                     out: torch.Tensor | None) -> torch.Tensor:
         """Device to device from the holder's mapped memory, then the ack (also when the caller gives up:
         the copy's thread still unmaps, and the holder need not wait for the lease)."""
-        flat_out = wire.check_out(out, handle) if out is not None else None
+        flat_out = tensor_bytes.check_out(out, handle) if out is not None else None
         try:
             flat = await asyncio.to_thread(cuda_ipc.copy, ipc, handle.nbytes, target, flat_out)
         except cuda_ipc.Unavailable:
@@ -65,7 +65,7 @@ class ZmqClient:
             peer.ack(handle)
             raise
         peer.ack(handle)
-        return wire.deliver(flat, handle, None, out)
+        return tensor_bytes.deliver(flat, handle, None, out)
 
     async def pull_many(self, handles: list[TensorHandle], timeout: float,
                         device: torch.device | None) -> list[torch.Tensor]:
@@ -123,14 +123,14 @@ class ZmqClient:
             raise DataPlaneError("bad_request", "the holder's slot lies outside its pool") from None
         finally:
             peer.ack_slot(handles, reply.slot)
-        return [wire.as_tensor(flat[o:o + h.nbytes], h) for o, h in zip(offsets, handles)]
+        return [tensor_bytes.as_tensor(flat[o:o + h.nbytes], h) for o, h in zip(offsets, handles)]
 
     @staticmethod
     async def _copy_slot(peer: ZmqPeer, reply: wire.PullReply, gpu: str, handle: TensorHandle, target: torch.device,
                          out: torch.Tensor | None) -> torch.Tensor:
         """Device to device from the slot of the holder's mapped export pool, then the ack that frees the
         slot (also when the caller gives up or the pool cannot be mapped: the bytes are pulled next)."""
-        flat_out = wire.check_out(out, handle) if out is not None else None
+        flat_out = tensor_bytes.check_out(out, handle) if out is not None else None
         device = torch.device("cuda", _index(target))
         try:
             mapping = await peer.mapping(reply, gpu, device)
@@ -143,7 +143,7 @@ class ZmqClient:
             raise DataPlaneError("bad_request", "the holder's slot lies outside its pool") from None
         finally:
             peer.ack_slot(handle, reply.slot)
-        return wire.deliver(flat, handle, None, out)
+        return tensor_bytes.deliver(flat, handle, None, out)
 
     async def close(self) -> None:
         for peer in self._peers.values():

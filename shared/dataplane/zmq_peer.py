@@ -10,7 +10,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from shared.dataplane import cuda_ipc, wire
+from shared.dataplane import cuda_ipc, tensor_bytes, wire
 from shared.dataplane.handle import TensorHandle
 from shared.dataplane.store import DataPlaneError
 
@@ -204,7 +204,7 @@ class ZmqPeer:
             return reply.ipc
         if len(payload) != handle.nbytes:
             raise DataPlaneError("bad_request", "payload size does not match the handle")
-        return wire.tensor_from_buffer(payload.buffer, handle)
+        return tensor_bytes.tensor_from_buffer(payload.buffer, handle)
 
     def _forget_expired(self) -> None:
         stale = [rid for rid, (future, handle) in self.pending.items()

@@ -18,16 +18,22 @@ import os
 import time
 import uuid
 
+from typing import TYPE_CHECKING
+
 import msgspec
-import torch
 import zmq
 import zmq.asyncio
 
-from shared.dataplane import cuda_ipc, wire
+from shared.dataplane import wire
 from shared.dataplane.net import resolve_advertise, url_host
 from shared.dataplane.store import TensorStore
 from shared.dataplane.zmq_staging import POOL_BYTES, ExportSlots
 from shared.logging import get_logger
+
+if TYPE_CHECKING:
+    import torch
+
+    from shared.dataplane import cuda_ipc
 
 log = get_logger(__name__)
 
@@ -105,8 +111,10 @@ class ZmqServer:
         reply, tensor = wire.lookup(self.store, message)
         if tensor is None:
             return await self._refuse(sock, identity, request_id, reply.code, reply.message)
-        if tensor.device.type == "cpu":
+        if not getattr(tensor, "is_cuda", False):  # a CPU tensor, or a host array (a process without torch)
             return await self._send(sock, identity, request_id, wire.host_bytes(tensor))
+        from shared.dataplane import cuda_ipc  # a GPU tensor: torch is loaded
+
         if self.mappable and message.gpu and message.nbytes and message.gpu == cuda_ipc.gpu_id(tensor.device.index):
             staged = self.exports.take(tensor.device.index, message.nbytes, message.key, message.token)
             if staged is not None:
@@ -134,8 +142,12 @@ class ZmqServer:
 
     async def _answer_batch(self, sock, identity: bytes, request_id: bytes, message: wire.PullBatch) -> None:
         tensors = self.exports.batchable(message) if self.mappable else None
-        offsets = cuda_ipc.Slots.layout(message.nbytes)
-        staged = tensors and self.exports.take(tensors[0].device.index, offsets[-1], message.keys[0], message.tokens[0])
+        staged = None
+        if tensors:  # GPU tensors: torch is loaded
+            from shared.dataplane import cuda_ipc
+
+            offsets = cuda_ipc.Slots.layout(message.nbytes)
+            staged = self.exports.take(tensors[0].device.index, offsets[-1], message.keys[0], message.tokens[0])
         if not staged:
             return await self._refuse(sock, identity, request_id, "unbatched", "pull these one by one")
         self.store.served += len(tensors)

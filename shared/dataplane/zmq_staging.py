@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from shared.dataplane import cuda_ipc, wire
+from shared.dataplane import wire
 from shared.dataplane.store import DataPlaneError, TensorStore
 from shared.logging import get_logger
+
+if TYPE_CHECKING:
+    import torch
+
+    from shared.dataplane import cuda_ipc
 
 log = get_logger(__name__)
 
@@ -50,6 +54,10 @@ class ExportSlots:
 
     def _pool(self, index: int) -> cuda_ipc.ExportPool | None:
         if index not in self._pools:
+            import torch  # a pull between processes on one GPU: torch is loaded
+
+            from shared.dataplane import cuda_ipc
+
             try:
                 self._pools[index] = cuda_ipc.ExportPool(index, self.pool_bytes) if self.pool_bytes else None
             except (RuntimeError, torch.OutOfMemoryError) as err:
@@ -91,7 +99,8 @@ class ExportSlots:
             slot.pool.slots.give(offset, slot.nbytes)
 
     def batchable(self, message: wire.PullBatch) -> list[torch.Tensor] | None:
-        """The batch's tensors, if one slot can serve them all: each is held for this token with the size named, on the GPU named, none empty (else the consumer pulls one by one)."""
+        """The batch's tensors, if one slot can serve them all: each is held for this token with the size
+        named, on the GPU named, none empty (else the consumer pulls one by one)."""
         n = len(message.keys)
         if not (0 < n <= wire.MAX_BATCH and len(message.tokens) == len(message.nbytes) == n):
             return None
@@ -101,9 +110,13 @@ class ExportSlots:
                 tensor = self.store.get(key, token, count=False)
             except DataPlaneError:
                 return None
+            if not getattr(tensor, "is_cuda", False):  # a host array: no torch, nothing to map
+                return None
+            from shared.dataplane.cuda_ipc import gpu_id  # a GPU tensor: torch is loaded
+
             device = tensors[0].device if tensors else tensor.device
-            if (not tensor.is_cuda or nbytes <= 0 or tensor.numel() * tensor.element_size() != nbytes
-                    or tensor.device != device or cuda_ipc.gpu_id(device.index) != message.gpu):
+            if (nbytes <= 0 or tensor.numel() * tensor.element_size() != nbytes
+                    or tensor.device != device or gpu_id(device.index) != message.gpu):
                 return None
             tensors.append(tensor)
         return tensors

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import torch
 
+from shared import kernels
 from shared.engine.engine import Engine
 from shared.engine.grammar import Grammars
 from shared.engine.kv_cache import KVCache
 from shared.engine.memory import CONTEXT_BYTES, step_work_bytes
 from shared.engine.runner import ModelRunner
 from shared.engine.sampling import Sampler
-from shared.logging import get_logger
-from shared.model.config import ModelConfig
-from shared.model import pieces
-from shared.model.loader import load_language_model
-from shared.model.processor import load_tokenizer
 from shared.engine.settings import EngineSettings
-from shared import kernels
+from shared.logging import get_logger
+from shared.model import pieces
+from shared.model.config import ModelConfig
+from shared.model.loader import load_language_model
+from shared.model.tokenizer import load_tokenizer
 
 log = get_logger(__name__)
 

@@ -1,4 +1,4 @@
-"""Image preprocessing and tokenizer loading, without torchvision.
+"""Image preprocessing, without torchvision.
 
 How many tokens an image becomes is ``shared.model.geometry`` (no pixels touched). The encoder turns decoded pixels into flattened patches in one of two ways:
 
@@ -158,9 +158,3 @@ class TorchImagePreprocessor:
         patches = image.view(n, 3, gh // m, m, p, gw // m, m, p).permute(0, 2, 5, 3, 6, 1, 4, 7)
         patches = patches.unsqueeze(6).expand(*patches.shape[:6], t, p, p)  # a still image fills every frame
         return patches.reshape(n * gh * gw, 3 * t * p * p).to(self.dtype)
-
-
-def load_tokenizer(path: str | Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))
