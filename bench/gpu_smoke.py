@@ -85,7 +85,7 @@ def load(base: str, args, count: int, rate: float, seed: int) -> BenchSettings:
     return BenchSettings(base_url=base, num_prompts=count, request_rate=rate, warmup=0, seed=seed,
                          input_len=args.input_len, output_len=args.output_len, image_count=2,
                          random_image_count=True, image_resolution=args.resolution, text_ratio=0.4,
-                         repeat_ratio=0.3, progress=False, timeout=args.request_timeout)
+                         repeat_ratio=0.3, timeout=args.request_timeout)
 
 
 async def run_load(settings: BenchSettings) -> dict:

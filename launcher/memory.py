@@ -27,6 +27,7 @@ import subprocess
 from dataclasses import dataclass
 
 from launcher.topology import Placement
+from shared.engine.settings import PREFILL_GRAPH_TOKENS
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -35,7 +36,7 @@ ENCODER_ROOM_MAX = 12 * GIB
 ENCODER_STORE_MIN = 1 * GIB  # embeddings handed out and not yet pulled: a request's images at the least
 PREFILL_KV_SHARE = 1 / 3
 CONTEXT_MARGIN = 0.9  # of a planned KV pool, for what the plan cannot see (allocator rounding)
-GRAPH_TOKENS = 4096  # prefill graphs' tokens (EPD_PREFILL_GRAPH_TOKENS): their pool is taken before the KV pool
+GRAPH_TOKENS = PREFILL_GRAPH_TOKENS  # prefill graphs' tokens: their pool is taken before the KV pool
 PREFILL_STORE = 2 * GIB  # a prefill worker's KV chunks copied out until decode pulls them (its data store)
 LANGUAGE_KINDS = ("language", "prefill", "decode", "aggregated")
 

@@ -142,7 +142,7 @@ def build_lm(bench: Bench) -> Engine:
                     max_batched_tokens=16384, prefix_caching=False)  # repeated prompts compute each time
     if dev.type == "cuda":
         runner.capture_graphs(bench.max_batch, bench.max_len)
-        if bench.prefill_graph_tokens:  # as a serving worker does (EngineSettings.prefill_graph_tokens)
+        if bench.prefill_graph_tokens:  # as a serving worker does (engine.settings.PREFILL_GRAPH_TOKENS)
             before, started = torch.cuda.memory_reserved(dev), time.perf_counter()
             pieces.capture(lm, bench.prefill_graph_tokens)
             bench.build["prefill_graphs"] = {"max_tokens": bench.prefill_graph_tokens,

@@ -18,7 +18,8 @@ def run(bench: Bench, out: dict) -> None:
     from transformers import AutoTokenizer
 
     from shared.engine.grammar import Grammars
-    from shared.engine.sampling import Constraint, Sampler
+    from shared.engine.sampling import Sampler
+    from shared.messages.sampling import Constraint
 
     engine, cfg = build_lm(bench), bench.config
     runner = engine.runner

@@ -11,7 +11,7 @@ from shared.engine.kv_cache import KVCache
 from shared.engine.memory import CONTEXT_BYTES, step_work_bytes
 from shared.engine.runner import ModelRunner
 from shared.engine.sampling import Sampler
-from shared.engine.settings import EngineSettings
+from shared.engine.settings import PREFILL_GRAPH_TOKENS, EngineSettings
 from shared.logging import get_logger
 from shared.model import pieces
 from shared.model.config import ModelConfig
@@ -19,10 +19,6 @@ from shared.model.loader import load_language_model
 from shared.model.tokenizer import load_tokenizer
 
 log = get_logger(__name__)
-
-# prefill and mixed steps of up to this many tokens run as CUDA graphs between their attentions (padded to a
-# bucket: launched kernel by kernel, short prompts waited on the host); --enforce-eager: none
-PREFILL_GRAPH_TOKENS = 4096
 
 
 def kv_pool_blocks(settings: EngineSettings, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> int:

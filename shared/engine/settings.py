@@ -13,6 +13,9 @@ if TYPE_CHECKING:
 
 GPU_STEP_TOKENS = 8192  # to confirm on the H200: bench/gpu_engine.py --sections chunked
 CPU_STEP_TOKENS = 512
+# prefill and mixed steps of up to this many tokens run as CUDA graphs between their attentions (padded to a
+# bucket: launched kernel by kernel, short prompts waited on the host); --enforce-eager: none
+PREFILL_GRAPH_TOKENS = 4096
 
 
 class EngineSettings(CudaGraphs, ModelLength, CommonSettings):
