@@ -24,9 +24,9 @@ import base64
 import binascii
 import io
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from services.frontend.errors import ApiError
 from services.frontend.protocol import ImageEmbedsPart
@@ -34,8 +34,13 @@ from shared.embedding_index import content_digest
 from shared.model.config import ModelConfig
 from shared.model.geometry import Grid, grid_tokens
 
-ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-GRID_DTYPES = (torch.int32, torch.int64)
+if TYPE_CHECKING:
+    import torch
+
+# torch is loaded by the first image_embeds part (in the media pool), not at start: the frontend needs it
+# for nothing else
+ROW_DTYPES = ("float32", "float16", "bfloat16")
+GRID_DTYPES = ("int32", "int64")
 PICKLE_REFUSED = ("{name} is a torch.save (pickle) payload, which this server does not load: send the tensor as "
                   "base64 of safetensors bytes (safetensors.torch.save({{'{name}': tensor}})) or of a .npy file "
                   "(numpy.save); see docs/api.md")
@@ -73,15 +78,17 @@ class EmbedsReader:
         if "image_grid_thw" not in fields:
             raise ApiError(400, "image_embeds for this model needs its image_grid_thw (the patch grid t, h, w): "
                                 "send {\"image_embeds\": …, \"image_grid_thw\": …}", "messages")
+        import torch
+
         grid = self._grid(self._tensor(fields["image_grid_thw"], "image_grid_thw"))
         rows = self._rows(self._tensor(fields["image_embeds"], "image_embeds"), grid)
         raw = rows.reshape(-1).view(torch.uint8).numpy()
-        digest = content_digest(f"embeds:{str(rows.dtype).removeprefix('torch.')}:{rows.shape[0]}x{rows.shape[1]}:"
+        digest = content_digest(f"embeds:{_dtype(rows)}:{rows.shape[0]}x{rows.shape[1]}:"
                                 f"{grid[0]}x{grid[1]}x{grid[2]}:", raw.data)
         return ImageEmbeds(rows, grid, digest)
 
     def _grid(self, tensor: torch.Tensor) -> Grid:
-        if tensor.dtype not in GRID_DTYPES or tuple(tensor.shape) not in ((3,), (1, 3)):
+        if _dtype(tensor) not in GRID_DTYPES or tuple(tensor.shape) not in ((3,), (1, 3)):
             raise ApiError(400, f"image_grid_thw must be one image's [t, h, w] as int32 or int64 (shape [3] or "
                                 f"[1, 3]), not {_describe(tensor)}", "messages")
         t, h, w = (int(v) for v in tensor.reshape(3).tolist())
@@ -93,7 +100,7 @@ class EmbedsReader:
     def _rows(self, tensor: torch.Tensor, grid: Grid) -> torch.Tensor:
         if tensor.dim() == 3 and tensor.shape[0] == 1:
             tensor = tensor[0]
-        if tensor.dtype not in ROW_DTYPES or tensor.dim() != 2:
+        if _dtype(tensor) not in ROW_DTYPES or tensor.dim() != 2:
             raise ApiError(400, "image_embeds must be float32, float16 or bfloat16 of shape [tokens, width], not "
                                 f"{_describe(tensor)}", "messages")
         tokens = grid_tokens(grid, self.merge)
@@ -102,7 +109,7 @@ class EmbedsReader:
             raise ApiError(400, f"image_embeds of shape {list(tensor.shape)} does not fit: the grid {list(grid)} "
                                 f"takes {tokens} rows (t·h·w / {self.merge}²) of this model's width "
                                 f"{self.width}{deepstack}", "messages")
-        if not bool(torch.isfinite(tensor).all()):
+        if not bool(tensor.isfinite().all()):
             raise ApiError(400, "image_embeds holds NaN or infinite values", "messages")
         return tensor.contiguous()
 
@@ -141,8 +148,14 @@ def _npy(data: bytes, name: str) -> torch.Tensor:
         raise ApiError(400, f"{name} is not a readable .npy array of numbers", "messages") from None
     if array.dtype.kind not in "fiu" or array.dtype.itemsize > 8:
         raise ApiError(400, f"{name} must be an array of numbers, not {array.dtype}", "messages")
+    import torch
+
     return torch.from_numpy(np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("=")))
 
 
+def _dtype(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
 def _describe(tensor: torch.Tensor) -> str:
-    return f"{str(tensor.dtype).removeprefix('torch.')} of shape {list(tensor.shape)}"
+    return f"{_dtype(tensor)} of shape {list(tensor.shape)}"
