@@ -15,6 +15,7 @@ from shared.engine.kv_cache import KVCache
 from shared.engine.runner import ModelRunner
 from shared.messages.sampling import SamplingParams
 from shared.engine.sequence import ImageInput, Sequence
+from shared.engine.settings import DEFAULT_TARGET_ITL_MS
 from shared.model.config import ModelConfig
 from shared.model.loader import load_language_model, load_vision_tower
 from tests.support import hf_chat_inputs, make_image
@@ -51,13 +52,15 @@ def requests_with_reference(reference, model_parts):
 
 
 def make_engine(model_parts, num_blocks=256, block_size=16, max_num_seqs=256, role="both", backend=None,
-                **options) -> Engine:
-    """An engine on the tiny model; ``options``: max_batched_tokens, chunked_prefill, prefix_caching."""
+                target_itl_s=DEFAULT_TARGET_ITL_MS / 1e3, **options) -> Engine:
+    """An engine on the tiny model; ``options``: max_batched_tokens, chunked_prefill, prefix_caching. Its time
+    budget is the default one, as served (its model learns from the steps; ``calibration.calibrate`` fits
+    it first, as a worker does at start)."""
     config, lm, _ = model_parts
     cache = KVCache(config.text, num_blocks, block_size, torch.float32, "cpu")
     runner = ModelRunner(lm, cache, config.vision.merge_size, backend=backend(cache) if backend else None)
     return Engine(runner, config.eos_token_ids, max_model_len=(num_blocks - 1) * block_size, role=role,
-                  max_num_seqs=max_num_seqs, **options)
+                  max_num_seqs=max_num_seqs, target_itl_s=target_itl_s, **options)
 
 
 def sequence(rid, request) -> Sequence:
@@ -83,8 +86,8 @@ def record_plans(engine: Engine, plans: list) -> None:
     """Make the engine's next step append its plan as [(request id, start, end, decoding)] to ``plans``."""
     schedule = engine.scheduler.schedule
 
-    def recorded():
-        plan = schedule()
+    def recorded(*args):
+        plan = schedule(*args)
         plans.append([(c.seq.request_id, c.start, c.end, c.seq.decoding) for c in plan.chunks])
         engine.scheduler.schedule = schedule
         return plan

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 
 from shared.engine.attention import TritonAttention
+from shared.engine.warmup import calibrate
 from shared.engine.sequence import Sequence
+from shared.engine.settings import DEFAULT_TARGET_ITL_MS
 from tests.engine_support import (make_engine, model_parts, requests_with_reference, run_to_completion,  # noqa: F401
                                   sequence)
 
@@ -18,11 +20,13 @@ def _splits_an_image(plans, seqs) -> bool:
                for lo, hi in images[rid])
 
 
-def test_prompts_in_chunks_of_32_tokens_give_hf_tokens(model_parts, requests_with_reference):
-    """Eight prompts of 30-200 tokens at a budget of 32 tokens a step: each spans several chunks, chunks
-    split images, a step carries the end of one prompt and the start of the next, and decode rows ride
-    along with prompt chunks — and every output is HF's."""
-    engine = make_engine(model_parts, max_batched_tokens=32, prefix_caching=False)
+@pytest.mark.parametrize("target_itl_s", [0.0, DEFAULT_TARGET_ITL_MS / 1e3])
+def test_prompts_in_chunks_of_32_tokens_give_hf_tokens(model_parts, requests_with_reference, target_itl_s):
+    """Eight prompts of 30-200 tokens at a budget of 32 tokens a step, with and without the default time
+    budget: each spans several chunks, chunks split images, a step carries the end of one prompt and the
+    start of the next, and decode rows ride along with prompt chunks — and every output is HF's."""
+    engine = make_engine(model_parts, max_batched_tokens=32, prefix_caching=False, target_itl_s=target_itl_s)
+    calibrate(engine)
     seqs = [sequence(i, r) for i, r in enumerate(requests_with_reference)]
     for seq in seqs:
         engine.add_prompt(seq)
@@ -37,20 +41,23 @@ def test_prompts_in_chunks_of_32_tokens_give_hf_tokens(model_parts, requests_wit
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
-def test_steps_with_decode_rows_keep_to_the_decode_step_budget(model_parts, requests_with_reference):
-    """--decode-step-tokens 24 under a budget of 96: a step that carries decode rows computes at most 24
-    tokens (their inter-token gap), a step of prompts alone up to 96; prompts join while others decode,
-    and every output is HF's."""
-    engine = make_engine(model_parts, max_batched_tokens=96, decode_step_tokens=24, prefix_caching=False)
+def test_steps_with_decode_rows_keep_to_the_time_budget(model_parts, requests_with_reference):
+    """A time budget too small for any step (1 µs), the model calibrated as a worker does at start: a
+    step that carries decode rows computes a block's worth of prompt tokens (16: prompts still advance),
+    a step of prompts alone up to the token budget (96); prompts join while others decode, and every
+    output is HF's."""
+    engine = make_engine(model_parts, max_batched_tokens=96, target_itl_s=1e-6, prefix_caching=False)
+    assert calibrate(engine) >= 5 and engine.blocks.num_free == engine.blocks.num_blocks
     seqs = [sequence(i, r) for i, r in enumerate(requests_with_reference)]
     plans: list = []
     run_to_completion(engine, {0: seqs[:2], 3: seqs[2:5], 6: seqs[5:]}, plans=plans)
     for seq, (_, _, _, expected) in zip(seqs, requests_with_reference):
         assert seq.output_ids == expected, seq.request_id
-    tokens = [(sum(end - start for _, start, end, _ in plan), any(d for *_, d in plan)) for plan in plans]
-    assert all(n <= 24 for n, decoding in tokens if decoding)
-    assert any(any(d for *_, d in plan) and not all(d for *_, d in plan) for plan in plans), "no mixed step"
-    assert max(n for n, decoding in tokens if not decoding) > 24
+    prompt = [(sum(end - start for _, start, end, d in plan if not d), any(d for *_, d in plan)) for plan in plans]
+    assert all(n <= 16 for n, decoding in prompt if decoding)
+    assert any(n and decoding for n, decoding in prompt), "no mixed step"
+    assert max(n for n, decoding in prompt if not decoding) > 16
+    assert engine.step_times.paced > 0 and engine.step_times.observed > 0
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
@@ -201,7 +208,20 @@ def test_step_budgets_below_16_tokens_are_refused():
 
     from shared.engine.settings import EngineSettings
 
-    assert EngineSettings(decode_step_tokens=2048, max_batched_tokens=8192).decode_step_tokens == 2048
-    for field in ("decode_step_tokens", "max_batched_tokens"):
-        with pytest.raises(ValidationError, match=f"{field} must be 0"):
-            EngineSettings(**{field: 8})
+    assert EngineSettings(max_batched_tokens=8192).max_batched_tokens == 8192
+    with pytest.raises(ValidationError, match="max_batched_tokens must be 0"):
+        EngineSettings(max_batched_tokens=8)
+
+
+def test_time_budget_setting():
+    """--target-itl-ms: on by default, 0 turns it off, a negative one is refused; the token cap it
+    replaced is an unknown option."""
+    from pydantic import ValidationError
+
+    from shared.engine.settings import EngineSettings
+
+    assert EngineSettings().target_itl_ms == DEFAULT_TARGET_ITL_MS > 0
+    assert EngineSettings(target_itl_ms=0).target_itl_ms == 0
+    for bad in ({"target_itl_ms": -1}, {"decode_step_tokens": 2048}):
+        with pytest.raises(ValidationError):
+            EngineSettings(**bad)

@@ -17,6 +17,7 @@ from shared.engine.kv_cache import KVCache
 from shared.engine.runner import ModelRunner
 from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import ImageInput, Sequence
+from shared.engine.warmup import warm_thread
 from shared.model import pieces
 from shared.model.config import ModelConfig
 from shared.model.geometry import ImageGeometry
@@ -149,7 +150,7 @@ def build_lm(bench: Bench) -> Engine:
                                              "seconds": round(time.perf_counter() - started, 1),
                                              "reserved_MB": (torch.cuda.memory_reserved(dev) - before) / 2**20}
     started = time.perf_counter()  # what a worker's engine thread does before serving (this thread steps here)
-    bench.build["warm_thread"] = {"attention_plans": engine.warm_thread(),
+    bench.build["warm_thread"] = {"attention_plans": warm_thread(engine),
                                   "ms": round((time.perf_counter() - started) * 1e3, 1)}
     embedding = lm.embed_tokens.weight
     bench.weights_bytes = lm_bytes(lm) - (0 if cfg.text.tie_word_embeddings else embedding.numel() * embedding.element_size())

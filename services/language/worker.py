@@ -26,9 +26,10 @@ from dataclasses import dataclass
 from shared.bus.publisher import CancelRegistry, Publisher, listen_for_cancels
 from shared.bus.subjects import Subjects
 from shared.engine.builder import build_engine
-from shared.engine.engine import Engine, StepOutput
+from shared.engine.engine import StepOutput
 from shared.engine.loop import EngineLoop
 from shared.engine.sequence import Sequence
+from shared.engine.warmup import calibrate, warm_thread
 from shared.errors import ServiceError
 from shared.logging import get_logger
 from shared.messages import pack
@@ -78,8 +79,10 @@ class LanguageWorker:
             self.loop.attach(side)
         self.loop.start()
         resources.push_async_callback(asyncio.to_thread, self.loop.stop)
-        # the engine thread's own library state (cuDNN's attention plans), before any request
-        self.attention_plans = await self.loop.call(Engine.warm_thread)
+        # the engine thread's own library state (cuDNN's attention plans), before any request; then the
+        # step-time model's first fit, on steps of what was just warmed
+        self.attention_plans = await self.loop.call(warm_thread)
+        await self.loop.call(calibrate)
         self.publisher = Publisher(nc)
         resources.push_async_callback(self.publisher.close)
         subscription = await listen_for_cancels(nc, self.subjects, self.cancel)
@@ -175,7 +178,8 @@ class LanguageWorker:
         # running: every request this worker holds (the routers' load); waiting: those of them still
         # queued in the engine for their prefill (vllm:num_requests_waiting)
         waiting = len(self.engine.scheduler.waiting) if self.engine else 0
+        step_times = self.engine.step_times.stats() if self.engine and self.engine.step_times else {}
         return {**(self.engine.block_stats() if self.engine else {}),
-                **(self.engine.timing_stats() if self.engine else {}), "running": len(self.requests),
+                **(self.engine.timing_stats() if self.engine else {}), **step_times, "running": len(self.requests),
                 "waiting": waiting,
                 "tokens": self.tokens, "requests_failed": self.failed, "attention_plans": self.attention_plans}

@@ -52,14 +52,14 @@ def build_engine(settings: EngineSettings, role: str) -> tuple[Engine, ModelConf
     cache = KVCache(config.text, blocks, settings.block_size, dtype, device)
     log.info("engine.kv_pool", role=role, blocks=blocks, block_size=settings.block_size,
              mib=round(cache.nbytes / 2**20, 1), max_model_len=max_len, step_tokens=settings.step_token_budget(device),
-             decode_step_tokens=settings.decode_step_tokens or None,
+             target_itl_ms=settings.target_itl_ms or None,
              chunked_prefill=settings.chunked_prefill, prefix_caching=settings.prefix_caching)
     sampler = Sampler(device, eos_token_ids=config.eos_token_ids,
                       grammars=lambda: Grammars(load_tokenizer(path), config.text.vocab_size, config.eos_token_ids))
     runner = ModelRunner(model, cache, config.vision.merge_size, sampler=sampler)
     engine = Engine(runner, config.eos_token_ids, max_len, role, settings.max_num_seqs,
-                    settings.step_token_budget(device), chunked_prefill=settings.chunked_prefill, prefix_caching=settings.prefix_caching,
-                    decode_step_tokens=settings.decode_step_tokens)
+                    settings.step_token_budget(device), chunked_prefill=settings.chunked_prefill,
+                    prefix_caching=settings.prefix_caching, target_itl_s=settings.target_itl_ms / 1e3)
     if device.type == "cuda" and role != "prefill" and not settings.enforce_eager:
         runner.capture_graphs(settings.max_num_seqs, max_len)
     return engine, config

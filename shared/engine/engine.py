@@ -26,9 +26,7 @@ from shared.engine.runner import ModelRunner
 from shared.engine.sampling import TokenLogprobs
 from shared.engine.scheduler import PRIORITY_WINDOW_S, Chunk, Scheduler
 from shared.engine.sequence import Sequence, Status
-from shared.logging import get_logger
-
-log = get_logger(__name__)
+from shared.engine.step_time import StepTimes
 
 ROLES = ("prefill", "decode", "both")
 
@@ -66,7 +64,7 @@ LayerHook = Callable[[int, list[KVSpan]], None]  # (layer, spans), in the engine
 class Engine:
     def __init__(self, runner: ModelRunner, eos_token_ids: tuple[int, ...], max_model_len: int, role: str = "both",
                  max_num_seqs: int = 256, max_batched_tokens: int = 8192, priority_window: float = PRIORITY_WINDOW_S,
-                 chunked_prefill: bool = True, prefix_caching: bool = True, decode_step_tokens: int = 0):
+                 chunked_prefill: bool = True, prefix_caching: bool = True, target_itl_s: float = 0.0):
         if role not in ROLES:
             raise ValueError(f"engine role must be one of {ROLES}")
         cache = runner.cache
@@ -80,8 +78,10 @@ class Engine:
         self.role = role
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
+        # only a joined engine has steps that carry decode rows and prompt chunks together
+        self.step_times = StepTimes() if target_itl_s > 0 and role == "both" else None
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_batched_tokens, self, priority_window,
-                                   chunked=chunked_prefill, decode_step_tokens=decode_step_tokens)
+                                   chunked=chunked_prefill, step_times=self.step_times, target_s=target_itl_s)
         self.reserved: dict[str, Sequence] = {}
         self._by_id: dict[str, Sequence] = {}
         self.prompt_tokens = 0  # prompt tokens admitted, and how many of them the prefix cache served
@@ -90,19 +90,6 @@ class Engine:
         # reader in another thread sees a matching pair): queued → its first chunk's step begins
         # (prompt_wait), that step → its first token (prompt_prefill, every chunk's step included)
         self.prompt_times: dict[str, tuple[float, int]] = {"prompt_wait": (0.0, 0), "prompt_prefill": (0.0, 0)}
-
-    def warm_thread(self) -> int:
-        """Build, in the calling thread (the one that will step this engine), what libraries cache per
-        thread: cuDNN's attention plans for every fresh chunk length up to the step budget
-        (``shared.kernels.sdpa``). Returns how many plans; without it each is built by a first request."""
-        warm = getattr(self.runner.backend, "warm", None)
-        if warm is None:
-            return 0
-        started = time.perf_counter()
-        plans = warm(self.runner.model.config.num_heads, min(self.scheduler.max_batched_tokens, self.max_model_len))
-        if plans:
-            log.info("engine.warmed", attention_plans=plans, ms=round((time.perf_counter() - started) * 1e3))
-        return plans
 
     # -- admission -----------------------------------------------------------------------------------
     def add_prompt(self, seq: Sequence) -> None:
@@ -197,11 +184,12 @@ class Engine:
     def num_active(self) -> int:
         return len(self.scheduler) + len(self.reserved)
 
-    def step(self, on_layer_done: LayerHook | None = None) -> list[StepOutput]:
+    def step(self, on_layer_done: LayerHook | None = None, spent_s: float = 0.0) -> list[StepOutput]:
         """One step: prompt chunks (with decode rows riding along) or a decode step of every running
         sequence. During a step with prompt chunks, ``on_layer_done(layer, spans)`` is called after each
-        layer's KV is in the cache (role prefill streams the spans out from there)."""
-        plan = self.scheduler.schedule()
+        layer's KV is in the cache (role prefill streams the spans out from there). ``spent_s``: seconds
+        of other work the engine thread did since the last step (its decode rows waited for it)."""
+        plan = self.scheduler.schedule(spent_s)
         if plan.kind == "idle":
             return []
         began = time.monotonic()
@@ -213,6 +201,8 @@ class Engine:
                     chunk.seq.started = began
                     self._time("prompt_wait", began - chunk.seq.arrival)
             tokens = self.runner.prefill(plan.chunks, self._layer_hook(plan.chunks, on_layer_done))
+        if self.step_times is not None:  # a sampled token waited for the device: the step's end is known
+            self.step_times.step_ended(plan, time.monotonic() - began, any(t is not None for t in tokens))
         outputs = []
         for chunk, token in zip(plan.chunks, tokens):
             self._computed(chunk)

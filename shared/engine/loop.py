@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 from shared.engine.engine import Engine, StepOutput
@@ -81,14 +82,17 @@ class EngineLoop:
             self._run_commands(block=not (self.engine.has_work() or self._has_side_work()))
             if self._stop:
                 continue
+            spent = 0.0  # the decoding sequences' next token waits for the side work too
             if self._has_side_work():
+                began = time.monotonic()
                 self._side.step()  # fails its own items, never the engine
+                spent = time.monotonic() - began
             if self.engine.has_work():
-                self._step()
+                self._step(spent)
 
-    def _step(self) -> None:
+    def _step(self, spent_s: float) -> None:
         try:
-            outputs = self.engine.step(self.on_layer_done)
+            outputs = self.engine.step(self.on_layer_done, spent_s)
             self.steps += 1
         except Exception as err:  # a failed step fails its requests, never the worker
             log.exception("engine.step_failed")

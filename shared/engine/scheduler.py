@@ -4,10 +4,14 @@ blocks run out.
 A step computes at most ``max_batched_tokens`` tokens. With chunked prefill (the default) every
 running sequence past its prompt gets its one decode token first — generation never stalls behind a
 long prompt — and the rest of the budget goes to prompt chunks: a prompt longer than what is left is
-split, and continues in the next steps. While sequences decode, a step's budget is
-``decode_step_tokens`` where set (smaller): their next token waits for one step, and a step's time
-grows with its tokens. Without it, prompts are prefilled whole in steps of their own
-(prefill before decode; the first prompt of a step may exceed the budget).
+split, and continues in the next steps. While sequences decode, a step is also given a time,
+``target_s`` (less what other work of the engine thread took since the last step: the aggregated
+worker's ViT): their next token waits for the whole step, so its prompt chunks are cut to what the
+step-time model (``shared.engine.step_time``) predicts fits — a token count would bound a step's
+time only for one mix of chunks, prefixes and decode rows. A step still takes a block's worth of prompt
+tokens, so prompts always advance; a step without decode rows uses the whole token budget. Without
+chunking, prompts are prefilled whole in steps of their own (prefill before decode; the first prompt
+of a step may exceed the budget).
 
 Prompts are served shortest remaining first — a text prompt does not wait behind a prompt of eight
 images — except that one waiting longer than the priority window goes first, oldest first, so no prompt
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 
 from shared.engine.block_manager import BlockManager
 from shared.engine.sequence import Sequence, Status
+from shared.engine.step_time import StepShape, StepTimes
 
 PRIORITY_WINDOW_S = 2.0  # a prompt passed over this long goes first (the priority window)
 
@@ -48,21 +53,48 @@ class Chunk:
 class Plan:
     kind: str  # "prefill": prompt chunks, decode rows first | "decode": decode rows only | "idle"
     chunks: list[Chunk]
+    shape: StepShape = StepShape()  # what the step computes, as the step-time model sees it
+    paced: bool = False  # the time budget cut its prompt chunks
 
     @property
     def seqs(self) -> list[Sequence]:
         return [chunk.seq for chunk in self.chunks]
 
 
+class _Budget:
+    """What a step's prompt chunks may still take: tokens, and while sequences decode, ``seconds`` by the
+    step-time model; a block's worth of tokens (``floor``) whatever the model says."""
+
+    def __init__(self, tokens: int, shape: StepShape, times: StepTimes | None = None, seconds: float = 0.0,
+                 floor: int = 0):
+        self.tokens, self.shape, self.times, self.seconds, self.floor = tokens, shape, times, seconds, floor
+        self.paced = False  # the time cut a chunk
+
+    def fit(self, start: int, remaining: int) -> int:
+        """Tokens of a chunk after ``start`` computed ones, ``remaining`` left in its prompt."""
+        take = min(remaining, self.tokens)
+        if self.times is not None:
+            fits = self.times.chunk_tokens(self.shape, start, take, self.seconds)
+            self.paced = self.paced or fits < take
+            take = max(fits, min(take, self.floor))
+        return take
+
+    def spend(self, start: int, tokens: int) -> None:
+        self.tokens -= tokens
+        self.floor -= tokens
+        self.shape = self.shape.with_chunk(start, tokens)
+
+
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_batched_tokens: int, swapper,
-                 priority_window: float = PRIORITY_WINDOW_S, chunked: bool = True, decode_step_tokens: int = 0):
+                 priority_window: float = PRIORITY_WINDOW_S, chunked: bool = True,
+                 step_times: StepTimes | None = None, target_s: float = 0.0):
         self.blocks = blocks
         self.priority_window = priority_window  # seconds; 0: first come, first served
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
-        # the budget of a step that carries decode rows
-        self.decode_step_tokens = min(decode_step_tokens or max_batched_tokens, max_batched_tokens)
+        self.step_times = step_times
+        self.target_s = target_s  # a step that carries decode rows: seconds; 0: tokens only
         self.chunked = chunked
         self.swapper = swapper  # has swap_out(seq) and swap_in(seq)
         self.waiting: deque[Sequence] = deque()
@@ -89,23 +121,46 @@ class Scheduler:
             self.blocks.deallocate(seq)
         seq.swapped_kv = None
 
-    def schedule(self) -> Plan:
-        """The next step."""
+    @property
+    def pacing(self) -> bool:
+        return self.target_s > 0 and self.step_times is not None
+
+    def schedule(self, spent_s: float = 0.0) -> Plan:
+        """The next step; ``spent_s``: seconds the engine thread spent on other work since the last step
+        (the decode rows' next token has waited that long already)."""
         self._swap_in_what_fits()
         if not self.chunked:
-            prompts = self._prompt_chunks(self.max_batched_tokens)
+            budget = _Budget(self.max_batched_tokens, StepShape())
+            prompts = self._prompt_chunks(budget)
             if prompts:
-                return Plan("prefill", prompts)
-        decode = [Chunk(seq, len(seq) - 1, len(seq)) for seq in self._decode_rows()]
-        prompts = self._prompt_chunks(self._prompt_budget(len(decode))) if self.chunked else []
+                return Plan("prefill", prompts, budget.shape)
+        rows = self._decode_rows()
+        decode = [Chunk(seq, len(seq) - 1, len(seq)) for seq in rows]
+        shape = StepShape.of_decode([len(seq) for seq in rows])
+        if not self.chunked:
+            return Plan("decode", decode, shape) if decode else Plan("idle", [])
+        budget = self._prompt_budget(shape, spent_s)
+        prompts = self._prompt_chunks(budget)
         if prompts:
-            return Plan("prefill", decode + prompts)
-        return Plan("decode", decode) if decode else Plan("idle", [])
+            return Plan("prefill", decode + prompts, budget.shape, budget.paced)
+        return Plan("decode", decode, shape) if decode else Plan("idle", [])
 
-    def _prompt_budget(self, decode_rows: int) -> int:
+    def gap_budget_s(self) -> float | None:
+        """Seconds other work of the engine thread (the aggregated worker's ViT) may take before the next
+        step and the decoding sequences' next token still come within the target: the target less the
+        predicted step of their rows alone. None: no sequence is decoding, or no time budget."""
+        contexts = [len(seq) for seq in self.running if seq.decoding]
+        if not contexts or not self.pacing:
+            return None
+        return max(0.0, self.target_s - self.step_times.predict(StepShape.of_decode(contexts)))
+
+    def _prompt_budget(self, decode: StepShape, spent_s: float) -> _Budget:
         # a block's worth at least, so prompts advance even when decode rows fill the budget
-        budget = self.decode_step_tokens if decode_rows else self.max_batched_tokens
-        return max(budget - decode_rows, self.blocks.block_size)
+        floor = self.blocks.block_size
+        tokens = max(self.max_batched_tokens - decode.decode_rows, floor)
+        if not decode.decode_rows or not self.pacing:
+            return _Budget(tokens, decode)
+        return _Budget(tokens, decode, self.step_times, self.target_s - spent_s, floor)
 
     def _swap_in_what_fits(self) -> None:
         while self.swapped and len(self.running) < self.max_num_seqs:
@@ -116,27 +171,32 @@ class Scheduler:
             self.swapper.swap_in(seq)
             self.running.append(seq)
 
-    def _prompt_chunks(self, budget: int) -> list[Chunk]:
-        """Chunks of prompts, in prefill order, within ``budget`` tokens; admits waiting prompts."""
+    def _prompt_chunks(self, budget: _Budget) -> list[Chunk]:
+        """Chunks of prompts, in prefill order, within ``budget``; admits waiting prompts."""
         chunks: list[Chunk] = []
         admitting = not self.swapped  # preempted work resumes before new prompts start
         for seq in self._prefill_order():
-            if budget <= 0:
+            if budget.tokens <= 0:
                 break
             hits: list[int] = []
             if seq.status is Status.WAITING:
                 if not admitting:
                     continue
                 hits = self.blocks.cached_prefix(seq)
-            remaining = len(seq) - max(seq.num_computed, len(hits) * self.blocks.block_size)
-            if not self.chunked and chunks and remaining > budget:
+            start = max(seq.num_computed, len(hits) * self.blocks.block_size)
+            remaining = len(seq) - start
+            if not self.chunked and chunks and remaining > budget.tokens:
                 break  # whole prompts only: this one waits for a step of its own
+            take = budget.fit(start, remaining) if self.chunked else remaining
+            if take <= 0:
+                break  # the step's time is spent
             if seq.status is Status.WAITING and not self._admit(seq, hits):
                 admitting = False  # later prompts would jump the queue for blocks this one waits for
                 continue
-            take = min(remaining, budget) if self.chunked else remaining
-            chunks.append(Chunk(seq, seq.num_computed, seq.num_computed + take))
-            budget -= take
+            chunks.append(Chunk(seq, start, start + take))
+            budget.spend(start, take)
+            if take < remaining:
+                break  # the budget ran out within this prompt
         return chunks
 
     def _admit(self, seq: Sequence, hits: list[int]) -> bool:

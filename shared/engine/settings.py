@@ -16,6 +16,9 @@ CPU_STEP_TOKENS = 512
 # prefill and mixed steps of up to this many tokens run as CUDA graphs between their attentions (padded to a
 # bucket: launched kernel by kernel, short prompts waited on the host); --enforce-eager: none
 PREFILL_GRAPH_TOKENS = 4096
+# ITL p99 ≤ 100 ms with room for the model's error and a colocated encoder's slowdown; a 7B on an H200
+# still computes ~1,500 prompt tokens beside its decode rows in it (docs/architecture.md, the engine)
+DEFAULT_TARGET_ITL_MS = 50.0
 
 
 class EngineSettings(CudaGraphs, ModelLength, CommonSettings):
@@ -26,9 +29,13 @@ class EngineSettings(CudaGraphs, ModelLength, CommonSettings):
     max_batched_tokens: int = Field(0, ge=0, description="tokens one step computes at most: prompt chunks plus one "
                                                          "per decoding sequence; larger gives prompts more throughput, "
                                                          "smaller keeps decode steps short; 0: 8192 on GPU, 512 on CPU")
-    decode_step_tokens: int = Field(0, ge=0, description="tokens one step computes at most while sequences are "
-                                                         "decoding: it bounds their inter-token gap; prompts alone "
-                                                         "still get max_batched_tokens; 0: max_batched_tokens")
+    target_itl_ms: float = Field(DEFAULT_TARGET_ITL_MS, ge=0, le=10_000, description=(
+        "time one engine step may take while sequences are decoding: their next token waits for the whole "
+        "step, so its prompt chunks (and in the aggregated worker the ViT batches run between steps) are cut "
+        "to what a model of step time predicts fits; the model is measured on this device at start and "
+        "corrected after every step. Lower: smoother streams, prompts take more steps (more time to first "
+        "token under load); steps without decode rows still use --max-batched-tokens. 0: no time budget, "
+        "steps are sized by --max-batched-tokens alone"))
     chunked_prefill: bool = Field(True, description="split prompts longer than the step budget into chunks, decode "
                                                     "rows riding along in every step; --no-chunked-prefill: prompts "
                                                     "whole, in steps of their own")
@@ -40,7 +47,7 @@ class EngineSettings(CudaGraphs, ModelLength, CommonSettings):
                                                                         "(weights, graphs, KV pool); lower it for "
                                                                         "processes sharing a GPU")
 
-    @field_validator("max_batched_tokens", "decode_step_tokens")
+    @field_validator("max_batched_tokens")
     @classmethod
     def _budget(cls, value: int, info) -> int:
         if 0 < value < 16:
