@@ -946,7 +946,7 @@ def parse_args(argv=None):
                         help="every LM worker's step budget (EPD_MAX_BATCHED_TOKENS; 0: the engine's default)")
     parser.add_argument("--stack-env", action="append", default=[], metavar="EPD_NAME=VALUE", type=stack_setting,
                         help="a setting for every process of every stack (repeatable; the stacks see no other EPD_ "
-                             "variable of this shell), e.g. EPD_DECODE_STEP_TOKENS=2048")
+                             "variable of this shell), e.g. EPD_TARGET_ITL_MS=0")
     parser.add_argument("--stack-log", default="", metavar="DIR",
                         help="keep every stack's log lines, one file per topology in DIR")
     parser.add_argument("--model", default="qwen2.5-vl-7b", choices=sorted(PRESETS),

@@ -624,9 +624,9 @@ def test_stack_settings_reach_the_stacks_and_nothing_else_of_the_shell(monkeypat
     from bench.epd_vs_aggregated import parse_args, stack_env
 
     monkeypatch.setenv("EPD_ENFORCE_EAGER", "true")
-    args = parse_args(["--stack-env", "EPD_DECODE_STEP_TOKENS=2048", "--stack-env", "EPD_MPS_ACTIVE_THREADS=50"])
+    args = parse_args(["--stack-env", "EPD_TARGET_ITL_MS=0", "--stack-env", "EPD_MPS_ACTIVE_THREADS=50"])
     env = stack_env(args)
-    assert env["EPD_DECODE_STEP_TOKENS"] == "2048" and env["EPD_MPS_ACTIVE_THREADS"] == "50"
+    assert env["EPD_TARGET_ITL_MS"] == "0" and env["EPD_MPS_ACTIVE_THREADS"] == "50"
     assert "EPD_ENFORCE_EAGER" not in env
     with pytest.raises(SystemExit):
         parse_args(["--stack-env", "DECODE=1"])
@@ -703,3 +703,34 @@ def test_timeline_charges_each_kernel_its_share_of_the_critical_path():
     assert result["contribution_sum_ms"] == pytest.approx(result["profiled_span_ms"])
     with pytest.raises(ValueError):
         from_events(events[:-2], replays=4)  # 11 kernels do not make 4 equal replays
+
+
+# -- bench/itl_target.py ------------------------------------------------------------------------------------
+def itl_target(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "bench/itl_target.py", *args], cwd=Path(__file__).parents[1],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_itl_target_dry_run_names_a_stack_per_topology_and_target():
+    done = itl_target("--dry-run", "--targets", "50,20,0")
+    assert done.returncode == 0, done.stderr
+    stacks = [line for line in done.stdout.splitlines() if line.startswith("stack ")]
+    assert len(stacks) == 6 and sum("EPD_TARGET_ITL_MS=0 " in line for line in stacks) == 2
+    assert "720p" in done.stdout and "24 req/s" in done.stdout
+    for bad in (["--targets", "50,x"], ["--targets", "-5"], ["--topologies", "E/P/D"]):
+        assert itl_target("--dry-run", *bad).returncode != 0
+
+
+# Two tiny stacks on CPU (the budget on, then off): ~90 s on two busy cores.
+@pytest.mark.timeout(400)
+def test_itl_target_tiny_measures_both_stacks_and_the_models_error(tmp_path):
+    done = itl_target("--tiny", "--topologies", "aggregated", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    records = json.loads((tmp_path / "results.json").read_text())["records"]
+    on, off = records
+    assert (on["target_itl_ms"], off["target_itl_ms"]) == (50.0, 0.0)
+    assert on["summary"]["failed"] == off["summary"]["failed"] == 0 and on["summary"]["completed"] >= 6
+    assert on["steps"]["steps_timed"] > 0 and on["steps"]["step_time_error_count"] > 0  # the model at work
+    assert off["steps"]["steps_timed"] == 0  # no budget, no model
+    markdown = (tmp_path / "results.md").read_text()
+    assert "| aggregated @ 50 ms |" in markdown and "- aggregated @ 50 ms: ITL p99" in markdown

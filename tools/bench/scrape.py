@@ -18,7 +18,9 @@
   ``<stage>_seconds_total`` /
   ``<stage>_count`` summed over instances; and their counters ``batches``
   (ViT forwards) and ``batches_waited`` (forwards that waited for a request's other images), summed
-  over instances: how many over a measurement, beside the stages' means.
+  over instances: how many over a measurement, beside the stages' means; and the language workers'
+  step-time model (``STEP_COUNTS``: its prediction error summed over the steps it was checked on, their
+  count, the steps it learnt from and those the time budget cut).
 
 The gauges are the frontend's copy of a listing it refreshes about once a second, so a reading right
 after a measurement may miss its last images (and the frontend records a request's stages as it closes
@@ -39,6 +41,9 @@ ENCODER_STAGES = ("vit_queue", "vit_forward", "vit_forward_prep", "vit_forward_l
                   "prompt_encode", "prompt_intake", "prompt_pull", "prompt_handoff", "prompt_wait",
                   "prompt_prefill", "pull_serve")
 ENCODER_COUNTS = ("batches", "batches_waited")  # counters: increments, never means
+# the language workers' step-time model: Σ |predicted − observed| / observed and how many steps, steps timed,
+# steps the time budget cut (``shared.engine.step_time``)
+STEP_COUNTS = ("step_time_error_total", "step_time_error_count", "steps_timed", "steps_paced")
 _STAGE = re.compile(r'^epd_stage_seconds_(sum|count)\{stage="(\w+)"\} (\S+)$', re.M)
 _STAT = re.compile(r'^epd_service_stat\{([^}]*)\} (\S+)$', re.M)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
@@ -48,7 +53,7 @@ _LABEL = re.compile(r'(\w+)="([^"]*)"')
 class Reading:
     stages: dict[str, tuple[float, float]] = field(default_factory=dict)  # stage → (seconds, requests)
     encoder: dict[str, tuple[float, float]] = field(default_factory=dict)  # stage → (seconds, images)
-    counts: dict[str, float] = field(default_factory=dict)  # ENCODER_COUNTS' counter → total
+    counts: dict[str, float] = field(default_factory=dict)  # ENCODER_COUNTS' and STEP_COUNTS' counter → total
 
     @property
     def images_encoded(self) -> float:
@@ -72,7 +77,7 @@ def parse(text: str) -> Reading:
         for stage in ENCODER_STAGES:
             if stat in (f"{stage}_seconds_total", f"{stage}_count"):
                 encoder.setdefault(stage, [0.0, 0.0])[stat.endswith("_count")] += float(value)
-        if stat in ENCODER_COUNTS:
+        if stat in ENCODER_COUNTS or stat in STEP_COUNTS:
             reading.counts[stat] = reading.counts.get(stat, 0.0) + float(value)
     reading.encoder = {stage: (total, count) for stage, (total, count) in encoder.items()}
     return reading
