@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.epd_vs_aggregated import stack_env, stack_log, stack_setting, tokenizer_dir, ucx_works  # noqa: E402
+from bench.epd_vs_aggregated import stack_env, stack_log, stack_setting, tokenizer_dir  # noqa: E402
 from shared.model.presets import PRESETS  # noqa: E402
 from tools.bench import scrape  # noqa: E402
 from tools.bench.environment import hardware, host, versions  # noqa: E402
@@ -209,7 +209,8 @@ def parse_args(argv=None):
     parser.add_argument("--stack-env", action="append", default=[], metavar="EPD_NAME=VALUE", type=stack_setting,
                         help="a setting for every process of every stack (repeatable)")
     parser.add_argument("--stack-log", default="", metavar="DIR", help="keep every stack's log lines in DIR")
-    parser.add_argument("--transport", default="auto", choices=("auto", "zmq", "ucx"))
+    parser.add_argument("--transport", default="zmq", choices=("zmq", "ucx"), help="the stacks' data plane "
+                                                                                   "(zmq: epd up's default)")
     parser.add_argument("--request-timeout", type=float, default=120.0, help="seconds one request may take")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -225,8 +226,6 @@ def parse_args(argv=None):
     args.topologies = args.topologies.split(",")
     if unknown := set(args.topologies) - set(TOPOLOGIES):
         parser.error(f"--topologies: unknown {', '.join(sorted(unknown))}; choose from {', '.join(TOPOLOGIES)}")
-    if args.transport == "auto":
-        args.transport = "ucx" if not args.tiny and ucx_works() else "zmq"
     return args
 
 
