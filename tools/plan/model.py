@@ -10,8 +10,9 @@ in a layer for a mixture of experts (``cost_table.py``); B follows from Little's
 Queues (Poisson arrivals, ``queueing.py``): a server whose service time varies with n is M/G/1,
 W = λ·E[S²] / 2(1 − ρ). Layouts:
 - aggregated: one engine thread is one server. Between two engine steps it runs a ViT batch of the
-  images waiting, then a step of at most C = ``step_tokens`` tokens: the running batch's decode rows,
-  then prompt chunks shortest remaining first, as many as fit. A request is followed from its images'
+  images waiting, then a step of the running batch's decode rows and C prompt tokens at most, prompt
+  chunks shortest remaining first: C is what ``step_tokens`` leaves after the rows and, with a time
+  target, what ``target_itl_s`` leaves after them at the workload's mean prefill time a token. A request is followed from its images'
   arrival to its first token, each request class n on its own (P'_n: its prompt's steps, each with the
   decode rows in it; c_n its last step). What goes before it: every ViT batch and every prompt no
   longer than P'_n, b_m = v_m + P'_m·[P'_m ≤ P'_n], of load ρ_b; what cuts in at step boundaries once
@@ -64,10 +65,11 @@ from tools.plan.cost_table import Costs
 from tools.plan.layouts import Layout
 from tools.plan.queueing import mg1_wait
 from tools.bench.settings import Workload
-from shared.engine.settings import GPU_STEP_TOKENS
+from shared.engine.settings import DEFAULT_TARGET_ITL_MS, GPU_STEP_TOKENS
 
 TIMESLICE = 2.1  # slowdown of a stage while another process keeps a time-sliced GPU busy (model, not measured)
 MPS_UNMEASURED = 1.5  # k under MPS when the costs carry no co-run measurement (plans written before them)
+BLOCK_TOKENS = 16  # prompt tokens a step with decode rows takes whatever its time (the engine's block size)
 
 
 @dataclass
@@ -225,10 +227,12 @@ DATA_PLANE_GBS = {"ucx": 20.0, "zmq": 1.7}
 
 
 class Planner:
-    def __init__(self, costs: Costs, data_plane_gbs: float = DATA_PLANE_GBS["zmq"], hidden_bytes: int = 0, max_batch: int = 256,
-                 step_tokens: int = GPU_STEP_TOKENS):
+    def __init__(self, costs: Costs, data_plane_gbs: float = DATA_PLANE_GBS["zmq"], hidden_bytes: int = 0,
+                 max_batch: int = 256, step_tokens: int = GPU_STEP_TOKENS,
+                 target_itl_s: float = DEFAULT_TARGET_ITL_MS / 1e3):
         self.costs = costs
         self.step_tokens = step_tokens  # tokens an engine step computes at most (--max-batched-tokens)
+        self.target_itl_s = target_itl_s  # seconds a step that carries decode rows may take (--target-itl-ms)
         self.bandwidth = data_plane_gbs * 1e9
         self.hidden_bytes = hidden_bytes  # bytes of one token's embedding (for the E→P transfer)
         self.max_batch = max_batch  # sequences an engine runs at once (--max-num-seqs)
@@ -333,13 +337,14 @@ class Planner:
             return None
         rows = self.decode_rows(t, batch)  # the running batch's rows, in every step of a prompt too
         decoding = max(0.0, decode_busy(batch) - rho_work)  # share of time a pure decode step runs
-        steps = {n: [c + rows for c in self.chunks(t, n, prompt[n])] for _, n in classes}
+        tokens = {n: self.costs.prompt_tokens(t.input_len, n) for _, n in classes}
+        room = self.prompt_room(batch, rows, t.mean(lambda n: prompt[n]) / t.mean(lambda n: tokens[n]))
+        steps = {n: [c + rows for c in self.chunks(t, n, prompt[n], room)] for _, n in classes}
         thread = EngineThread(rate, classes, vit, steps, decoding * step(batch) / 2)
         if thread.load(lambda n: vit[n] + thread.own(n)) >= 1:
             return None
-        tokens = {n: self.costs.prompt_tokens(t.input_len, n) for _, n in classes}
-        last_tokens = {n: tokens[n] - (len(thread.steps[n]) - 1) * self.step_tokens for n in tokens}
-        rooms = {n: max(0.0, self.step_tokens - last_tokens[n] - batch) for n in tokens}
+        last_tokens = {n: tokens[n] - (len(thread.steps[n]) - 1) * room for n in tokens}
+        rooms = {n: max(0.0, room - last_tokens[n]) for n in tokens}
         ttft = thread.filled(thread.stages(), tokens, rooms)
         return ttft, tpot, {"vit+prefill": rho_work, "vit": rho_vit, "decode": decoding}
 
@@ -349,11 +354,20 @@ class Planner:
         context = t.mean(lambda n: self.costs.prompt_tokens(t.input_len, n)) + t.output_len / 2
         return self.costs.decode_rows(batch, context) / 1e3
 
-    def chunks(self, t: Traffic, n: int, seconds: float) -> list[float]:
-        """A prompt's steps (seconds each): ``step_tokens`` tokens at most, its time split by tokens."""
+    def prompt_room(self, batch: float, rows_s: float, token_s: float) -> float:
+        """Prompt tokens a step computes beside ``batch`` decode rows (``rows_s`` seconds of them), prompt
+        tokens costing ``token_s`` each: what the token budget leaves, and with a time target no more than
+        what the target leaves, a block at least (``Scheduler``)."""
+        tokens = self.step_tokens - batch
+        if not self.target_itl_s or batch < 1:
+            return tokens
+        return min(tokens, max(BLOCK_TOKENS, (self.target_itl_s - rows_s) / token_s))
+
+    def chunks(self, t: Traffic, n: int, seconds: float, room: float) -> list[float]:
+        """A prompt's steps (seconds each): ``room`` prompt tokens at most, its time split by tokens."""
         tokens = self.costs.prompt_tokens(t.input_len, n)
-        k = max(1, math.ceil(tokens / self.step_tokens))
-        return [seconds * min(self.step_tokens, tokens - i * self.step_tokens) / tokens for i in range(k)]
+        k = max(1, math.ceil(tokens / room))
+        return [seconds * min(room, tokens - i * room) / tokens for i in range(k)]
 
     def _workers(self, layout: Layout, t: Traffic):
         """Encoders and language workers, sharing GPUs as the layout says."""

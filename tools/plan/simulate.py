@@ -7,8 +7,9 @@ It schedules as the code does, with the model's per-request costs (media m, ViT 
 step t(B) and the rows a step carries):
 - an engine step (``Scheduler``): every decoding sequence's row first, then prompt chunks (those that have
   waited longer than the priority window oldest first, the rest fewest tokens left first) until
-  ``step_tokens``; a step with chunks takes their share of their prompts' prefill plus the rows, a
-  decode-only step t(B);
+  ``step_tokens``, and while sequences decode until the step's predicted time reaches ``target_itl_s``
+  less the ViT gap before it (a block at least); a step with chunks takes their share of their prompts'
+  prefill plus the rows, a decode-only step t(B);
 - aggregated (``EngineLoop`` with ``VisionBatcher.step``): before a step, when images are queued, a
   gap: batches of what is queued (and arrives meanwhile) until none is, or ``STEP_BUDGET_S`` of ViT
   time is spent. The prompts whose images a gap finished join the next step: encoded in place, they
@@ -28,7 +29,7 @@ import random
 from dataclasses import dataclass, field
 
 from tools.plan.layouts import Layout
-from tools.plan.model import Planner, Traffic
+from tools.plan.model import BLOCK_TOKENS, Planner, Traffic
 
 # as the code has them (tests compare): services/encoder/batcher.py, vision.py and settings.py,
 # shared/engine/scheduler.py; tools/plan stays without torch
@@ -118,12 +119,14 @@ class _Engine:
     def has_work(self) -> bool:
         return bool(self.prompts or self.decoding)
 
-    def step(self, now: float, decode_only: bool = False) -> float:
+    def step(self, now: float, decode_only: bool = False, gap: float = 0.0) -> float:
+        """``gap``: seconds the ViT took right before it (the decode rows waited for it too)."""
         rows = len(self.decoding)
-        chunks = [] if decode_only else self._chunks(now, self.planner.step_tokens - rows)
+        rows_s = self.planner.decode_rows(self.t, rows) * self.slow_decode
+        seconds = self.planner.target_itl_s - gap - rows_s if rows and self.planner.target_itl_s else math.inf
+        chunks = [] if decode_only else self._chunks(now, self.planner.step_tokens - rows, seconds)
         if chunks:
-            now += sum(r.prefill_s * take / r.tokens for r, take in chunks) * self.slow_prefill + \
-                self.planner.decode_rows(self.t, rows) * self.slow_decode
+            now += sum(self._token_s(r) * take for r, take in chunks) + rows_s
         elif rows:
             now += self.step_s(rows) * self.slow_decode
         else:
@@ -141,15 +144,24 @@ class _Engine:
                     self.decoding.append(r)
         return now
 
-    def _chunks(self, now: float, budget: int) -> list[tuple[_Request, int]]:
+    def _token_s(self, r: _Request) -> float:
+        return r.prefill_s * self.slow_prefill / r.tokens
+
+    def _chunks(self, now: float, budget: int, seconds: float = math.inf) -> list[tuple[_Request, int]]:
         overdue = sorted((r for r in self.prompts if now - r.ready > PRIORITY_WINDOW_S), key=lambda r: r.ready)
         fresh = sorted((r for r in self.prompts if now - r.ready <= PRIORITY_WINDOW_S), key=lambda r: r.left)
+        floor = BLOCK_TOKENS if math.isfinite(seconds) else 0
         out = []
         for r in overdue + fresh:
-            if budget <= 0:
+            take = min(budget, r.left)
+            if math.isfinite(seconds):
+                take = max(min(take, int(max(0.0, seconds) / self._token_s(r))), min(take, floor))
+            if take <= 0:
                 break
-            out.append((r, min(budget, r.left)))
-            budget -= out[-1][1]
+            out.append((r, take))
+            budget, floor, seconds = budget - take, floor - take, seconds - take * self._token_s(r)
+            if take < r.left:
+                break
         return out
 
 
@@ -205,8 +217,11 @@ def _run(engine: _Engine, requests: list[_Request], vision: _Vision | None = Non
     while pending or engine.has_work() or (vision and vision.queue):
         while pending and pending[0].ready <= now:
             engine.prompts.append(pending.pop(0))
+        gap = 0.0
         if vision and vision.ready(now):
+            began = now
             now, finished = vision.gap(now)
+            gap = now - began
             for r in finished:
                 r.ready = now
             # through the frontend the prompts miss the step that starts at once; the hand-off waited for
@@ -215,7 +230,7 @@ def _run(engine: _Engine, requests: list[_Request], vision: _Vision | None = Non
                 now = engine.step(now, decode_only=handback == "handoff" and not vision.ready(now))
             engine.prompts += finished
         if engine.has_work():
-            now = engine.step(now)
+            now = engine.step(now, gap=gap)
             continue
         upcoming = [pending[0].ready] if pending else []
         if vision and vision.queue:
