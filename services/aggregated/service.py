@@ -7,7 +7,9 @@ embeddings into the prompt right after the forward (``in_place``), with no trip 
 frontend. It also answers the encoder's subjects and takes prompts with embeddings, as a disaggregated
 stack's workers do. Its ViT forwards run in the engine's thread between two engine steps
 (``VisionBatcher.step``): one thread drives the GPU (docs/architecture.md says why).
-Embeddings its own encoder holds come from its data plane's store without a copy.
+Embeddings its own encoder holds come from its data plane's store without a copy. Between steps, while
+sequences decode, its ViT batches get what the engine's time budget leaves (``--target-itl-ms``), cut by a
+model of forward time it fits at start (``services.encoder.forward_time``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from services.aggregated.in_place import InPlacePrompts
 from services.aggregated.settings import AggregatedSettings
 from services.encoder.encoder import Encoder
+from services.encoder.forward_time import ForwardTimes, calibrate
 from services.language.service import LanguageService
 from services.language.worker import Tracked
 from shared.bus.service_api import Endpoint
@@ -39,6 +42,15 @@ class AggregatedService(LanguageService):
         # the vision tower first: the KV pool is sized from the memory that is left
         await self.encoder.start(self.nc, self.resources, own_thread=False)
         await self.worker.start(self.nc, self.resources, side=self.encoder.vision.batcher)
+        if self.worker.engine.step_times is not None:
+            await self.worker.loop.call(self._time_forwards)
+
+    def _time_forwards(self, engine) -> None:
+        """The engine thread, before serving: the ViT's forward-time model, fitted to timed forwards, so its
+        batches between steps fit the engine's time budget while sequences decode."""
+        batcher = self.encoder.vision.batcher
+        batcher.forward_times = ForwardTimes()
+        calibrate(batcher.tower, batcher.forward_times, batcher.max_patches)
 
     def endpoints(self) -> list[Endpoint]:
         return [*self.encoder.endpoints(), *super().endpoints()]
@@ -58,4 +70,7 @@ class AggregatedService(LanguageService):
         await self.plane.handed_out()
 
     def stats(self) -> dict:
-        return {**self.encoder.stats(), **super().stats(), **(self.in_place.stats() if self.in_place else {})}
+        batcher = self.encoder.vision.batcher
+        forward_times = batcher.forward_times if batcher else None
+        return {**self.encoder.stats(), **super().stats(), **(self.in_place.stats() if self.in_place else {}),
+                **(forward_times.stats() if forward_times else {})}

@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 import torch
 
+from services.encoder.forward_time import ForwardTimes
 from services.encoder.metrics import BatchSizes, RateMeter, StageTimes
 from services.encoder.vit_inputs import Prepare, QueuedImage, device_patches
 from shared.aio import settle
@@ -75,6 +76,8 @@ class VisionBatcher:
         self._held: list[QueuedImage] = []  # taken from the queue, not yet forwarded: they start the next batch
         self._thread: threading.Thread | None = None
         self.wake: Callable[[], None] = lambda: None  # the engine loop's, once attached to one
+        self.forward_times: ForwardTimes | None = None  # the forward-time model (aggregated, with a time budget)
+        self._seconds: float | None = None  # what the batch being collected may take (``step``'s budget)
         self.batches = 0
         self.cudnn_shapes = 0  # batch shapes the forwarding thread moved to cuDNN's attention (``sdpa.recurring``)
         self.waited = 0  # batches that waited for a request's other images
@@ -119,14 +122,24 @@ class VisionBatcher:
         self.wake()
         return future
 
-    def step(self, budget_s: float = STEP_BUDGET_S) -> None:
+    def step(self, budget_s: float | None = None) -> None:
         """Batches until nothing is queued, also what arrives meanwhile (the engine thread, between its
-        steps), or until ``budget_s`` of ViT time is spent: the rest waits one engine step."""
-        deadline = time.monotonic() + budget_s
-        while (batch := self._collect(block=False)):
-            self._forward_and_settle(batch)
-            if time.monotonic() >= deadline:
-                break
+        steps), or until the gap's time is spent: the rest waits one engine step. ``budget_s``: the
+        seconds the gap may take while sequences decode (their next token waits for it), each batch cut
+        to what ``forward_times`` predicts fits in what is left, one image at least; None: up to
+        ``STEP_BUDGET_S``, batches as large as the limits allow."""
+        paced = budget_s is not None and self.forward_times is not None
+        deadline = time.monotonic() + (STEP_BUDGET_S if budget_s is None else budget_s)
+        try:
+            while True:
+                self._seconds = max(0.0, deadline - time.monotonic()) if paced else None
+                if not (batch := self._collect(block=False)):
+                    break
+                self._forward_and_settle(batch)
+                if time.monotonic() >= deadline:
+                    break
+        finally:
+            self._seconds = None
 
     def _run(self) -> None:
         while (batch := self._collect(block=True)) is not None:
@@ -151,6 +164,8 @@ class VisionBatcher:
                 self.loop.call_soon_threadsafe(settle, item.future, None, err)
             return
         self.times.add("forward", time.monotonic() - started, count=len(batch))
+        if self.forward_times is not None:
+            self.forward_times.observe([item.grid for item in batch], time.monotonic() - started)
         if timed:  # host-bound when the launch takes the forward's time; else the GPU span says how long
             self.times.add("forward_launch", queued - started, count=len(batch))
             self.times.add("forward_gpu", begin.elapsed_time(end) / 1e3, count=len(batch))
@@ -239,9 +254,13 @@ class VisionBatcher:
         graphs (``mix_patches``: ``vision.GRAPH_PATCHES``) runs eagerly, waiting on the host, and gains
         nothing from its size, so two requests' images that do not fit one graph go in two forwards through
         theirs (the first request done first), while a request's own images still ride one forward, as
-        the floor measures them."""
+        the floor measures them. Within a gap's time budget (``step``), only what is predicted to fit it."""
         total = patches + item.patches
         if total > self.max_patches:
+            return False
+        if self._seconds is not None and batch and \
+                self.forward_times.predict([*(other.grid for other in batch), item.grid]) > self._seconds:
+            self.forward_times.cut += 1
             return False
         if self.mix_patches is None or total <= self.mix_patches:
             return True

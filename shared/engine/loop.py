@@ -42,8 +42,10 @@ class EngineLoop:
         self.steps = 0
 
     def attach(self, side) -> None:
-        """Run ``side.step()`` between engine steps whenever ``side.has_work()``. ``side.wake`` is set to
-        wake this thread when new side work arrives while the engine idles. Call before ``start``."""
+        """Run ``side.step(budget_s)`` between engine steps whenever ``side.has_work()`` (``budget_s``:
+        seconds it may take, None: its own limit; it fails its own items, never the engine). ``side.wake``
+        is set to wake this thread when new side work arrives while the engine idles. Call before
+        ``start``."""
         self._side = side
         side.wake = self.wake
 
@@ -85,7 +87,8 @@ class EngineLoop:
             spent = 0.0  # the decoding sequences' next token waits for the side work too
             if self._has_side_work():
                 began = time.monotonic()
-                self._side.step()  # fails its own items, never the engine
+                # while sequences decode, the side's forwards get what the time budget leaves of their next token
+                self._side.step(budget_s=self.engine.scheduler.gap_budget_s())
                 spent = time.monotonic() - began
             if self.engine.has_work():
                 self._step(spent)

@@ -11,10 +11,10 @@ The model: t = θ · x over a step's features (``StepShape.features``), each a c
   pairs (quadratic: a long chunk costs more per token);
 - decode context: the tokens the decode rows attend over (their KV read from the pool).
 Features are scaled to O(1) on an H200 step so the fit stays well conditioned; times are in ms inside.
-A cost is never negative: the fit is constrained to θ ≥ 0 (``nonnegative_solve``), which also keeps
+A cost is never negative: the fit is constrained to θ ≥ 0 (``shared.fit.nonnegative_solve``), which also keeps
 every prediction increasing in every feature (the budget's closed form relies on it).
 
-The fit: least squares with forgetting, updated after every step (``RecursiveFit``): older steps weigh
+The fit: least squares with forgetting, updated after every step (``shared.fit``): older steps weigh
 ``FORGETTING`` less per step, so the model follows what a step costs now (another process on the GPU,
 a hotter clock) and is right where the load puts the steps.
 """
@@ -26,12 +26,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from shared.fit import FORGETTING, RecursiveFit
+
 if TYPE_CHECKING:
     from shared.engine.scheduler import Plan
 
-FORGETTING = 0.98  # per observation: ~50 steps of memory
-RIDGE = 1e-4  # information before any observation (a scaled feature of 1 is one observation's): θ = 0, barely
-ANCHOR_WEIGHT = 0.1  # the calibration's share that forgetting keeps: under a step's worth beside ~50 recent ones
 SCALES = (1.0, 1e3, 1e6, 1e5)  # features per unit: step, tokens, attention pairs, decode context tokens
 NAMES = ("ms_per_step", "ms_per_1k_tokens", "ms_per_1m_attention_pairs", "ms_per_100k_decode_context")
 
@@ -58,70 +57,6 @@ class StepShape:
     def features(self) -> np.ndarray:
         raw = (1, self.prompt_tokens + self.decode_rows, self.attention_pairs, self.decode_context)
         return np.array(raw, dtype=np.float64) / SCALES
-
-
-class RecursiveFit:
-    """Least squares y ≈ θ · x over every observation so far, each weighed ``forgetting``^age, updated one
-    observation at a time (recursive least squares, in information form: a k × k system solved per
-    update). Forgetting decays the information towards an ``anchor`` (``hold``: the calibration's, at a
-    tenth of its weight), not towards nothing: a direction the recent steps do not vary in (every step
-    alike under a steady load) keeps what the calibration knew of it instead of its uncertainty growing
-    without bound until one odd step swings it (RLS's covariance wind-up)."""
-
-    def __init__(self, size: int, forgetting: float = FORGETTING, ridge: float = RIDGE):
-        self.forgetting = forgetting
-        self.info = np.eye(size) * ridge  # Σ weight · x xᵀ
-        self.moment = np.zeros(size)  # Σ weight · x y
-        self.anchor = (self.info.copy(), self.moment.copy())
-        self.theta = np.zeros(size)
-
-    def predict(self, x: np.ndarray) -> float:
-        return float(self.theta @ x)
-
-    def update(self, x: np.ndarray, y: float, forgetting: float | None = None) -> None:
-        lam = self.forgetting if forgetting is None else forgetting
-        info, moment = self.anchor
-        self.info = lam * self.info + (1 - lam) * info + np.outer(x, x)
-        self.moment = lam * self.moment + (1 - lam) * moment + x * y
-        self.theta = nonnegative_solve(self.info, self.moment)
-
-    def hold(self, weight: float = ANCHOR_WEIGHT) -> None:
-        """What forgetting decays towards from now on: what is known now, at ``weight``."""
-        self.anchor = (self.info * weight, self.moment * weight)
-
-
-def nonnegative_solve(info: np.ndarray, moment: np.ndarray) -> np.ndarray:
-    """argmin over θ ≥ 0 of θᵀ·info·θ − 2·momentᵀθ: the least-squares θ whose every cost is ≥ 0. Costs of
-    a step that vary together (rows and their context) can trade signs in the plain solution, which then
-    predicts well only where they kept varying together; the constrained one cannot go below zero
-    anywhere. The plain solution when it has no negative cost, else Lawson and Hanson's active set on
-    the normal equations (a few k × k solves)."""
-    theta = np.linalg.solve(info, moment)
-    if (theta >= 0).all():
-        return theta
-    size = len(moment)
-    tol = 1e-12 * max(1.0, float(np.abs(moment).max()))
-    theta, free = np.zeros(size), np.zeros(size, dtype=bool)
-    for _ in range(3 * size):
-        gain = moment - info @ theta  # where raising a cost still lowers the error
-        gain[free] = -np.inf
-        if gain.max() <= tol:
-            break
-        free[int(gain.argmax())] = True
-        while True:
-            idx = np.flatnonzero(free)
-            trial = np.zeros(size)
-            trial[idx] = np.linalg.solve(info[np.ix_(idx, idx)], moment[idx])
-            if (trial[idx] > 0).all():
-                theta = trial
-                break
-            # step from θ towards the trial until a cost reaches 0, and fix that one at 0
-            falling = free & (trial <= 0)
-            alpha = np.min(theta[falling] / (theta[falling] - trial[falling]))
-            theta = theta + alpha * (trial - theta)
-            free &= theta > tol
-            theta[~free] = 0.0
-    return theta
 
 
 class StepTimes:
@@ -158,11 +93,9 @@ class StepTimes:
 
     def calibrate(self, samples: list[tuple[StepShape, float]]) -> None:
         """Start from ``samples`` (shape, seconds) alone, weighed alike: the start-up's timed steps."""
-        self.fit = RecursiveFit(len(SCALES), self.fit.forgetting)
-        for shape, seconds in samples:
-            self.fit.update(shape.features(), seconds * 1e3, forgetting=1.0)
-        self.fit.hold()
-        self.calibrated = True
+        timed = [(shape.features(), seconds * 1e3) for shape, seconds in samples]
+        self.fit = RecursiveFit.calibrated(len(SCALES), timed, self.fit.forgetting)
+        self.calibrated = bool(samples)
 
     def step_ended(self, plan: "Plan", seconds: float, sampled: bool) -> None:
         """An engine step took ``seconds`` on the host. That is its time on the device only if the

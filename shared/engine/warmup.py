@@ -86,7 +86,7 @@ def calibrate(engine) -> int:
     started = time.perf_counter()
     samples = measure(engine)
     engine.step_times.calibrate(samples)
-    errors = [abs(engine.step_times.predict(shape) / seconds - 1) for shape, seconds in samples]
+    errors = [abs(engine.step_times.predict(shape) / seconds - 1) for shape, seconds in samples] or [0.0]
     log.info("engine.step_time_calibrated", steps=len(samples), ms=round((time.perf_counter() - started) * 1e3),
              target_ms=round(engine.scheduler.target_s * 1e3, 1), fit_error=round(sum(errors) / len(errors), 3),
              **engine.step_times.coefficients())

@@ -12,7 +12,8 @@ step t(B) and the rows a step carries):
   prefill plus the rows, a decode-only step t(B);
 - aggregated (``EngineLoop`` with ``VisionBatcher.step``): before a step, when images are queued, a
   gap: batches of what is queued (and arrives meanwhile) until none is, or ``STEP_BUDGET_S`` of ViT
-  time is spent. The prompts whose images a gap finished join the next step: encoded in place, they
+  time is spent — while sequences decode, what ``target_itl_s`` leaves after their step, each forward
+  cut to fit (one image at least). The prompts whose images a gap finished join the next step: encoded in place, they
   are in the engine by then. Two older ways are kept to replay the runs that had them: through the
   frontend (``handback="frontend"``), they miss the step that starts at once; with the removed
   hand-off (``"handoff"``), a decode-only step first, then they join;
@@ -81,14 +82,16 @@ class _Vision:
     def ready(self, now: float) -> bool:
         return bool(self.queue) and self.queue[0][0] <= now
 
-    def forward(self, now: float) -> tuple[float, list[_Request]]:
-        """One batch of what is queued by ``now``: the time it ends, the requests it finished."""
+    def forward(self, now: float, seconds: float = math.inf) -> tuple[float, list[_Request]]:
+        """One batch of what is queued by ``now``, its forward within ``seconds`` (one image at least): the
+        time it ends, the requests it finished."""
         taken: list[_Request] = []
         for queued, r in self.queue:  # a prefix: the queue is by time
             total = (len(taken) + 1) * self.patches
             alone = all(other is r for other in taken)  # one request's own images may pass MIX_PATCHES
             if queued > now or len(taken) == MAX_BATCH_IMAGES or (taken and total > MAX_BATCH_PATCHES) or (
-                    taken and total > MIX_PATCHES and not alone):
+                    taken and total > MIX_PATCHES and not alone) or (
+                    taken and self.planner.vit(len(taken) + 1) * self.slowdown > seconds):
                 break
             taken.append(r)
         del self.queue[:len(taken)]
@@ -97,12 +100,16 @@ class _Vision:
             r.images_left -= 1
         return now, [r for r in dict.fromkeys(taken) if r.images_left == 0]
 
-    def gap(self, now: float) -> tuple[float, list[_Request]]:
-        """The aggregated engine thread's ViT between two steps: the requests whose images it finished."""
-        deadline, finished = now + STEP_BUDGET_S, []
-        while self.ready(now) and now < deadline:
-            now, done = self.forward(now)
+    def gap(self, now: float, budget: float | None = None) -> tuple[float, list[_Request]]:
+        """The aggregated engine thread's ViT between two steps: the requests whose images it finished.
+        ``budget``: seconds the gap may take while sequences decode, each forward cut to what is left;
+        None: up to ``STEP_BUDGET_S``, forwards as large as the limits allow."""
+        deadline, finished = now + (STEP_BUDGET_S if budget is None else budget), []
+        first = True
+        while self.ready(now) and (now < deadline or first):
+            now, done = self.forward(now, math.inf if budget is None else max(0.0, deadline - now))
             finished += done
+            first = False
         return now, finished
 
 
@@ -118,6 +125,13 @@ class _Engine:
 
     def has_work(self) -> bool:
         return bool(self.prompts or self.decoding)
+
+    def gap_budget(self) -> float | None:
+        """What the time target leaves the ViT before the next step while sequences decode
+        (``Scheduler.gap_budget_s``); None: nothing decodes, or no target."""
+        if not self.decoding or not self.planner.target_itl_s:
+            return None
+        return max(0.0, self.planner.target_itl_s - self.step_s(len(self.decoding)) * self.slow_decode)
 
     def step(self, now: float, decode_only: bool = False, gap: float = 0.0) -> float:
         """``gap``: seconds the ViT took right before it (the decode rows waited for it too)."""
@@ -220,7 +234,7 @@ def _run(engine: _Engine, requests: list[_Request], vision: _Vision | None = Non
         gap = 0.0
         if vision and vision.ready(now):
             began = now
-            now, finished = vision.gap(now)
+            now, finished = vision.gap(now, engine.gap_budget())
             gap = now - began
             for r in finished:
                 r.ready = now
