@@ -20,7 +20,8 @@
   (ViT forwards) and ``batches_waited`` (forwards that waited for a request's other images), summed
   over instances: how many over a measurement, beside the stages' means; and the language workers'
   step-time model (``STEP_COUNTS``: its prediction error summed over the steps it was checked on, their
-  count, the steps it learnt from and those the time budget cut).
+  count, the steps it learnt from and those the time budget cut; the aggregated worker's ViT
+  forward-time model's error and the batches it cut).
 
 The gauges are the frontend's copy of a listing it refreshes about once a second, so a reading right
 after a measurement may miss its last images (and the frontend records a request's stages as it closes
@@ -42,8 +43,9 @@ ENCODER_STAGES = ("vit_queue", "vit_forward", "vit_forward_prep", "vit_forward_l
                   "prompt_prefill", "pull_serve")
 ENCODER_COUNTS = ("batches", "batches_waited")  # counters: increments, never means
 # the language workers' step-time model: Σ |predicted − observed| / observed and how many steps, steps timed,
-# steps the time budget cut (``shared.engine.step_time``)
-STEP_COUNTS = ("step_time_error_total", "step_time_error_count", "steps_timed", "steps_paced")
+# steps the time budget cut (``shared.engine.step_time``); the aggregated ViT's forward-time model alike
+STEP_COUNTS = ("step_time_error_total", "step_time_error_count", "steps_timed", "steps_paced",
+               "vit_time_error_total", "vit_time_error_count", "vit_batches_cut")
 _STAGE = re.compile(r'^epd_stage_seconds_(sum|count)\{stage="(\w+)"\} (\S+)$', re.M)
 _STAT = re.compile(r'^epd_service_stat\{([^}]*)\} (\S+)$', re.M)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
