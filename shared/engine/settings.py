@@ -34,8 +34,9 @@ class EngineSettings(CudaGraphs, ModelLength, CommonSettings):
         "step, so its prompt chunks (and in the aggregated worker the ViT batches run between steps) are cut "
         "to what a model of step time predicts fits; the model is measured on this device at start and "
         "corrected after every step. Lower: smoother streams, prompts take more steps (more time to first "
-        "token under load); steps without decode rows still use --max-batched-tokens. 0: no time budget, "
-        "steps are sized by --max-batched-tokens alone"))
+        "token under load); steps without decode rows still use --max-batched-tokens. Workers that prefill and "
+        "decode (aggregated, E/PD) only: a split prefill or decode worker's steps never carry both. 0: no "
+        "time budget, steps are sized by --max-batched-tokens alone"))
     chunked_prefill: bool = Field(True, description="split prompts longer than the step budget into chunks, decode "
                                                     "rows riding along in every step; --no-chunked-prefill: prompts "
                                                     "whole, in steps of their own")
