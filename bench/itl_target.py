@@ -73,7 +73,7 @@ def points(args) -> list[Point]:
 def settings_for(args, api: str, label: str) -> BenchSettings:
     prompts = max(args.min_prompts, round(args.rate * args.seconds))
     return BenchSettings(base_url=api, label=label, num_prompts=prompts, warmup=args.warmup,
-                         request_rate=args.rate, seed=args.seed, tokenizer=args.tokenizer, progress=False,
+                         request_rate=args.rate, seed=args.seed, tokenizer=args.tokenizer,
                          timeout=args.request_timeout, **workload(args))
 
 
