@@ -13,7 +13,10 @@ Who runs the forwards:
   most one engine step instead of contending with it for the interpreter and the device. Before each
   engine step it encodes every image queued (in batches bounded by ``max_images`` / ``max_patches``),
   also those that arrive while it does, for up to ``STEP_BUDGET_S``: a queued image holds back its
-  whole request's first token, while the decode rows it delays lose one step's worth of time. A
+  whole request's first token, while the decode rows it delays lose one step's worth of time. While
+  sequences decode, the engine's time budget bounds the gap instead (``step``'s ``budget_s``: the
+  target less their predicted step), each batch cut to what the forward-time model predicts fits
+  (``forward_time``), one image at least. A
   request's images come as one job each, a data-plane pull apart, so a gap that took only what was
   queued at its start left the rest of the request for the next gap, a whole engine step (up to 8,192
   tokens, ~230 ms) later. One batch per gap fell further behind (H200 run 1: 388 ms of queueing per
