@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from shared.model.tiny import SPECIAL_TOKENS, image_processor_config, write_tokenizer
+from shared.model.qwen3_checkpoint import CHAT_TEMPLATE as QWEN3_TEMPLATE
+from shared.model.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, image_processor_config, write_tokenizer
 from tests.support import hf_chat_inputs
 
 
@@ -41,23 +42,34 @@ OUTSIDE = {
     # the other family: every block attends over the whole image; ViT head_dim 16 over 3 heads
     "qwen2_vl": OutsideSpec("qwen2_vl", dict(depth=3, embed_dim=48, num_heads=3, mlp_ratio=2)),
 }
+# Qwen3-VL dense: learned position table of 6×6, deepstack after the first and the last block
+OUTSIDE_QWEN3 = OutsideSpec("qwen3_vl", dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2,
+                                             num_position_embeddings=36, deepstack_visual_indexes=[0, 2]),
+                            max_pixels=32 * 32 * 512)
 
 
 def write_outside_checkpoint(path: Path, spec: OutsideSpec, seed: int = 0) -> Path:
-    from transformers import AutoModelForImageTextToText, AutoTokenizer, Qwen2_5_VLConfig, Qwen2VLConfig
+    from transformers import (AutoModelForImageTextToText, AutoTokenizer, Qwen2_5_VLConfig, Qwen2VLConfig,
+                              Qwen3VLConfig)
 
+    qwen3 = spec.family == "qwen3_vl"
     path.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(path, vocab_size=600)
+    write_tokenizer(path, vocab_size=600, chat_template=QWEN3_TEMPLATE if qwen3 else CHAT_TEMPLATE)
     tokenizer = AutoTokenizer.from_pretrained(path)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2,
                 rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, bos_token_id=ids["<|endoftext|>"],
                 eos_token_id=ids["<|im_end|>"], initializer_range=0.2)
+    if qwen3:  # head_dim 32 (× 4 heads ≠ hidden), Qwen3's interleaved M-RoPE
+        del text["rope_scaling"]
+        text.update(head_dim=32, max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0,
+                                                  "mrope_section": [6, 5, 5], "mrope_interleaved": True})
     text.update(spec.text)
-    vision = dict(patch_size=14, spatial_merge_size=2, temporal_patch_size=2, initializer_range=0.2, **spec.vision)
-    if spec.family == "qwen2_5_vl":
-        config_class = Qwen2_5_VLConfig
+    vision = dict(patch_size=16 if qwen3 else 14, spatial_merge_size=2, temporal_patch_size=2,
+                  initializer_range=0.2, **spec.vision)
+    if spec.family == "qwen2_5_vl" or qwen3:
+        config_class = Qwen3VLConfig if qwen3 else Qwen2_5_VLConfig
         vision.setdefault("out_hidden_size", text["hidden_size"])
     else:
         config_class = Qwen2VLConfig

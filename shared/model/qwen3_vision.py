@@ -1,7 +1,8 @@
 """The Qwen3-VL vision tower: patches of many images → one row per merged patch, deepstack levels beside it.
 
-Like Qwen2-VL's tower (``shared.model.vision``, whose attention it reuses) it runs images of any sizes
-as one packed batch with attention confined to each image. What differs:
+Like Qwen2-VL's tower (``shared.model.vision``, whose attention, ``shared.model.vision_attention``, it
+reuses) it runs images of any sizes as one packed batch with attention confined to each image. What
+differs:
 
 - patches of 16 pixels, embedded with a bias;
 - a learned square table of position embeddings, resampled bilinearly (corners aligned) to each
@@ -25,7 +26,8 @@ from torch import nn
 from shared.model.config import VisionConfig
 from shared.model.geometry import Grid
 from shared.model.rope import VisionRotaryEmbedding
-from shared.model.vision import SegmentAttention, VisionAttention, in_pieces, layout_forward
+from shared.model.vision import in_pieces, layout_forward
+from shared.model.vision_attention import SegmentAttention, VisionAttention
 
 
 class PatchEmbed(nn.Module):
