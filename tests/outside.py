@@ -19,7 +19,7 @@ from PIL import Image
 
 from shared.model.qwen3_checkpoint import CHAT_TEMPLATE as QWEN3_TEMPLATE
 from shared.model.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, image_processor_config, write_tokenizer
-from tests.support import hf_chat_inputs
+from tests.support import data_url, hf_chat_inputs
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,27 @@ def write_outside_checkpoint(path: Path, spec: OutsideSpec, seed: int = 0) -> Pa
 
 
 Part = str | Image.Image  # a chat message's content, in order: text and images
+
+
+LAYOUTS = ("images-first", "images-last", "interleaved")
+
+
+def message_parts(images: list[Image.Image], layout: str) -> list[Part]:
+    """One user turn's content with the images placed as ``layout`` says (one of ``LAYOUTS``)."""
+    if layout == "images-first":
+        return [*images, "Describe the images."]
+    if layout == "images-last":
+        return ["Compare these:", *images]
+    parts: list = []
+    for i, image in enumerate(images):
+        parts += [f"Image {i + 1}:", image]
+    return parts + ["Which one is brightest?"]
+
+
+def openai_content(parts: list[Part]) -> list[dict]:
+    """The same content as the OpenAI API takes it (images as PNG data URLs)."""
+    return [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image_url", "image_url": {"url": data_url(p)}}
+            for p in parts]
 
 
 def hf_inputs(reference, parts: list[Part]) -> dict:

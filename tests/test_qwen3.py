@@ -100,19 +100,18 @@ def test_config_normalizes_qwen3_fields(qwen3):
 
 def test_geometry_and_preprocessing_match_the_checkpoints_processor(qwen3):
     """Patch 16, merge 2, ``size`` limits: the frontend's token count is the grid the processor makes;
-    the torch preprocessor gives the PIL processor's patches to one 8-bit step."""
+    the torch preprocessor gives the PIL processor's patches bit for bit."""
     _, path, _, _, _, _ = qwen3
     geometry = ImageGeometry.from_checkpoint(path)
     pil, on_device = ImagePreprocessor(path), TorchImagePreprocessor(path)
     assert (geometry.patch_size, geometry.min_pixels, geometry.max_pixels) == (16, 32 * 32 * 4, 32 * 32 * 64)
-    step = 1 / 255 / min(pil._processor.image_std)
     for seed, height, width in [(1, 600, 900), (2, 20, 30), (3, 100, 150), (4, 64, 64), (5, 300, 200)]:
         pixels = np.asarray(make_image(seed, height, width))
         expected, grid = pil(pixels)
         assert geometry.grid(height, width) == grid
         got = on_device(torch.from_numpy(pixels.copy()))
         assert got.shape == expected.shape
-        assert (got - torch.from_numpy(expected)).abs().max().item() <= step * 1.01
+        assert torch.equal(got, torch.from_numpy(expected)), (height, width)
 
 
 def test_roles_read_only_their_own_tensors(qwen3):

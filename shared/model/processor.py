@@ -5,12 +5,12 @@ How many tokens an image becomes is ``shared.model.geometry`` (no pixels touched
 - ``ImagePreprocessor``: the checkpoint's own image processor (its PIL backend) on CPU threads, so its
   output is exactly the reference's;
 - ``TorchImagePreprocessor``: the same steps as tensor operations on the encoder's device (the GPU),
-  where a 1080p image takes well under a millisecond instead of ~100 ms of CPU. Both resize in two
-  8-bit passes, in the order the installed Pillow chooses (``vertical_pass_first``); PIL's fixed-point
-  weights and torch's float ones may then put a pixel one 8-bit step apart. It reads the checkpoint's
-  settings itself (``PixelSteps``, ``ImageGeometry``): importing HF's processor costs ~2.5 s of CPU per
-  process (transformers' processing module pulls in its modeling stack, torch._dynamo and
-  torch.distributed), for values in one JSON file.
+  where a 1080p image takes about a millisecond instead of ~100 ms of CPU, and the same values: Pillow's
+  fixed-point resize to the integer (``shared.model.resample``), then HF's rescale and normalize in
+  HF's order and precisions. It reads the checkpoint's settings itself (``PixelSteps``,
+  ``ImageGeometry``): importing HF's processor costs ~2.5 s of CPU per process (transformers'
+  processing module pulls in its modeling stack, torch._dynamo and torch.distributed), for values in
+  one JSON file.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from shared.model.geometry import Grid, ImageGeometry
+from shared.model.resample import pillow_version, resize_bicubic
 
 
 def load_image_processor(path: str | Path):
@@ -78,31 +78,6 @@ class PixelSteps:
         return cls(**given)
 
 
-def _pillow_version() -> tuple[int, int]:
-    import PIL
-
-    major, minor = PIL.__version__.split(".")[:2]
-    return int(major), int(minor)
-
-
-def vertical_pass_first(height: int, width: int, new_height: int, new_width: int,
-                        pillow: tuple[int, int] | None = None) -> bool:
-    """Whether Pillow's two-pass resize of ``height × width`` to ``new_height × new_width`` resamples the
-    columns (vertical pass) before the rows. Each pass rounds to 8 bits, so the order shows: done the other
-    way, pixels near edges land up to ~20 steps apart — enough to move a greedy token.
-
-    Pillow < 12.2: rows always first. 12.2: columns first for images over 100 times taller than wide whose
-    height shrinks. 13: columns first when the height shrinks by more than twice as many pixels as the width
-    does (so always when the height shrinks and the width does not: 200×300 → 196×308 is one).
-    """
-    pillow = pillow or _pillow_version()
-    if pillow >= (13, 0):
-        return new_height < height and height - new_height > 2 * (width - new_width)
-    if pillow >= (12, 2):
-        return height > 100 * width and new_height < height
-    return False
-
-
 def preprocess_mode(setting: str, device: torch.device) -> str:
     """``pil`` or ``torch`` for an encoder's ``preprocess`` setting: ``auto`` is torch on a GPU (well under a
     millisecond per 1080p image, against ~100 ms of CPU for PIL) and the exact PIL reference elsewhere."""
@@ -113,8 +88,8 @@ def preprocess_mode(setting: str, device: torch.device) -> str:
 
 class TorchImagePreprocessor:
     """Pixels (``[H, W, 3]`` uint8 tensor, on any device) → flattened patches ``[N, patch_dim]`` on the same
-    device, in ``dtype``: resize (bicubic, antialiased as PIL does), rescale, normalize, patchify, in the
-    order and layout of the checkpoint's processor."""
+    device, in ``dtype``: resize (Pillow's bicubic, to its integers), rescale, normalize, patchify, in the
+    order, precisions and layout of the checkpoint's processor (float32: its patches bit for bit)."""
 
     def __init__(self, path: str | Path, dtype: torch.dtype = torch.float32):
         steps = PixelSteps.from_checkpoint(path)
@@ -123,12 +98,10 @@ class TorchImagePreprocessor:
                              "preprocess with its own processor (--preprocess pil)")
         self.geometry = ImageGeometry.from_checkpoint(path)
         self.dtype = dtype
-        self._pillow = _pillow_version()  # the reference's pass order is the installed Pillow's
-        std = torch.tensor(steps.image_std, dtype=torch.float32).view(3, 1, 1)
-        mean = torch.tensor(steps.image_mean, dtype=torch.float32).view(3, 1, 1)
-        # (x * rescale - mean) / std as one multiply-add
-        self._scale = steps.rescale_factor / std
-        self._shift = -mean / std
+        self._pillow = pillow_version()  # the reference's pass order is the installed Pillow's
+        self._rescale = steps.rescale_factor
+        self._mean = torch.tensor(steps.image_mean, dtype=torch.float32).view(3, 1, 1)
+        self._std = torch.tensor(steps.image_std, dtype=torch.float32).view(3, 1, 1)
 
     def grid(self, height: int, width: int) -> Grid:
         return self.geometry.grid(height, width)
@@ -142,16 +115,11 @@ class TorchImagePreprocessor:
         images = pixels if pixels.dim() == 4 else pixels.unsqueeze(0)
         n, height, width = (int(x) for x in images.shape[:3])
         h, w = g.resized(height, width)
-        image = images.permute(0, 3, 1, 2).float()
-        # two passes as PIL makes them, each back to 8 bits (clipping the bicubic overshoot)
-        first = (h, width) if vertical_pass_first(height, width, h, w, self._pillow) else (height, w)
-        for size in (first, (h, w)):
-            if tuple(image.shape[2:]) != size:
-                image = F.interpolate(image, size=size, mode="bicubic", antialias=True, align_corners=False)
-                image = image.round_().clamp_(0, 255)
-        if self._scale.device != image.device:  # once: the constants live where the pixels are
-            self._scale, self._shift = self._scale.to(image.device), self._shift.to(image.device)
-        image = image * self._scale + self._shift  # [n, 3, h, w]
+        image = resize_bicubic(images.permute(0, 3, 1, 2), h, w, self._pillow)  # float64 integers
+        if self._mean.device != image.device:  # once: the constants live where the pixels are
+            self._mean, self._std = self._mean.to(image.device), self._std.to(image.device)
+        # HF's rescale (in float64, then to float32) and normalize (float32), in its order
+        image = ((image * self._rescale).float() - self._mean) / self._std  # [n, 3, h, w]
         m, p, t = g.merge_size, g.patch_size, g.temporal_patch_size
         gh, gw = h // p, w // p
         # n gh gw mh mw C ph pw
