@@ -14,8 +14,8 @@ class Preprocessing(BaseModel):
 
     preprocess: Literal["auto", "pil", "torch"] = Field(
         "auto", description="where images are resized and patchified: pil = the checkpoint's own processor on CPU "
-                            "threads (exactly the reference); torch = tensor operations on the encoder's device "
-                            "(pixels may differ from PIL's by one 8-bit step); auto = torch on a GPU, else pil")
+                            "threads; torch = tensor operations on the encoder's device, the same patches (a "
+                            "resample other than bicubic needs pil); auto = torch on a GPU, else pil")
     preprocess_threads: int = Field(2, ge=1, description="threads resizing and patchifying images (pil), and "
                                                          "videos on CPU: raise it for CPU-bound encoders")
 

@@ -31,11 +31,13 @@ def _segment_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, scale, stride_t, strid
     q = tl.load(q_ptr + offsets, mask=mask, other=0.0)
     k = tl.load(k_ptr + offsets, mask=mask, other=0.0)
     v = tl.load(v_ptr + offsets, mask=mask, other=0.0)
-    scores = tl.dot(q, tl.trans(k)) * scale
+    # "ieee": float32 operands (the float32 dtype, which parity runs use) multiply in float32, not in TF32 (Triton's
+    # default for them, ~1e-3 relative: enough to flip a near-tie against HF); 16-bit operands ignore it
+    scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
     scores = tl.where(rows[None, :], scores, float("-inf"))
     p = tl.exp(scores - tl.max(scores, 1)[:, None])
     p = p / tl.sum(p, 1)[:, None]
-    out = tl.dot(p.to(v.dtype), v)
+    out = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     tl.store(out_ptr + (start + t)[:, None] * stride_ot + head * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -97,7 +99,7 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, block_tables, cu_seqlens_q
         block = tl.load(block_tables + chunk * stride_bt + key // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
         offsets = block[:, None] * stride_kb + (key % BLOCK_SIZE)[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
         k = tl.load(k_cache + offsets, mask=key_ok[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * scale
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # float32: not TF32 (see above)
         visible = key_ok[None, :] & (key[None, :] <= position[:, None])
         scores = tl.where(visible, scores, float("-inf"))
         # key 0 is visible to every row, so each row's maximum is finite from the first tile on
@@ -106,7 +108,7 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, block_tables, cu_seqlens_q
         alpha = tl.exp(m - m_new)
         l = l * alpha + tl.sum(p, 1)
         v = tl.load(v_cache + offsets, mask=key_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m = m_new
 
     out = acc / tl.where(l > 0, l, 1.0)[:, None]

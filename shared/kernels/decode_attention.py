@@ -92,12 +92,12 @@ def _load_walk(k_cache, v_cache, block_tables, b, kv_head, start, last, ctx, d, 
 @triton.jit
 def _attend(q, k, v, valid, m, l, acc, scale):
     """One walk into the online softmax (running max ``m``, sum ``l``, weighted values ``acc``)."""
-    scores = tl.where(valid[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))
+    scores = tl.where(valid[None, :], tl.dot(q, tl.trans(k), input_precision="ieee") * scale, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, 1))
     base = tl.where(m_new == float("-inf"), 0.0, m_new)  # a walk that met only the new token's position
     p = tl.exp(scores - base[:, None])
     alpha = tl.exp(m - base)
-    return m_new, l * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
 
 
 # a mixed step's block tables are as wide as its longest table: their row stride changes from step to step

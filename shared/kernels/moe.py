@@ -123,10 +123,10 @@ def _grouped_gemm_kernel(
         k_ok = ks < K - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision="ieee")  # float32 weights (checks): not TF32
         if GATED:
             up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            acc_up = tl.dot(a, up, acc_up)
+            acc_up = tl.dot(a, up, acc_up, input_precision="ieee")
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     out_type = c_ptr.dtype.element_ty
