@@ -4,9 +4,9 @@ HF's image processors (their PIL backend) resize with ``PIL.Image.resize(BICUBIC
 each rounded back to 8 bits, in the order the installed Pillow picks (``vertical_pass_first``). Pillow
 computes a pass in fixed point (``Resample.c``): each output sample's filter taps are normalized in double
 precision and turned into integers with 22 fractional bits; the products with the 8-bit inputs are summed
-as integers, plus one half, shifted back and clipped. Here a pass is a matrix of those integer
-coefficients applied in float64 — every product and partial sum is an integer below 2^53, so exact in any
-summation order (cuBLAS's on a GPU included) — then rounded as Pillow rounds. The coefficients come from
+as integers, plus one half, shifted back and clipped. Here the same integer coefficients multiply the
+same 8-bit values in float64 — every product and partial sum is an integer below 2^53, so exact in any
+order — and the sums are rounded as Pillow rounds them. The coefficients come from
 Pillow's formulas in Pillow's order of operations (numpy float64, one operation at a time: no fused
 multiply-add), so they are Pillow's integers, and so is every pixel.
 
@@ -82,12 +82,21 @@ def pass_taps(size: int, new: int) -> tuple[np.ndarray, np.ndarray]:
     return first, np.trunc(np.where(weights < 0, fixed - 0.5, fixed + 0.5))
 
 
-def _pass_matrix(size: int, new: int, device: torch.device) -> torch.Tensor:
-    """``[new, size]`` float64 of Pillow's integer coefficients, built on ``device`` from the taps."""
+def _resample(image: torch.Tensor, axis: int, new: int) -> torch.Tensor:
+    """One pass over ``axis`` of float64 8-bit values, before rounding: each output sample the sum of its taps'
+    products, added tap after tap over the whole image (two kernels a tap, memory twice the output's; a
+    dense matrix product would cost ``size`` multiply-adds an output sample instead of the taps' 5-9)."""
+    size = image.shape[axis]
     first, coefficients = pass_taps(size, new)
-    index = np.minimum(first[:, None] + np.arange(coefficients.shape[1]), size - 1)  # past the end: coefficient 0
-    matrix = torch.zeros(new, size, dtype=torch.float64, device=device)
-    return matrix.scatter_add_(1, torch.from_numpy(index).to(device), torch.from_numpy(coefficients).to(device))
+    taps = coefficients.shape[1]
+    index = torch.from_numpy(np.minimum(first[:, None] + np.arange(taps), size - 1)).to(image.device)  # past the end: 0
+    weights = torch.from_numpy(coefficients).to(image.device)
+    shape = [1] * image.dim()
+    shape[axis] = new
+    sums = torch.zeros((*image.shape[:axis], new, *image.shape[axis + 1:]), dtype=torch.float64, device=image.device)
+    for tap in range(taps):
+        sums.addcmul_(image.index_select(axis, index[:, tap]), weights[:, tap].view(shape))
+    return sums
 
 
 def _round(sums: torch.Tensor) -> torch.Tensor:
@@ -105,6 +114,5 @@ def resize_bicubic(images: torch.Tensor, height: int, width: int, pillow: tuple[
         size, new = (old_height, height) if vertical else (old_width, width)
         if size == new:  # Pillow skips a pass that changes nothing
             continue
-        matrix = _pass_matrix(size, new, image.device)
-        image = _round(matrix @ image if vertical else image @ matrix.T)
+        image = _round(_resample(image, image.dim() - (2 if vertical else 1), new))
     return image
