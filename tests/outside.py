@@ -63,8 +63,9 @@ def write_outside_checkpoint(path: Path, spec: OutsideSpec, seed: int = 0) -> Pa
                 eos_token_id=ids["<|im_end|>"], initializer_range=0.2)
     if qwen3:  # head_dim 32 (× 4 heads ≠ hidden), Qwen3's interleaved M-RoPE
         del text["rope_scaling"]
-        text.update(head_dim=32, max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0,
-                                                  "mrope_section": [6, 5, 5], "mrope_interleaved": True})
+        text.update(head_dim=32, max_position_embeddings=4096,
+                    rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [6, 5, 5],
+                                     "mrope_interleaved": True})
     text.update(spec.text)
     vision = dict(patch_size=16 if qwen3 else 14, spatial_merge_size=2, temporal_patch_size=2,
                   initializer_range=0.2, **spec.vision)
@@ -107,8 +108,8 @@ def message_parts(images: list[Image.Image], layout: str) -> list[Part]:
 
 def openai_content(parts: list[Part]) -> list[dict]:
     """The same content as the OpenAI API takes it (images as PNG data URLs)."""
-    return [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image_url", "image_url": {"url": data_url(p)}}
-            for p in parts]
+    return [{"type": "text", "text": p} if isinstance(p, str) else
+            {"type": "image_url", "image_url": {"url": data_url(p)}} for p in parts]
 
 
 def hf_inputs(reference, parts: list[Part]) -> dict:

@@ -9,7 +9,7 @@ Each example draws 1-6 images of any size (``tests/mixes.py``) and where they si
 Tokens are compared where HF's own choice is clear: where HF's top two logits are within ``NEAR_TIE``, our
 engine (whose logits are HF's to ~2e-5 on CPU, float32) may pick the other one, so a different token there
 is accepted when HF ranks it within ``NEAR_TIE`` of its first (the answers part from there, and the test says
-so in its output); anywhere else it is a failure. The text is checked against our own ids in every case:
+so with a warning); anywhere else it is a failure. The text is checked against our own ids in every case:
 they are read back from the answer's logprobs (each token's bytes).
 
 CI runs the issue's request and a few fixed examples per checkpoint; ``PROPERTY_EXAMPLES=N python -m pytest
@@ -17,6 +17,8 @@ tests/test_answer_properties.py`` runs N fresh random ones (on the same two stac
 """
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -105,4 +107,5 @@ def test_greedy_answers_equal_hfs_for_any_mix(served, sizes, layout, seed):
     assert gap < NEAR_TIE and ours < NEAR_TIE, (
         f"token {parted}: ours {ids[parted]}, HF's {expected[parted]}, HF's top-two gap {gap:.4f}, ours "
         f"{ours:.4f} below HF's first")
-    print(f"near-tie at token {parted} (HF's top-two gap {gap:.2e}): answers part there, {sizes} {layout}")
+    warnings.warn(f"a near-tie at token {parted} (HF's top-two gap {gap:.1e}): the answers part there ({sizes}, "
+                  f"{layout})", stacklevel=1)

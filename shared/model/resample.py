@@ -104,7 +104,8 @@ def _round(sums: torch.Tensor) -> torch.Tensor:
     return torch.floor((sums + (1 << (PRECISION_BITS - 1))) / (1 << PRECISION_BITS)).clamp_(0, 255)
 
 
-def resize_bicubic(images: torch.Tensor, height: int, width: int, pillow: tuple[int, int] | None = None) -> torch.Tensor:
+def resize_bicubic(images: torch.Tensor, height: int, width: int,
+                   pillow: tuple[int, int] | None = None) -> torch.Tensor:
     """``images`` ``[n, C, H, W]`` of 8-bit values (any dtype) → ``[n, C, height, width]`` float64 holding
     exactly the integers ``PIL.Image.resize((width, height), BICUBIC)`` gives."""
     image = images.to(torch.float64)
