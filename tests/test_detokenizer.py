@@ -96,6 +96,18 @@ def byte_fallback_tokenizer():
                                    additional_special_tokens=SPECIAL_TOKENS[1:])
 
 
+def test_a_byte_token_that_decoded_to_a_letter_may_still_turn_into_replacement_characters():
+    """Byte fallback: ``<0x58>`` alone is "X", but followed by ``<0x85>`` the run is no UTF-8 and decodes as
+    one U+FFFD per byte, the X's too: the stream must not release the X (it did: text shifted by one
+    character from decode's after every such run)."""
+    tokenizer = byte_fallback_tokenizer()
+    ids = tokenizer.convert_tokens_to_ids(["<0x58>", "<0x85>"]) + tokenizer.encode("the", add_special_tokens=False)
+    expected = tokenizer.decode(ids)
+    assert expected.startswith("\ufffd\ufffd") and "X" not in expected
+    text, parts, _ = stream(tokenizer, ids)
+    assert text == expected and parts[0] == ""
+
+
 @pytest.fixture(scope="module", params=["byte-level", "byte-fallback"])
 def any_tokenizer(request, tokenizer):
     return tokenizer if request.param == "byte-level" else byte_fallback_tokenizer()

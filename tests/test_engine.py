@@ -185,7 +185,9 @@ def test_batched_vision_equals_one_image_at_a_time(model_parts, tiny_model):
     torch.testing.assert_close(grouped, batched, rtol=1e-5, atol=1e-5)
 
 
-def test_preprocessing_on_the_device_matches_the_checkpoints_processor(tiny_model):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the GPU's arithmetic: on the GPU machine"))])
+def test_preprocessing_on_the_device_matches_the_checkpoints_processor(tiny_model, device):
     """The torch preprocessor (what encoders run on a GPU) gives HF's PIL processor's patches and grid, bit for
     bit: downscaled past max_pixels, upscaled past min_pixels, rounded to the patch grid, as is, and sides
     scaled very unequally (which recent Pillow resamples columns first). tests/test_vision_properties.py
@@ -199,7 +201,7 @@ def test_preprocessing_on_the_device_matches_the_checkpoints_processor(tiny_mode
                                 (6, 200, 300), (7, 14, 8), (8, 9, 700)]:
         pixels = np.asarray(make_image(seed, height, width))
         expected, grid = pil(pixels)
-        got = on_device(torch.from_numpy(pixels.copy()))
+        got = on_device(torch.from_numpy(pixels.copy()).to(device)).cpu()
         assert on_device.grid(height, width) == grid
         assert torch.equal(got, torch.from_numpy(expected)), (height, width)
 
