@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 
 from services.frontend.detokenizer import IncrementalDetokenizer
 from services.frontend.generation import ChoiceState, OutputOptions, TextDelta
-from shared.engine.sampling import SamplingParams
+from shared.messages.sampling import SamplingParams
 from shared.messages.stream import TokenEvent
 from tests.mixes import budget
 
