@@ -157,9 +157,10 @@ def test_the_stack_serves_after_hostile_input(stack):
 
 
 def test_a_prompts_image_slots_carry_embeddings_or_pixels_where_they_are_encoded(tiny_model):
-    """A prefill job's image slot carries its embeddings or its pixels, never both or neither; pixels only
-    to a worker that encodes them (aggregated), a frame sampling only with a clip's pixels, embeddings only
-    as floats (a client's precomputed ones pass through here too). Each is a 400."""
+    """A prefill job's image slot carries its embeddings, its pixels or neither (cached, with its content
+    hash), never two; pixels only to a worker that encodes them (aggregated), a frame sampling only with a
+    clip's pixels, embeddings only as floats (a client's precomputed ones pass through here too). Each is a
+    400."""
     from services.language.intake import validate_prompt
     from shared.dataplane.handle import TensorHandle
     from shared.messages.sampling import SamplingParams
@@ -190,9 +191,12 @@ def test_a_prompts_image_slots_carry_embeddings_or_pixels_where_they_are_encoded
 
     validate_prompt(job(embedding=embedding), config)
     validate_prompt(job(pixels=pixels, content_hash="h" * 16), config, pixels=True)
+    validate_prompt(job(cached=True, content_hash="h" * 16), config)  # its KV in the prefix cache: checked there
     for slot, worker_encodes, message in [
         (dict(), True, "either its embeddings or its pixels"),
         (dict(embedding=embedding, pixels=pixels), True, "either its embeddings or its pixels"),
+        (dict(embedding=embedding, cached=True, content_hash="h" * 16), False, "either its embeddings or its pixels"),
+        (dict(cached=True), False, "needs its content hash"),
         (dict(pixels=pixels), False, "does not encode images"),
         (dict(pixels=pixels, sampling=sampling), True, "only a video slot's pixels"),
         (dict(embedding=embedding, sampling=sampling, video=True), True, "only a video slot's pixels"),

@@ -6,6 +6,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
+from shared.engine.scheduler import PrefixUnavailable
 from shared.engine.prefix import ImageSpan, block_hashes
 from shared.messages.sampling import SamplingParams
 from shared.engine.sequence import ImageInput, Sequence
@@ -150,3 +153,79 @@ def test_cancelled_and_preempted_sequences_give_their_blocks_back(model_parts, r
         assert seq.output_ids == requests_with_reference[i][3], seq.request_id
     assert engine.cached_prompt_tokens > 0
     assert engine.blocks.num_used == 0 and engine.blocks.num_free == engine.blocks.num_blocks
+
+
+# -- images whose KV is cached come without embeddings ------------------------------------------------------
+def _without_embeddings(images: list[ImageInput], count: int) -> list[ImageInput]:
+    """The first ``count`` images as the frontend sends them when a worker's prefix cache holds their KV."""
+    return [ImageInput(i.offset, i.grid, None, i.content_hash, i.time_interval, i.num_tokens) if n < count else i
+            for n, i in enumerate(images)]
+
+
+def test_an_image_sent_without_embeddings_comes_from_the_cached_prefix(model_parts, reference):
+    """Turn 2 with turn 1's image as cached (no embeddings) and a new image with them: HF's output, the
+    first image's KV from the cache."""
+    image_a, image_b = make_image(51, 100, 150), make_image(52, 80, 80)
+    engine = make_engine(model_parts, max_batched_tokens=32)
+    turn1 = [user("Describe this picture.", 1)]
+    ids1, images1 = engine_prompt(reference, model_parts, turn1, [image_a])
+    first = _run(engine, "t1", ids1, images1, 12)
+    turn2 = turn1 + [assistant(reference.text(first.output_ids)), user("And this one?", 1)]
+    ids2, images2 = engine_prompt(reference, model_parts, turn2, [image_a, image_b])
+    second = _run(engine, "t2", ids2, _without_embeddings(images2, 1), 10)
+    assert second.num_cached >= images2[0].offset + images2[0].num_tokens
+    assert second.output_ids == hf_generate(reference, turn2, [image_a, image_b], 10)
+    assert engine.blocks.num_used == 0
+
+
+def test_an_image_without_embeddings_whose_kv_is_not_cached_is_refused(model_parts, reference):
+    """Never cached here, or no prefix caching at all: ``PrefixUnavailable`` at once, nothing queued."""
+    ids, images = engine_prompt(reference, model_parts, [user("What is this?", 1)], [make_image(53, 90, 90)])
+    for engine in (make_engine(model_parts), make_engine(model_parts, prefix_caching=False)):
+        seq = Sequence("r", list(ids), len(ids), SamplingParams(temperature=0, max_tokens=4),
+                       images=_without_embeddings(images, 1))
+        with pytest.raises(PrefixUnavailable):
+            engine.add_prompt(seq)
+        assert not engine.has_work() and engine.blocks.num_used == 0
+
+
+def test_a_prompt_with_cached_images_starts_at_once_or_is_refused(model_parts, reference):
+    """Turn 2, its image sent as cached, in a pool of 40 blocks. Behind a queued prompt that needs the
+    room, it is refused (it would take blocks that prompt waits for, and cannot wait itself: its prefix
+    could be evicted meanwhile); with the room, it starts at once, ahead of a prompt queued before it,
+    with HF's output; once the image's blocks were evicted, it is refused."""
+    engine = make_engine(model_parts, num_blocks=41, max_batched_tokens=32, priority_window=0)
+    image = make_image(54, 100, 150)
+    turn1 = [user("Describe this picture.", 1)]
+    ids1, images1 = engine_prompt(reference, model_parts, turn1, [image])
+    first = _run(engine, "t1", ids1, images1, 12)
+    turn2 = turn1 + [assistant(reference.text(first.output_ids)), user("And now?")]
+    ids2, images2 = engine_prompt(reference, model_parts, turn2, [image])
+
+    def turn_two(rid: str) -> Sequence:
+        return Sequence(rid, list(ids2), len(ids2), SamplingParams(temperature=0, max_tokens=6),
+                        images=_without_embeddings(images2, 1))
+
+    def text(rid: str, blocks: int) -> Sequence:
+        return Sequence(rid, [7 + len(rid)] * (blocks * BS - 3), blocks * BS - 3,
+                        SamplingParams(temperature=0, max_tokens=2))
+
+    engine.add_prompt(text("big", engine.blocks.num_free - 1))  # queued: it needs every free block
+    with pytest.raises(PrefixUnavailable):
+        engine.add_prompt(turn_two("behind"))
+    engine.abort("big")
+    engine.add_prompt(text("small", 2))
+    second = turn_two("t2")
+    engine.add_prompt(second)  # admitted now: ahead of the prompt queued before it
+    assert second in engine.scheduler.running and engine.scheduler.waiting[0].request_id == "small"
+    while engine.has_work():
+        engine.step()
+    assert second.num_cached >= images2[0].offset + images2[0].num_tokens
+    assert second.output_ids == hf_generate(reference, turn2, [image], 6)
+
+    evicted = engine.blocks.num_evicted
+    _run(engine, "evict", [11] * (engine.blocks.num_blocks - 2) * BS, [], 1)  # every block, the image's too
+    assert engine.blocks.num_evicted > evicted
+    with pytest.raises(PrefixUnavailable):
+        engine.add_prompt(turn_two("gone"))
+    assert engine.blocks.num_used == 0 and not engine.has_work()

@@ -7,8 +7,10 @@ here, its embeddings pulled, the prompt handed to the engine thread — which me
 engine step that the prompt then waits out. On an H200 that was ~35 ms a request more than the same
 hops in a process of their own (docs/architecture.md, "The aggregated worker encodes in place"). Here, as in vLLM's engine, the request comes once, with its pixels:
 
-1. ``admit`` (event loop): check the job, pull the pixels (and any embeddings it carries), park the
-   prompt with one part per image still to come, look each image up (``EmbeddingSource``: the cache, a
+1. ``admit`` (event loop): check the job, pull the pixels (and any embeddings it carries), check that
+   the prefix cache still holds its ``cached`` images (else ``EMBEDDINGS_GONE``: the frontend sends
+   them; refused on entry instead, the request fails over to a resume that sends every image), park
+   the prompt with one part per image still to come, look each image up (``EmbeddingSource``: the cache, a
    concurrent encoding, a peer, else the ViT, in the batcher's queue), and reply accepted;
 2. each image's embeddings land in the engine thread: from the batcher's completion hook right after
    the forward that made them (between two engine steps, no event-loop hop), or posted between steps
@@ -120,11 +122,15 @@ class InPlacePrompts:
             self.intake.pull_embeddings(job.images))
         request_id = job.request_id
         self.worker.refuse_cancelled(request_id)  # cancelled while its pixels came
-        parts = [None if e is None else image_inputs(s, e, self.intake.config) for s, e in zip(job.images, embeds)]
+        parts = [None if e is None and not s.cached else image_inputs(s, e, self.intake.config)
+                 for s, e in zip(job.images, embeds)]
+        seq = self.intake.make_sequence(job, [])
+        if any(s.cached for s in job.images):  # refused now if their KV is gone already (checked again on entry)
+            seq.images, seq.block_hashes = [i for part in parts if part for i in part], self.intake.chain_hashes(job)
+            self.worker.check_cached(seq)
         on_error = lambda message: self.worker.loop.loop.call_soon_threadsafe(  # noqa: E731 - engine thread
             self._fail, request_id, 500, message)
-        parked = Parked(self.intake.make_sequence(job, []), parts, arrived,
-                        lambda seconds: self.times.add("prompt_encode", seconds), on_error)
+        parked = Parked(seq, parts, arrived, lambda seconds: self.times.add("prompt_encode", seconds), on_error)
         self.parked[request_id] = parked
         self.worker.track(request_id, tracked)
         self.prompts += 1

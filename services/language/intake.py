@@ -4,17 +4,24 @@ onto the engine's device.
 The job comes from the frontend, so nothing in it is trusted: every token id in the vocabulary, every
 image slot over exactly one run of placeholder tokens with embeddings of the size its grid gives, and
 no placeholder without an image (videos: the video placeholder, in one run or one per temporal patch).
+An image sent as ``cached`` (no embeddings: the frontend's prefix lookup said this worker holds its KV)
+becomes inputs without embeddings: the engine starts such a prompt from its prefix cache at once, or
+refuses it (``LanguageWorker.add_prompt``: ``EMBEDDINGS_GONE``). The same cache answers the frontend's
+lookups (``lookup``).
 """
 
 from __future__ import annotations
 
-from shared.bus.service_api import Endpoint, Handler
+from shared.bus.service_api import Endpoint, Handler, Request
 from shared.bus.subjects import QUEUE, Subjects
 from shared.dataplane.plane import DataPlane
 from shared.dataplane.store import DataPlaneError
+from shared.engine.block_manager import BlockManager
+from shared.engine.prefix import block_hashes
 from shared.engine.sequence import ImageInput, Sequence
 from shared.errors import ServiceError
-from shared.messages.prefill import EMBEDDINGS_GONE, ImageSlot, PrefillJob
+from shared.messages import pack, unpack
+from shared.messages.prefill import EMBEDDINGS_GONE, ImageSlot, PrefillJob, PrefixFound, PrefixLookup
 from shared.messages.sampling import SamplingParams
 from shared.model.config import ModelConfig
 from shared.model.geometry import grid_tokens
@@ -22,6 +29,7 @@ from shared.model.rope import video_time_interval
 
 _GONE_CODES = ("unreachable", "expired", "not_found", "timeout")
 EMBEDDING_DTYPES = ("float32", "float16", "bfloat16")  # an encoder's, or a client's (cast to the engine's)
+LOOKUPS_AT_ONCE = 64  # each is a few dictionary reads: more wait in NATS
 
 
 def validate_sampling(sampling: SamplingParams, config: ModelConfig) -> None:
@@ -46,8 +54,10 @@ def validate_prompt(job: PrefillJob, config: ModelConfig, pixels: bool = False) 
         if t < 1 or h < 1 or w < 1 or h % merge or w % merge:
             raise ServiceError(400, "invalid image grid")
         n = grid_tokens(slot.grid, merge)
-        if (slot.embedding is None) == (slot.pixels is None):
-            raise ServiceError(400, "an image slot carries either its embeddings or its pixels")
+        if (slot.embedding is not None) + (slot.pixels is not None) + slot.cached != 1:
+            raise ServiceError(400, "an image slot carries either its embeddings or its pixels, or is cached")
+        if slot.cached and not slot.content_hash:
+            raise ServiceError(400, "a cached image slot needs its content hash")
         if slot.pixels is not None and not pixels:
             raise ServiceError(400, "this worker does not encode images: send their embeddings")
         if slot.sampling is not None and (slot.pixels is None or not slot.video):
@@ -89,25 +99,35 @@ def _slot_runs(slot: ImageSlot, n: int, merge: int, config: ModelConfig) -> list
 
 def image_inputs(slot: ImageSlot, embeds, config: ModelConfig) -> list[ImageInput]:
     """The engine's inputs for one slot: a Qwen3-VL clip becomes one input per temporal patch (a
-    ``(1, h, w)`` grid, as HF places them), named in the prefix cache by the clip's hash and its index."""
-    if not slot.frame_offsets:
+    ``(1, h, w)`` grid, as HF places them), named in the prefix cache by the clip's hash and its index.
+    ``embeds`` None: a cached slot (its inputs carry no embeddings)."""
+    spans = slot.spans(config.vision.merge_size)
+    if slot.frame_offsets:
+        _, h, w = slot.grid
+        grid, interval = (1, h, w), 1
+    else:
+        grid = tuple(slot.grid)
         interval = video_time_interval(config.vision.tokens_per_second, slot.second_per_grid) if slot.video else 1
-        return [ImageInput(slot.offset, tuple(slot.grid), embeds, slot.content_hash, interval)]
-    _, h, w = slot.grid
-    rows = h * w // config.vision.merge_size ** 2
-    return [ImageInput(offset, (1, h, w), embeds[i * rows:(i + 1) * rows],
-                       f"{slot.content_hash}#{i}" if slot.content_hash else "")
-            for i, offset in enumerate(slot.frame_offsets)]
+    inputs, row = [], 0
+    for span in spans:
+        rows = None if embeds is None else embeds[row:row + span.num_tokens]
+        inputs.append(ImageInput(span.offset, grid, rows, span.content_hash, interval, span.num_tokens))
+        row += span.num_tokens
+    return inputs
 
 
 class PromptIntake:
-    def __init__(self, config: ModelConfig, plane: DataPlane, device, max_model_len: int):
+    def __init__(self, config: ModelConfig, plane: DataPlane, device, max_model_len: int,
+                 blocks: BlockManager | None = None):
         self.config = config
         self.plane = plane
         self.device = device  # the engine's: GPU to GPU where the transport can (UCX)
         self.max_model_len = max_model_len
+        self.blocks = blocks  # the engine's prefix cache: lookups read it from the event loop
         self.prompts = 0
         self.prompt_tokens = 0
+        self.images_pulled = 0  # images whose embeddings were pulled, and their bytes
+        self.embedding_bytes = 0
 
     def check(self, job: PrefillJob, pixels: bool = False) -> None:
         """The job fits the model and this worker's context (``pixels``: see ``validate_prompt``)."""
@@ -127,21 +147,48 @@ class PromptIntake:
         return Sequence(job.request_id, list(job.token_ids), len(job.token_ids), job.sampling, images=images,
                         output_offset=job.output_offset)
 
-    async def pull_embeddings(self, slots: list[ImageSlot]) -> list:
-        """Each slot's embeddings on the engine's device (a slot without them, encoded here: None)."""
+    def chain_hashes(self, job: PrefillJob) -> list[str]:
+        """The chain hashes of the job's full blocks, named from its slots (before any embeddings came)."""
+        if self.blocks is None or not self.blocks.caching:
+            return []
+        spans = [span for slot in job.images for span in slot.spans(self.config.vision.merge_size)]
+        return block_hashes(job.token_ids, spans, self.blocks.block_size)
 
+    async def pull_embeddings(self, slots: list[ImageSlot]) -> list:
+        """Each slot's embeddings on the engine's device (a slot without them — encoded here, or cached:
+        None)."""
+        handles = [s.embedding for s in slots if s.embedding is not None]
         try:
-            pulled = iter(await self.plane.pull_many([s.embedding for s in slots if s.embedding is not None],
-                                                     device=self.device))
-            return [None if s.embedding is None else next(pulled) for s in slots]
+            pulled = iter(await self.plane.pull_many(handles, device=self.device))
         except DataPlaneError as err:
             if err.code in _GONE_CODES:
                 raise ServiceError(EMBEDDINGS_GONE, f"image embeddings are gone: {err.message}") from None
             raise ServiceError(502, f"could not fetch image embeddings: {err.message}") from None
+        self.images_pulled += len(handles)
+        self.embedding_bytes += sum(h.nbytes for h in handles)
+        return [None if s.embedding is None else next(pulled) for s in slots]
+
+    async def lookup(self, request: Request) -> bytes:
+        """The frontend asks how many leading blocks of a prompt this worker's prefix cache holds."""
+        query = unpack(PrefixLookup, request.data)
+        held = 0
+        if self.blocks is not None and query.block_size == self.blocks.block_size:
+            held = self.blocks.count_cached(query.hashes)
+        return pack(PrefixFound(blocks=held))
+
+    def stats(self) -> dict:
+        return {"prompts": self.prompts, "prompt_tokens": self.prompt_tokens, "images_pulled": self.images_pulled,
+                "embedding_bytes_pulled": self.embedding_bytes}
+
+    def metadata(self) -> dict[str, str]:
+        """What a frontend needs to look prompts up here (nothing: this worker caches no prefix)."""
+        return {"kv_block_size": str(self.blocks.block_size)} if self.blocks is not None and self.blocks.caching else {}
 
 
-def intake_endpoints(subjects: Subjects, instance: str, handler: Handler, limit: int) -> list[Endpoint]:
+def intake_endpoints(subjects: Subjects, instance: str, handler: Handler, limit: int,
+                     intake: PromptIntake) -> list[Endpoint]:
     """Where prompts reach a language-model worker: the queue group, and this instance's own subject
-    (the frontend routes there, and watches it)."""
+    (the frontend routes there, and watches it); and where the frontend looks a prompt's prefix up."""
     return [Endpoint("prefill", subjects.prefill, QUEUE["prefill"], handler, limit),
-            Endpoint("prefill-direct", subjects.prefill_on(instance), QUEUE["prefill"], handler, limit)]
+            Endpoint("prefill-direct", subjects.prefill_on(instance), QUEUE["prefill"], handler, limit),
+            Endpoint("prefix-lookup", subjects.prefix_lookup(instance), None, intake.lookup, LOOKUPS_AT_ONCE)]

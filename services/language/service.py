@@ -36,13 +36,18 @@ class LanguageService(Service):
         await self.open_plane()
         await self.start_worker()
         engine = self.worker.engine
-        self.intake = PromptIntake(self.worker.config, self.plane, engine.runner.device, engine.max_model_len)
+        self.intake = PromptIntake(self.worker.config, self.plane, engine.runner.device, engine.max_model_len,
+                                   engine.blocks)
 
     async def start_worker(self) -> None:
         await self.worker.start(self.nc, self.resources)
 
     def endpoints(self) -> list[Endpoint]:
-        return intake_endpoints(self.subjects, self.instance, self.handle_prompt, self.settings.max_concurrent_jobs)
+        return intake_endpoints(self.subjects, self.instance, self.handle_prompt, self.settings.max_concurrent_jobs,
+                                self.intake)
+
+    def metadata(self) -> dict[str, str]:
+        return {**super().metadata(), **(self.intake.metadata() if self.intake else {})}
 
     async def handle_prompt(self, request: Request) -> bytes:
         job = unpack(PrefillJob, request.data)
@@ -68,7 +73,7 @@ class LanguageService(Service):
     def stats(self) -> dict:
         intake = self.intake
         return {"instance": self.instance, **self.worker.stats(), **self.times.stats(),
-                "prompts": intake.prompts if intake else 0, "prompt_tokens": intake.prompt_tokens if intake else 0,
+                **(intake.stats() if intake else {}),
                 "prompts_in_flight": sum(e.in_flight for e in self.registration.endpoints if e.name.startswith("prefill"))
                 if self.registration else 0,
                 "errors": sum(e.errors for e in self.registration.endpoints) if self.registration else 0}

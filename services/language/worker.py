@@ -8,7 +8,9 @@ requests it is responsible for, and what happens to them:
 - cancels: a ``Cancel`` broadcast drops the request from the engine and from here (late work for it is
   refused for a while: ``CancelRegistry``);
 - failures: a failed engine step ends each of its requests with an error event, never a silent drop;
-- drain: ``drained()`` returns once no tracked request is left.
+- drain: ``drained()`` returns once no tracked request is left;
+- images that came without embeddings (their KV in this worker's prefix cache): the engine starts such
+  a prompt at once, or it is refused with ``EMBEDDINGS_GONE`` (the frontend then sends every image).
 
 Roles differ only in what they do with a request's outputs and end, which the service passes when it
 tracks the request (``Tracked``): decode and joined workers stream every token; prefill hands off after
@@ -28,11 +30,13 @@ from shared.bus.subjects import Subjects
 from shared.engine.builder import build_engine
 from shared.engine.engine import StepOutput
 from shared.engine.loop import EngineLoop
+from shared.engine.scheduler import PrefixUnavailable
 from shared.engine.sequence import Sequence
 from shared.engine.warmup import calibrate, warm_thread
 from shared.errors import ServiceError
 from shared.logging import get_logger
 from shared.messages import pack
+from shared.messages.prefill import EMBEDDINGS_GONE
 from shared.messages.stream import TokenEvent, TokenLogprob, error_event
 
 log = get_logger(__name__)
@@ -67,6 +71,8 @@ class LanguageWorker:
         self._idle.set()
         self.tokens = 0
         self.failed = 0
+        self.images_cached = 0  # image inputs of queued prompts that came without embeddings (KV cached here)
+        self.prefix_refused = 0  # prompts with such images refused (their KV not cached, or no room at once)
         self.attention_plans = 0  # planned in the engine thread at start (shared.kernels.sdpa)
 
     async def start(self, nc, resources: AsyncExitStack, side=None) -> None:
@@ -112,10 +118,29 @@ class LanguageWorker:
 
         self.track(seq.request_id, tracked)
         try:
-            return await self.loop.call(add)
-        except ValueError as err:
+            taken = await self.loop.call(add)
+        except (ValueError, PrefixUnavailable) as err:
             self.end(seq.request_id, "refused")
-            raise ServiceError(400, str(err)) from None
+            raise self._refusal(err) from None
+        self.images_cached += sum(1 for image in seq.images if image.embeds is None)
+        return taken
+
+    def check_cached(self, seq: Sequence) -> None:
+        """For a prompt queued later (the aggregated worker's, once its other images are encoded): refused
+        now if the prefix cache does not hold its images without embeddings (a read from the event loop;
+        checked again when it is queued)."""
+        try:
+            self.engine.scheduler.cached_prefix(seq)
+        except PrefixUnavailable as err:
+            raise self._refusal(err) from None
+        self.images_cached += sum(1 for image in seq.images if image.embeds is None)
+
+    def _refusal(self, err: Exception) -> ServiceError:
+        if isinstance(err, PrefixUnavailable):
+            self.prefix_refused += 1
+            return ServiceError(EMBEDDINGS_GONE, "images sent without their embeddings cannot start here now: "
+                                                 "send their embeddings")
+        return ServiceError(400, str(err))
 
     async def drained(self) -> None:
         await self._idle.wait()
@@ -182,4 +207,5 @@ class LanguageWorker:
         return {**(self.engine.block_stats() if self.engine else {}),
                 **(self.engine.timing_stats() if self.engine else {}), **step_times, "running": len(self.requests),
                 "waiting": waiting,
-                "tokens": self.tokens, "requests_failed": self.failed, "attention_plans": self.attention_plans}
+                "tokens": self.tokens, "requests_failed": self.failed, "attention_plans": self.attention_plans,
+                "images_cached": self.images_cached, "prefix_refused": self.prefix_refused}

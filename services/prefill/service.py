@@ -37,10 +37,15 @@ class PrefillService(Service):
         await self.worker.start(self.nc, self.resources)
         self.resources.push_async_callback(self.handoffs.tasks.cancel)
         engine = self.worker.engine
-        self.intake = PromptIntake(self.worker.config, self.plane, engine.runner.device, engine.max_model_len)
+        self.intake = PromptIntake(self.worker.config, self.plane, engine.runner.device, engine.max_model_len,
+                                   engine.blocks)
 
     def endpoints(self) -> list[Endpoint]:
-        return intake_endpoints(self.subjects, self.instance, self.handle_prefill, self.settings.max_concurrent_jobs)
+        return intake_endpoints(self.subjects, self.instance, self.handle_prefill, self.settings.max_concurrent_jobs,
+                                self.intake)
+
+    def metadata(self) -> dict[str, str]:
+        return {**super().metadata(), **(self.intake.metadata() if self.intake else {})}
 
     async def handle_prefill(self, request: Request) -> bytes:
         job = unpack(PrefillJob, request.data)
@@ -61,7 +66,8 @@ class PrefillService(Service):
     def stats(self) -> dict:
         intake = self.intake
         return {"instance": self.instance, **self.worker.stats(), **(self.handoffs.stats() if self.handoffs else {}),
-                "prompts": intake.prompts if intake else 0, "prompt_tokens": intake.prompt_tokens if intake else 0,
-                "prompts_in_flight": sum(e.in_flight for e in self.registration.endpoints) if self.registration else 0,
+                **(intake.stats() if intake else {}),
+                "prompts_in_flight": sum(e.in_flight for e in self.registration.endpoints if e.name.startswith("prefill"))
+                if self.registration else 0,
                 "errors": sum(e.errors for e in self.registration.endpoints) if self.registration else 0,
                 "bytes_held": self.plane.store.bytes_held, "pulls_mapped": self.plane.store.mapped}

@@ -36,6 +36,10 @@ class Subjects:
     def prefill_on(self, instance: str) -> str:
         return f"{self.prefix}.prefill.{instance}"
 
+    def prefix_lookup(self, instance: str) -> str:
+        """How much of a prompt one intake worker's prefix cache holds (the frontend asks before routing)."""
+        return f"{self.prefix}.prefill.{instance}.prefix"
+
     # -- prefill → decode -------------------------------------------------------------------------
     @property
     def decode(self) -> str:

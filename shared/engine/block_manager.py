@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
+from shared.engine.prefix import cacheable_blocks
 from shared.engine.sequence import Sequence
 
 
@@ -59,12 +60,24 @@ class BlockManager:
         left out, so the prefill that follows has a last token to compute logits from."""
         hits: list[int] = []
         if self.caching:
-            for block_hash in seq.block_hashes[:(seq.prompt_len - 1) // self.block_size]:
+            for block_hash in seq.block_hashes[:cacheable_blocks(seq.prompt_len, self.block_size)]:
                 block = self._block_of.get(block_hash)
                 if block is None:
                     break
                 hits.append(block)
         return hits
+
+    def count_cached(self, block_hashes: list[str]) -> int:
+        """How many leading ``block_hashes`` the cache holds. Safe from another thread (dictionary reads):
+        a worker answers the frontend's lookups without its engine thread. A hint: a prompt relying on it
+        is checked again when it is queued."""
+        found = 0
+        if self.caching:
+            for block_hash in block_hashes:
+                if block_hash not in self._block_of:
+                    break
+                found += 1
+        return found
 
     def can_allocate_prompt(self, seq: Sequence, hits: list[int], headroom: int) -> bool:
         """Room for ``seq``'s prompt sharing ``hits``, with ``headroom`` blocks to spare. Parked hits

@@ -8,7 +8,8 @@ generates; ``both`` does the whole life of a request (the aggregated topology).
 Prefix caching (roles prefill and both): each prompt's full blocks get chain hashes
 (``shared.engine.prefix``, the function the frontend routes with); a prompt starts after the longest
 prefix whose blocks are still in the pool, and every block a sequence computes in full is kept for the
-prompts that follow until the pool needs the room.
+prompts that follow until the pool needs the room. An image may come without embeddings when its KV is
+in that prefix: such a prompt starts at once or is refused (``Scheduler.admit_now``).
 """
 
 from __future__ import annotations
@@ -96,10 +97,13 @@ class Engine:
         """Queue a prompt for prefill (roles prefill and both)."""
         if len(seq) >= self.max_model_len:
             raise ValueError(f"prompt of {len(seq)} tokens does not fit max_model_len={self.max_model_len}")
-        if self.blocks.caching:
+        if self.blocks.caching and not seq.block_hashes:  # the aggregated worker hashes a parked prompt first
             seq.block_hashes = block_hashes(seq.token_ids, [i.span for i in seq.images], self.blocks.block_size)
+        if any(image.embeds is None for image in seq.images):
+            self.scheduler.admit_now(seq)  # or PrefixUnavailable
+        else:
+            self.scheduler.add_waiting(seq)
         self._by_id[seq.request_id] = seq
-        self.scheduler.add_waiting(seq)
 
     def can_reserve(self, num_tokens: int) -> bool:
         running = len(self.scheduler.running) + len(self.reserved)

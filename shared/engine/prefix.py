@@ -1,7 +1,8 @@
 """Chain hashes of a prompt's full KV blocks: the keys of the prefix cache, and of prefix-affine routing.
 
 Pure Python (no torch): the frontend imports it to hash a prompt exactly as the engine does, so it can
-send a prefill job to the worker that holds the job's longest cached prefix.
+send a prefill job to the worker that holds the job's longest cached prefix (and leave out the images
+inside that prefix: their KV is there).
 
 Block ``i`` covers tokens ``[i·B, (i+1)·B)``. Its hash covers the hash of block ``i-1`` and what block ``i``
 holds: text tokens by id; image placeholder tokens by (the image's content hash, its token count, the
@@ -28,6 +29,12 @@ class ImageSpan(NamedTuple):
     offset: int  # first placeholder token
     num_tokens: int
     content_hash: str  # over the decoded pixels (frontend); empty: unknown, not cacheable
+
+
+def cacheable_blocks(prompt_len: int, block_size: int) -> int:
+    """How many leading blocks of a prompt its cached prefix may cover: its last token is always computed,
+    for the logits of the first output token."""
+    return max(0, prompt_len - 1) // block_size
 
 
 def block_hashes(token_ids: Sequence[int], images: Iterable[ImageSpan | tuple[int, int, str]], block_size: int,

@@ -21,6 +21,12 @@ admitting it never forces a preemption. When the pool cannot hold the next token
 sequence, the most recently admitted sequence is preempted: its KV is parked in host memory (swapped
 out) and copied back when blocks free up, so it resumes exactly where it stopped — no recompute, which
 matters here because a disaggregated decode worker never holds the image embeddings.
+
+A prompt whose images came without embeddings (the frontend was told their KV is in this worker's
+prefix cache) cannot wait in the queue: nothing would keep that prefix from eviction meanwhile, and
+its images' tokens could not be computed. It is admitted when it comes — if the prefix still covers
+those images and it has a seat and room beyond what every queued prompt needs (so it takes nothing
+they wait for) — or refused at once (``PrefixUnavailable``), and its sender sends the embeddings.
 """
 
 from __future__ import annotations
@@ -29,11 +35,16 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from shared.engine.block_manager import BlockManager
+from shared.engine.block_manager import BlockManager, blocks_for
 from shared.engine.sequence import Sequence, Status
 from shared.engine.step_time import StepShape, StepTimes
 
 PRIORITY_WINDOW_S = 2.0  # a prompt passed over this long goes first (the priority window)
+
+
+class PrefixUnavailable(Exception):
+    """A prompt's images came without embeddings and it cannot start now: their KV is not cached here
+    (evicted since the frontend looked, or never), or there is no seat or room for it at once."""
 
 
 @dataclass
@@ -112,6 +123,25 @@ class Scheduler:
     def add_running(self, seq: Sequence) -> None:
         seq.status = Status.RUNNING
         self.running.append(seq)
+
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached prefix ``seq`` starts from, which must cover every image of it without embeddings."""
+        hits = self.blocks.cached_prefix(seq)
+        end = max((image.offset + image.num_tokens for image in seq.images if image.embeds is None), default=0)
+        if len(hits) * self.blocks.block_size < end:
+            raise PrefixUnavailable(f"the KV of an image of {seq.request_id} that came without embeddings is "
+                                    "not cached here")
+        return hits
+
+    def admit_now(self, seq: Sequence) -> None:
+        """Admit a prompt whose images came without embeddings as it comes, or refuse it."""
+        hits = self.cached_prefix(seq)
+        queued = sum(blocks_for(len(s), self.blocks.block_size) for s in self.waiting)  # theirs to wait for
+        if (self.swapped or len(self.running) + len(self.waiting) >= self.max_num_seqs
+                or not self.blocks.can_allocate_prompt(seq, hits, len(self.running) + 1 + queued)):
+            raise PrefixUnavailable(f"no seat or room to start {seq.request_id} at once")
+        self.add_waiting(seq)
+        self._admit(seq, hits)
 
     def remove(self, seq: Sequence) -> None:
         for queue in (self.waiting, self.running, self.swapped):

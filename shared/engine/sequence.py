@@ -25,18 +25,21 @@ class ImageInput:
 
     ``embeds`` has one row per placeholder token; it may be wider than the language model's hidden
     size (models that carry extra per-token features, such as deepstack layers, concatenate them after
-    the first ``hidden`` columns): a prompt chunk takes the rows it covers, all columns.
+    the first ``hidden`` columns): a prompt chunk takes the rows it covers, all columns. ``embeds`` is
+    None for an image whose KV the prompt's cached prefix holds (the frontend sent none): its ``tokens``
+    are never computed, and the engine admits such a prompt at once or refuses it (``Engine.add_prompt``).
     """
 
     offset: int
     grid: Grid
-    embeds: torch.Tensor  # [num_tokens, hidden (+ extra features)]
+    embeds: torch.Tensor | None  # [num_tokens, hidden (+ extra features)]
     content_hash: str = ""  # the frontend's hash of the decoded pixels; empty: the image's KV is never cached
     time_interval: float = 1  # temporal position step between a video's patches (Qwen2.5-VL); 1 for images
+    tokens: int = 0  # placeholder tokens, for an image without embeds
 
     @property
     def num_tokens(self) -> int:
-        return self.embeds.shape[0]
+        return self.embeds.shape[0] if self.embeds is not None else self.tokens
 
     @property
     def span(self) -> ImageSpan:

@@ -11,7 +11,7 @@ from typing import TypeVar
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: video (EncodeJob.video, EncodeResult.timing, ImageSlot's video fields)
+PROTOCOL_VERSION = 3  # 2: video (EncodeJob.video, EncodeResult.timing, ImageSlot's video fields); 3: ImageSlot.cached
 
 M = TypeVar("M", bound="Message")
 
