@@ -148,12 +148,15 @@ class RunningStack:
         self.stack = Stack.start_nats(base, nats_url)
         self.port = 0
 
-    def start(self, encoders=1, prefills=1, decodes=1, frontend_args: tuple[str, ...] = ()) -> "RunningStack":
-        for kind, n in (("encoder", encoders), ("prefill", prefills), ("decode", decodes)):
+    def start(self, encoders=1, prefills=1, decodes=1, frontend_args: tuple[str, ...] = (), languages=0,
+              aggregated=0) -> "RunningStack":
+        counts = {"encoder": encoders, "prefill": prefills, "decode": decodes, "language": languages,
+                  "aggregated": aggregated}
+        for kind, n in counts.items():
             for _ in range(n):
                 self.stack.spawn(kind)
         self.stack.spawn("frontend", "--port", "0", *frontend_args)
-        counts = {"encoder": encoders, "prefill": prefills, "decode": decodes, "frontend": 1}
+        counts = {kind: n for kind, n in counts.items() if n} | {"frontend": 1}
         asyncio.run(self._ready(counts))
         return self
 
@@ -198,7 +201,8 @@ class RunningStack:
 
         return OpenAI(base_url=self.base_url, api_key="test", max_retries=0, **kwargs)
 
-    async def stats(self, service: str) -> list[dict]:
+    async def stats(self, service: str | None) -> list[dict]:
+        """STATS of this stack's instances of ``service`` (``epd-<kind>``; None: every service)."""
         import nats
 
         nc = await nats.connect(self.stack.nats_url)

@@ -10,6 +10,7 @@ from nats.errors import NoServersError
 
 from launcher.credentials import StackCredentials
 from launcher.natsserver import EmbeddedNats
+from shared.bus.subjects import Subjects
 
 PREFIX = "sec"
 
@@ -81,6 +82,32 @@ async def test_roles_subscribe_only_on_their_subjects(secured):
     finally:
         await frontend.close()
         await admin.close()
+
+
+async def test_the_frontend_looks_prompts_up_on_every_intake_role(secured):
+    """A prompt's prefix lookup reaches a language, prefill or aggregated worker from the frontend and is
+    answered; a client may not ask."""
+    url, creds = secured
+    roles = ("language", "prefill", "aggregated")
+    frontend = await connect(url, creds, "frontend", inbox_prefix=Subjects(PREFIX).inbox("frontend"))
+    client = await connect(url, creds, "client", inbox_prefix=Subjects(PREFIX).inbox("client"))
+    workers = [await connect(url, creds, role) for role in roles]
+    try:
+        async def answer(msg):
+            await msg.respond(b"found")
+
+        for role, worker in zip(roles, workers):
+            await worker.subscribe(Subjects(PREFIX).prefix_lookup(f"{role}-0a1b2c3d4e5f"), cb=answer)
+            await worker.flush()
+        await frontend.flush()  # a request right after connecting may meet "no responders" (the server's doing)
+        for role in roles:
+            subject = Subjects(PREFIX).prefix_lookup(f"{role}-0a1b2c3d4e5f")
+            assert (await frontend.request(subject, b"hashes", timeout=2)).data == b"found", role
+            with pytest.raises((nats.errors.Error, asyncio.TimeoutError)):
+                await client.request(subject, b"hashes", timeout=0.5)
+    finally:
+        for connection in (*workers, client, frontend):
+            await connection.close()
 
 
 def test_credentials_command_and_compose_overlay(tmp_path):

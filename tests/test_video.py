@@ -85,12 +85,19 @@ def test_a_video_url_given_as_the_bare_string(stack, video_reference):
         expected(video_reference, "one-video")[0]
 
 
-def test_a_repeated_video_hits_the_encoder_cache(stack, video_reference):
-    """The same clip again: no second ViT pass (its content hash, sampling included, is the cache key)."""
+def test_a_repeated_video_is_not_encoded_again(stack, video_reference):
+    """The same clip again: no second ViT pass. Asked again as it was, the language worker's prefix cache
+    holds it and the frontend leaves it out; after other text, the encoder's cache has it (its content
+    hash, sampling included, is the key)."""
     answer = expected(video_reference, "one-video")[0]
     assert ask(stack.client(), "one-video")[0] == answer
     videos, hits = _encoder_total(stack, "videos"), _encoder_total(stack, "cache_hits")
+    left_out = sum(f["images_cached"] for f in stack.figures("frontend"))
     assert ask(stack.client(), "one-video")[0] == answer
+    assert sum(f["images_cached"] for f in stack.figures("frontend")) == left_out + 1
+    text, media = CASES["one-video"][0], parts("one-video")
+    openai_chat(stack.client(), [{"role": "system", "content": "Answer briefly."}, *media_messages(text, media)],
+                MAX_TOKENS)
     assert _encoder_total(stack, "videos") == videos
     assert _encoder_total(stack, "cache_hits") > hits
 

@@ -55,11 +55,6 @@ class ImageEmbeds:
     content_hash: str
 
 
-def to_encode(images: list) -> list:
-    """The images (and clips) that need an encoder: all but those that came with their embeddings."""
-    return [i for i in images if not isinstance(i, ImageEmbeds)]
-
-
 def prompt_size(image) -> tuple[int, int] | Grid:
     """What prompt building needs of an image: its (height, width) to encode, or its embeddings' grid."""
     return image.grid if isinstance(image, ImageEmbeds) else (image.height, image.width)

@@ -37,13 +37,20 @@ class EncodeFanout:
         self.settings = settings
         self.router = EncoderRouter(nc, directory, subjects)
         self.encoded_images = 0
+        self.pixel_bytes = 0  # decoded pixels published on this frontend's data plane, for encoders to pull
+
+    def publish(self, images: list[DecodedImage], lease: float) -> list:
+        """The images' (and clips' sampled frames') decoded pixels on the frontend's data plane, any number
+        of pulls each until released."""
+        handles = [self.plane.publish(i.pixels, consumers=None, lease=lease) for i in images]
+        self.pixel_bytes += sum(h.nbytes for h in handles)
+        return handles
 
     async def encode(self, request_id: str, images: list[DecodedImage]) -> list[EncodeResult]:
         if not images:
             return []
         s = self.settings
-        lease = s.encode_timeout * ENCODE_ATTEMPTS + 30
-        handles = publish_pixels(self.plane, images, lease)
+        handles = self.publish(images, s.encode_timeout * ENCODE_ATTEMPTS + 30)
         try:
             jobs = [EncodeJob(request_id=request_id, image=h, content_hash=i.content_hash,
                               video=getattr(i, "sampling", None))  # a DecodedVideo's frames are sampled
@@ -70,9 +77,3 @@ class EncodeFanout:
                     raise ApiError(err.status, "image encoding failed: " + err.message) from None
                 target = Target(self.subjects.encode)
         raise AssertionError("unreachable")
-
-
-def publish_pixels(plane: DataPlane, images: list[DecodedImage], lease: float) -> list:
-    """The images' (and clips' sampled frames') decoded pixels on the frontend's data plane, any number of
-    pulls each until released."""
-    return [plane.publish(i.pixels, consumers=None, lease=lease) for i in images]

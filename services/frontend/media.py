@@ -9,6 +9,10 @@ loop, and hard to abuse. Videos follow the same URL, SSRF and byte rules with ca
 - Byte caps apply while streaming; pixel caps apply to the header, before any pixel is decoded
   (decompression bombs); animated images are refused.
 - Each image gets a content hash over its decoded pixels, size and mode.
+- An image whose bytes were decoded here before is recognised by a hash of those bytes as received (a
+  data URL's base64 text, a fetch's body): its content hash and size come from memory (``SeenImages``)
+  and it is decoded only if it must be sent (``RecognisedImage``; ``decode``). Chat clients send every
+  image again each turn; one a worker holds in its prefix cache then costs no decode at all.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from services.frontend.errors import ApiError
+from services.frontend.seen_images import RecognisedImage, SeenImages
 from services.frontend.video import DecodedVideo, VideoLimits, decode_video
 from shared.embedding_index import content_digest
 from shared.model.video import VideoGeometry
@@ -90,25 +95,59 @@ def _address_allowed(address: str) -> bool:
 
 
 class MediaLoader:
-    def __init__(self, settings, executor: Executor, video_geometry: VideoGeometry | None = None):
+    def __init__(self, settings, executor: Executor, video_geometry: VideoGeometry | None = None,
+                 seen: SeenImages | None = None):
         self.settings = settings
         self.executor = executor
         self.video_geometry = video_geometry  # None: this model takes no video
+        self.seen = seen  # None: every image is decoded (nothing would skip it)
         self.client = httpx.AsyncClient(follow_redirects=False, trust_env=False,
                                         timeout=httpx.Timeout(settings.fetch_timeout))
+        self.decoded = 0  # images decoded, and of the images loaded, those recognised by their bytes instead
+        self.recognised = 0
 
     async def close(self) -> None:
         await self.client.aclose()
 
-    async def load(self, url: str) -> DecodedImage:
+    async def load(self, url: str) -> DecodedImage | RecognisedImage:
+        """The image, decoded; or recognised by its bytes, not decoded (``decode`` it if it must be sent)."""
         loop = asyncio.get_running_loop()
-        if _scheme(url) == "data":  # the base64 too off the event loop: ~0.3 ms a 448² JPEG, in parallel there
-            return await loop.run_in_executor(self.executor, self._decode_data_url, url)
-        data = await self._read(url)
-        return await loop.run_in_executor(self.executor, decode_image, data, self.settings.max_image_pixels)
+        if _scheme(url) == "data":  # hashed and decoded (base64 too) off the event loop, in parallel there
+            tag, data = b"data:", self._payload(url)
+        else:
+            tag, data = b"body:", await self._read(url)
+        image = await loop.run_in_executor(self.executor, self._load_bytes, tag, data)
+        if isinstance(image, RecognisedImage):
+            self.recognised += 1
+        else:
+            self.decoded += 1
+        return image
 
-    def _decode_data_url(self, url: str) -> DecodedImage:
-        return decode_image(self._data_url(url), self.settings.max_image_pixels)
+    async def decode(self, image: DecodedImage | RecognisedImage) -> DecodedImage:
+        if isinstance(image, DecodedImage):
+            return image
+        decoded = await asyncio.get_running_loop().run_in_executor(self.executor, self._decode, image.data)
+        self.decoded += 1
+        return decoded
+
+    def _load_bytes(self, tag: bytes, data: bytes | str) -> DecodedImage | RecognisedImage:
+        if self.seen is None:
+            return self._decode(data)
+        key = self.seen.key(tag, data)
+        if (known := self.seen.recall(key, data)) is not None:
+            return known
+        image = self._decode(data)
+        self.seen.remember(key, image)
+        return image
+
+    def _decode(self, data: bytes | str) -> DecodedImage:
+        """Bytes, or a data URL's base64 payload, → the image."""
+        if isinstance(data, str):
+            try:
+                data = base64.b64decode(data, validate=True)
+            except (binascii.Error, ValueError):
+                raise ApiError(400, "image data URL is not valid base64") from None
+        return decode_image(data, self.settings.max_image_pixels)
 
     # -- video ------------------------------------------------------------------------------------
     async def load_media(self, parts: list[tuple[str, object]], embeds=None) -> list:
@@ -147,15 +186,19 @@ class MediaLoader:
         raise ApiError(400, f"unsupported {kind} URL scheme; allowed: {allowed}")
 
     def _data_url(self, url: str, kind: str = "image") -> bytes:
+        try:
+            return base64.b64decode(self._payload(url, kind), validate=True)
+        except (binascii.Error, ValueError):
+            raise ApiError(400, f"{kind} data URL is not valid base64") from None
+
+    def _payload(self, url: str, kind: str = "image") -> str:
+        """A data URL's base64 text, its form and size checked."""
         header, sep, payload = url.partition(",")
         if not sep or not header.lower().startswith(f"data:{kind}/") or not header.lower().endswith(";base64"):
             raise ApiError(400, f"{kind} data URLs must look like data:{kind}/<type>;base64,<data>")
         if len(payload) * 3 // 4 > self.settings.max_media_bytes:
             raise ApiError(400, f"{kind} exceeds {self.settings.max_media_bytes} bytes")
-        try:
-            return base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError):
-            raise ApiError(400, f"{kind} data URL is not valid base64") from None
+        return payload
 
     def _local_file(self, url: str, kind: str = "image") -> bytes:
         root = Path(self.settings.local_media_dir).resolve()

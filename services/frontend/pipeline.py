@@ -4,16 +4,19 @@
    with each image's and clip's placeholders expanded (off the event loop; a text completion's prompt is
    tokenized, or taken as token ids), check sampling against the context, the vocabulary and the grammar;
 2. subscribe to the request's stream;
-3. ``submit`` the prefill job to the intake worker the router picks, watching it: a worker that is
-   gone before it accepted gets the job again elsewhere at once, and one that does not accept within
-   ``--prefill-timeout`` (alive, but stuck or swamped) has it cancelled and sent elsewhere. Its images
-   go as pixels to a worker that encodes in place (aggregated); for any other, every image is encoded
-   first (``EncodeFanout``), and embeddings whose holder vanished before prefill pulled them are
-   encoded again. A client's precomputed embeddings (``embeds.py``) skip encoding: published here, they
-   are pulled by the worker as an encoder's would be;
+3. ``submit`` the prefill job to the intake worker the router picks (the one holding the longest prefix
+   of the prompt, images included, unless overloaded; else the least loaded), watching it: a worker that
+   is gone before it accepted gets the job again elsewhere at once, and one that does not accept within
+   ``--prefill-timeout`` (alive, but stuck or swamped) has it cancelled and sent elsewhere. An image
+   whose every token that worker's prefix cache holds is not sent at all (``slots.cached``; one only
+   recognised by its bytes is never decoded). The others go as pixels to a worker that encodes in place
+   (aggregated); for any other, they are encoded first (``EncodeFanout``). A client's precomputed
+   embeddings (``embeds.py``) skip encoding: published here, they are pulled by the worker as an
+   encoder's would be. Embeddings whose holder vanished before prefill pulled them, or a worker that no
+   longer holds what it was said to (``EMBEDDINGS_GONE``), and every image is encoded again and sent;
 4. hand back the ``Generation`` (tokens, text, finish), which calls ``resume`` if its worker is lost:
-   re-encode (cache hits), prefill the prompt plus every token already streamed, continue numbering
-   from there (``output_offset``), at most ``RESUME_ATTEMPTS`` times.
+   re-encode (cache hits) and send every image, prefill the prompt plus every token already streamed,
+   continue numbering from there (``output_offset``), at most ``RESUME_ATTEMPTS`` times.
 A request that ends before its answer starts (the client left, an error) cancels its work everywhere.
 """
 
@@ -26,8 +29,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
-from services.frontend.embeds import EmbedsReader, ImageEmbeds, prompt_size, to_encode
-from services.frontend.encoding import ENCODE_ATTEMPTS, EncodeFanout, publish_pixels
+from services.frontend import slots
+from services.frontend.embeds import EmbedsReader, ImageEmbeds, prompt_size
+from services.frontend.encoding import ENCODE_ATTEMPTS, EncodeFanout
 from services.frontend.errors import ApiError
 from services.frontend.generation import Generation, OutputOptions, Timing
 from services.frontend.media import MediaLoader
@@ -35,6 +39,7 @@ from services.frontend.prompt import Prompt, PromptBuilder, VideoShape, media_pa
 from services.frontend.protocol import ChatCompletionRequest
 from services.frontend.routing import IntakeRouter
 from services.frontend.sampling import SamplingBuilder, structured_constraint
+from services.frontend.seen_images import RecognisedImage
 from services.frontend.stream import TokenStream
 from services.frontend.text_protocol import CompletionRequest
 from services.frontend.tools import tool_constraint
@@ -72,7 +77,9 @@ class Pipeline:
         self.plane = plane  # the request's pixels, for a worker that encodes in place, and given embeddings
         self.embeds = EmbedsReader(builder.config, settings.max_media_bytes)
         self.encoding = EncodeFanout(nc, subjects, plane, directory, settings)
-        self.intake = IntakeRouter(directory, subjects)
+        self.intake = IntakeRouter(nc, directory, subjects, settings.prefix_routing)
+        self.merge = builder.config.vision.merge_size
+        self.images_cached = 0  # images left out of prefill jobs: their target's prefix cache held them
         self.on_finished = on_finished  # metrics, once per generation
         # Rendering and tokenizing off the event loop, one prompt at a time: the tokenizer's
         # split_special_tokens switch is state of the tokenizer, and two threads would mix prompts up.
@@ -155,26 +162,32 @@ class Pipeline:
     async def submit(self, generation: Generation, attempt: str, prompt: Prompt, sampling: SamplingParams,
                      output_offset: int = 0) -> None:
         images, stream = generation.images, generation.stream.subject
-        # per image, once needed: what the encoder subjects made of it (None: the client's embeddings)
-        results: list[EncodeResult | None] | None = None
+        planned = slots.plan(prompt, images)
+        spans = slots.spans(planned, self.merge)
+        encoded: dict[int, EncodeResult] = {}  # by image, once encoded through the encoder subjects
+        leave_out = generation.resumes == 0  # a resume sends every image
         tried: set[str] = set()
-        encodes, sent = 0, False
+        gone, sent = 0, False
         while True:
-            target = self.intake.target(exclude=tried)
-            in_place = bool(to_encode(images)) and self.intake.encodes_in_place(target)
-            if not in_place and results is None:
-                results = await self._encode(generation, attempt)
-                encodes += 1
-            published = self._publish(images, in_place)
+            route = await self.intake.route(prompt.token_ids, spans, exclude=tried)
+            target = route.target
+            cached = slots.inside(planned, route.cached_tokens, self.merge) if leave_out else set()
+            needed = [i for i in range(len(planned)) if i not in cached and not isinstance(images[i], ImageEmbeds)]
+            in_place = bool(needed) and self.intake.encodes_in_place(target)
+            await self._decode(generation, needed)
+            if not in_place and (missing := [i for i in needed if i not in encoded]):
+                encoded.update(zip(missing, await self._encode(generation, attempt, missing)))
+            published = self._publish(images, cached, needed if in_place else [])
             try:
-                job = self.prefill_job(attempt, prompt, images, None if in_place else results, sampling, stream,
-                                       output_offset, published)
+                job = self.prefill_job(attempt, prompt.token_ids, planned, images, cached, encoded, published,
+                                       sampling, stream, output_offset)
                 if not sent:  # the first_token stage counts from here (in place: the images' encoding too)
                     generation.timing.submitted, sent = time.time(), True
                 with self.intake.outstanding.sending(target.instance):
                     reply = await call_watched(self.nc, self.directory, target, pack(job),
                                                self.settings.prefill_timeout, "prefill worker")
                 generation.stream.expect(attempt, unpack(PrefillAccepted, reply).prefill_id)
+                self.images_cached += len(cached)
                 return
             except ServiceCallError as err:
                 if isinstance(err, WorkerGone) or (err.no_responders and target.instance):
@@ -184,8 +197,13 @@ class Pipeline:
                     if len(tried) > RESUME_ATTEMPTS:
                         raise ApiError(503, "the prefill workers this request was sent to went away") from None
                     continue
-                if err.status == EMBEDDINGS_GONE and encodes < ENCODE_ATTEMPTS and results:
-                    results = None  # their encoder went away before prefill pulled them: encode again
+                if err.status == EMBEDDINGS_GONE and gone < ENCODE_ATTEMPTS:
+                    # their encoder went away before prefill pulled them, or the worker no longer holds what
+                    # it was said to: every image encoded again and sent, under an id of its own (a refused
+                    # split prefill cancels the old one's decode reservation by its id)
+                    gone += 1
+                    encoded, leave_out, attempt = {}, False, f"{attempt}.g{gone}"
+                    log.warning("prefill.embeddings_gone", request_id=attempt, message=err.message)
                     continue
                 if err.status == 504:
                     self.cancel_soon(attempt, "prefill timeout")
@@ -198,60 +216,43 @@ class Pipeline:
                         continue
                 raise ApiError(503 if err.status == EMBEDDINGS_GONE else err.status, err.message) from None
             finally:
-                for handle in published:
-                    if handle is not None:
-                        self.plane.release(handle)
+                for handle in published.values():
+                    self.plane.release(handle)
 
-    async def _encode(self, generation: Generation, attempt: str) -> list[EncodeResult | None]:
-        """Every image to encode through the encoder subjects (the request's first encoding is its ``encode``
-        stage); None for the client's embeddings."""
+    async def _decode(self, generation: Generation, indices: list[int]) -> None:
+        """The images of ``indices`` that were only recognised by their bytes, decoded (they are sent)."""
+        images = generation.images
+        todo = [i for i in indices if isinstance(images[i], RecognisedImage)]
+        for i, image in zip(todo, await asyncio.gather(*(self.media.decode(images[i]) for i in todo))):
+            if image.content_hash != images[i].content_hash:  # the same bytes decode the same, or the cache lies
+                raise ApiError(500, "internal error: an image decoded otherwise than before")
+            images[i] = image
+
+    async def _encode(self, generation: Generation, attempt: str, indices: list[int]) -> list[EncodeResult]:
+        """These images through the encoder subjects (the request's first encoding is its ``encode`` stage)."""
         started = time.time()
-        pixels = to_encode(generation.images)
-        encoded = iter(await self.encoding.encode(attempt, pixels))
-        if pixels:
-            generation.timing.stages.setdefault("encode", time.time() - started)
-        return [None if isinstance(i, ImageEmbeds) else next(encoded) for i in generation.images]
+        results = await self.encoding.encode(attempt, [generation.images[i] for i in indices])
+        generation.timing.stages.setdefault("encode", time.time() - started)
+        return results
 
-    def _publish(self, images: list, in_place: bool) -> list:
-        """Per image, what the worker pulls from this frontend's data plane before it accepts the prompt
-        (released after its answer): the client's embeddings, and for a worker that encodes in place the
-        decoded pixels (None: neither)."""
+    def _publish(self, images: list, cached: set[int], in_place: list[int]) -> dict:
+        """By image, what the worker pulls from this frontend's data plane before it accepts the prompt
+        (released after its answer): the client's embeddings it does not hold, and the decoded pixels of
+        ``in_place`` (for a worker that encodes in place)."""
         lease = self.settings.prefill_timeout + 30
-        encoded_here = to_encode(images)
-        pixels = iter(publish_pixels(self.plane, encoded_here, lease) if in_place else [None] * len(encoded_here))
-        return [self.plane.publish(i.rows, consumers=None, lease=lease) if isinstance(i, ImageEmbeds)
-                else next(pixels) for i in images]
+        given = [i for i, image in enumerate(images) if isinstance(image, ImageEmbeds) and i not in cached]
+        published = {i: self.plane.publish(images[i].rows, consumers=None, lease=lease) for i in given}
+        return published | dict(zip(in_place, self.encoding.publish([images[i] for i in in_place], lease)))
 
-    def prefill_job(self, request_id: str, prompt: Prompt, images: list, results: list[EncodeResult | None] | None,
-                    sampling: SamplingParams, stream: str, output_offset: int = 0, published: list = ()) -> PrefillJob:
-        """The job for a worker: each image's embeddings — an encoder's (``results``), or the client's
-        (``published`` here) — or, for a worker that encodes in place (``results`` None), its ``published``
-        pixels."""
-        slots = []
-        for index, (offset, grid, image) in enumerate(zip(prompt.image_offsets, prompt.image_grids, images)):
-            video = {}
-            if (plan := prompt.videos.get(index)) is not None:
-                video = dict(video=True, second_per_grid=plan.second_per_grid, frame_offsets=plan.frame_offsets)
-            if isinstance(image, ImageEmbeds):
-                slots.append(ImageSlot(offset=offset, grid=grid, embedding=published[index],
-                                       content_hash=image.content_hash))
-                continue
-            if results is None:
-                slots.append(ImageSlot(offset=offset, grid=grid, pixels=published[index],
-                                       content_hash=image.content_hash, sampling=getattr(image, "sampling", None),
-                                       **video))
-                continue
-            result = results[index]
-            if tuple(result.grid) != tuple(grid):
-                log.error("encode.grid_mismatch", frontend=grid, encoder=tuple(result.grid))
-                raise ApiError(500, "internal error: an image was encoded at another size than counted")
-            if plan is not None:
-                if result.timing is None or abs(result.timing.second_per_grid - plan.second_per_grid) > 1e-9:
-                    log.error("encode.timing_mismatch", frontend=plan.second_per_grid, encoder=result.timing)
-                    raise ApiError(500, "internal error: a video was encoded with other timing than counted")
-            slots.append(ImageSlot(offset=offset, grid=grid, embedding=result.embedding,
-                                   content_hash=image.content_hash, **video))
-        return PrefillJob(request_id=request_id, token_ids=prompt.token_ids, images=slots, sampling=sampling,
+    def prefill_job(self, request_id: str, token_ids: list[int], planned: list[ImageSlot], images: list,
+                    cached: set[int], encoded: dict[int, EncodeResult], published: dict, sampling: SamplingParams,
+                    stream: str, output_offset: int = 0) -> PrefillJob:
+        """The job for a worker: each image left out (``cached``), or with the client's embeddings or its
+        pixels ``published`` here, or with an encoder's embeddings (``encoded``)."""
+        filled = [slots.cached(slot) if i in cached else
+                  slots.with_embedding(slot, encoded[i]) if i in encoded and i not in published else
+                  slots.given(slot, published[i], images[i]) for i, slot in enumerate(planned)]
+        return PrefillJob(request_id=request_id, token_ids=token_ids, images=filled, sampling=sampling,
                           stream=stream, output_offset=output_offset)
 
     # -- 4. resume --------------------------------------------------------------------------------
@@ -283,6 +284,11 @@ class Pipeline:
             await self.nc.publish(self.subjects.cancel, pack(Cancel(request_id=request_id, reason=reason)))
         except Exception:  # NATS gone: the stages' own timeouts and leases clean up
             log.warning("cancel.publish_failed", request_id=request_id)
+
+    def stats(self) -> dict:
+        return {"images_decoded": self.media.decoded, "images_recognised": self.media.recognised,
+                "images_cached": self.images_cached, "images_encoded": self.encoding.encoded_images,
+                "pixel_bytes_published": self.encoding.pixel_bytes, "prefix_lookups": self.intake.lookups}
 
     def finished(self, generation: Generation) -> None:
         self.chores.spawn(generation.stream.close())

@@ -9,10 +9,19 @@ Images → encoders. For each image, in order:
 Images of one request count as load as they are placed, so a request's new images spread over idle
 encoders; a request that carries the same image twice sends both to one encoder (which encodes it once).
 
-Prompts → language-model intake workers (prefill, language, aggregated): the least loaded (prompts
-being admitted, then sequences running), so a worker that died or is saturated is avoided. A worker
-whose metadata says ``encodes_in_place`` (aggregated) takes the request's images as pixels with the
-prompt: they skip the encoder routing above.
+Prompts → language-model intake workers (prefill, language, aggregated):
+1. the worker whose prefix cache holds the longest prefix of the prompt, images included, unless it is
+   overloaded (its load passes the least-loaded's by more than ``BALANCE_ABS`` and by more than
+   ``BALANCE_REL`` times: recomputing a long prefix elsewhere costs more than a somewhat longer queue);
+   each worker that caches prefixes (metadata ``kv_block_size``) is asked, all at once, how many of the
+   prompt's block hashes it holds (``shared.engine.prefix``, the engine's own keys): exact at that
+   moment, nothing to keep in step with the workers, and a worker that does not answer within
+   ``PREFIX_LOOKUP_SECONDS`` (or restarted: a new instance) simply holds nothing;
+2. else the least loaded (prompts being admitted, then sequences running), so a worker that died or is
+   saturated is avoided.
+The route says how many of the prompt's tokens the target holds: images entirely inside them are not
+sent (the target checks again). A worker whose metadata says ``encodes_in_place`` (aggregated) takes
+the request's images as pixels with the prompt: they skip the encoder routing above.
 
 A listing is up to a second old, so a burst would pile onto one worker: each router also counts what
 it has sent and not yet seen answered, and takes the larger of that and the listed load.
@@ -27,13 +36,22 @@ import asyncio
 import hashlib
 from collections import Counter
 from contextlib import contextmanager
+from dataclasses import dataclass
 
+import nats.errors
+
+from shared.bus.calls import ServiceCallError, call
 from shared.bus.directory import Directory, Instance
 from shared.bus.subjects import Subjects
 from shared.bus.watched import Target
 from shared.embedding_index import EmbeddingIndex, embedding_key
+from shared.engine.prefix import ImageSpan, block_hashes, cacheable_blocks
+from shared.messages import ProtocolError, pack, unpack
+from shared.messages.prefill import PrefixFound, PrefixLookup
 
 INDEX_LOOKUP_SECONDS = 0.25  # the index is an optimization: past this, route without it
+PREFIX_LOOKUP_SECONDS = 0.1  # so is a prefix lookup: a worker that has not answered by then holds nothing
+BALANCE_ABS, BALANCE_REL = 64, 1.5  # SGLang's cache-aware router's defaults
 ENCODER_KINDS = ("encoder", "aggregated")
 INTAKE_KINDS = ("prefill", "language", "aggregated")
 
@@ -124,23 +142,77 @@ def _by_load(content_hash: str, load: dict[str, int], margin: int) -> str:
     return favourite if load[favourite] <= load[least] + margin else least
 
 
+@dataclass(frozen=True)
+class Route:
+    target: Target
+    cached_tokens: int = 0  # leading prompt tokens whose KV the target said it holds
+
+
 class IntakeRouter:
-    def __init__(self, directory: Directory, subjects: Subjects):
+    def __init__(self, nc, directory: Directory, subjects: Subjects, by_prefix: bool = True):
         self.outstanding = Outstanding()
+        self.nc = nc
         self.directory = directory
         self.subjects = subjects
+        self.by_prefix = by_prefix  # False: by load alone (and nothing is left out of a prompt)
+        self.lookups = 0
 
-    def target(self, exclude: set[str] = frozenset()) -> Target:
-        """The least-loaded live intake worker not in ``exclude``, or the queue group."""
+    async def route(self, token_ids: list[int], spans: list[ImageSpan], exclude: set[str] = frozenset()) -> Route:
+        """Where the prompt goes (a live intake worker not in ``exclude``, or the queue group), and how much
+        of it the target holds."""
         workers = [w for w in self.directory.of(*INTAKE_KINDS) if w.instance not in exclude]
         if not workers:
-            return Target(self.subjects.prefill)
-        best = min(workers, key=lambda w: (self.outstanding.load(w, "prompts_in_flight"),
-                                           int(w.data.get("running", 0)), w.instance))
-        return Target(self.subjects.prefill_on(best.instance), best.instance)
+            return Route(Target(self.subjects.prefill))
+        loads = {w.instance: (self.outstanding.load(w, "prompts_in_flight"), int(w.data.get("running", 0)))
+                 for w in workers}
+        # one worker and no image to leave out: nothing a lookup could change
+        asked = self.by_prefix and (len(workers) > 1 or bool(spans))
+        cached = await self.lookup(workers, token_ids, spans) if asked else {}
+        best = choose(loads, cached)
+        return Route(Target(self.subjects.prefill_on(best), best), cached.get(best, 0))
+
+    async def lookup(self, workers: list[Instance], token_ids: list[int], spans: list[ImageSpan]) -> dict[str, int]:
+        """Per worker that caches prefixes, the leading tokens of the prompt it holds."""
+        lookups: dict[int, tuple[bytes, int] | None] = {}  # block size → (the lookup, its hashes); None: no block
+        asked = []
+        for worker in workers:
+            size = int(worker.metadata.get("kv_block_size") or 0)
+            if size > 0 and size not in lookups:
+                hashes = block_hashes(token_ids[:cacheable_blocks(len(token_ids), size) * size], spans, size)
+                lookups[size] = (pack(PrefixLookup(block_size=size, hashes=hashes)), len(hashes)) if hashes else None
+            if size > 0 and lookups[size] is not None:
+                asked.append((worker.instance, size))
+        if not asked:
+            return {}
+        self.lookups += 1
+        found = await asyncio.gather(*(self._ask(instance, *lookups[size]) for instance, size in asked))
+        return {instance: blocks * size for (instance, size), blocks in zip(asked, found) if blocks}
+
+    async def _ask(self, instance: str, payload: bytes, most: int) -> int:
+        try:
+            reply = await call(self.nc, self.subjects.prefix_lookup(instance), payload, PREFIX_LOOKUP_SECONDS,
+                               "prefix lookup")
+            return min(unpack(PrefixFound, reply).blocks, most)
+        except (ServiceCallError, ProtocolError, nats.errors.Error):  # late, gone, refused: nothing we know of
+            return 0
 
     def encodes_in_place(self, target: Target) -> bool:
         """Whether ``target`` is a listed worker that takes images as pixels and encodes them itself."""
         return bool(target.instance) and any(w.instance == target.instance and
                                              w.metadata.get("encodes_in_place") == "true"
                                              for w in self.directory.of(*INTAKE_KINDS))
+
+
+def choose(loads: dict[str, tuple[int, int]], cached: dict[str, int]) -> str:
+    """The worker a prompt goes to, given each one's load (prompts being admitted, sequences running) and
+    the prompt's tokens each holds: the longest holder not overloaded, the least loaded among equals;
+    else the least loaded."""
+    least = min(loads, key=lambda w: (*loads[w], w))
+    floor = sum(loads[least])
+
+    def overloaded(worker: str) -> bool:
+        load = sum(loads[worker])
+        return load - floor > BALANCE_ABS and load > floor * BALANCE_REL
+
+    holders = [w for w in loads if cached.get(w, 0) > 0 and not overloaded(w)]
+    return min(holders, key=lambda w: (-cached[w], *loads[w], w)) if holders else least

@@ -21,6 +21,7 @@ from services.frontend.nats_api import chat_endpoint
 from services.frontend.pipeline import Pipeline
 from services.frontend.prompt import PromptBuilder
 from services.frontend.sampling import GenerationDefaults, SamplingBuilder
+from services.frontend.seen_images import SeenImages
 from services.frontend.settings import FrontendSettings
 from shared.bus.directory import Directory
 from shared.bus.service_api import Endpoint
@@ -81,7 +82,9 @@ class FrontendService(Service):
         self.resources.push_async_callback(self.directory.stop)
         executor = ThreadPoolExecutor(s.media_threads, thread_name_prefix="media")
         self.resources.callback(executor.shutdown, wait=False, cancel_futures=True)
-        media = MediaLoader(s, executor, VideoGeometry.from_checkpoint(path, config.family))
+        # images are recognised by their bytes only where they may be left out of a prompt
+        media = MediaLoader(s, executor, VideoGeometry.from_checkpoint(path, config.family),
+                            SeenImages() if s.prefix_routing else None)
         self.resources.push_async_callback(media.close)
         builder = PromptBuilder(tokenizer, config, ImageGeometry.from_checkpoint(path), media.video_geometry)
         self.pipeline = Pipeline(nc, self.subjects, self.plane, self.directory, media, builder, tokenizer, s,
@@ -137,7 +140,7 @@ class FrontendService(Service):
             await asyncio.gather(self._server_task, return_exceptions=True)
 
     def stats(self) -> dict:
-        return {"instance": self.instance, "in_flight": self.admission.count,
-                "images_encoded": self.pipeline.encoding.encoded_images if self.pipeline else 0,
+        return {"instance": self.instance, "in_flight": self.admission.count, "cpu_seconds": time.process_time(),
+                **(self.pipeline.stats() if self.pipeline else {}),
                 "nats_chat_errors": sum(e.errors for e in self.registration.endpoints) if self.registration else 0,
                 **(self.jobs.stats() if self.jobs else {})}

@@ -49,6 +49,12 @@ class FrontendSettings(MediaDecoding, MediaLimits, ModelLength, HttpListener, Co
                                                           "goes to another encoder")
     prefill_timeout: float = Field(30.0, gt=0, description="seconds for a language worker to accept a request: "
                                                            "past it the request fails with 504")
+    prefix_routing: bool = Field(True, description="send each prompt to the language worker whose prefix cache "
+                                                   "holds the longest part of it, images included (unless that "
+                                                   "worker is overloaded), and leave out the images it holds, so a "
+                                                   "chat's returning images are not decoded, encoded or sent again; "
+                                                   "--no-prefix-routing: by load alone, every image sent (traffic "
+                                                   "that never repeats a prefix saves a lookup a request)")
     token_timeout: float = Field(120.0, gt=0, description="seconds a request may go without a token (the first "
                                                           "counted from its admission) before it fails: above the "
                                                           "longest prompt's prefill time")
