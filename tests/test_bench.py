@@ -603,9 +603,11 @@ def test_multi_turn_chats_are_seeded_and_grow_from_their_images():
 def test_multi_turn_dry_run_names_both_stacks():
     done = multi_turn("--dry-run", "--topology", "E/P/D")
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "16 users × 6 turns" in done.stdout
-    for flag in ("EPD_PREFIX_CACHING=true", "EPD_PREFIX_CACHING=false"):
-        assert f"{flag} python -m launcher.cli up --port 0 --topology colocated --pd split" in done.stdout
+    assert "16 users × 6 turns" in done.stdout and "text twin" in done.stdout
+    up = "python -m launcher.cli up --port 0 --topology colocated --pd split"
+    assert f"EPD_PREFIX_ROUTING=false {up}" in done.stdout and f"(defaults) {up}" in done.stdout
+    assert f"EPD_PREFIX_CACHING=false {up}" in multi_turn("--dry-run", "--topology", "E/P/D", "--baseline",
+                                                          "no-caching").stdout
     assert multi_turn("--dry-run", "--topology", "nonsense").returncode != 0
 
 
@@ -634,19 +636,24 @@ def test_stack_settings_reach_the_stacks_and_nothing_else_of_the_shell(monkeypat
 
 # Two tiny stacks on CPU, 2 users x 2 turns: ~40 s on two idle cores.
 @pytest.mark.timeout(300)
-def test_multi_turn_tiny_answers_alike_with_and_without_caching(tmp_path):
+def test_multi_turn_tiny_answers_alike_with_and_without_prefix_routing(tmp_path):
+    """Before: the frontend decodes every returning image and sends its pixels; after: it leaves them out,
+    decoding none; the answers are the same; the text twins run too."""
     done = multi_turn("--tiny", "--users", "2", "--turns", "2", "--out", str(tmp_path))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     summary = results["summary"]
     assert (summary["failed"], summary["mismatches"], summary["compared"]) == (0, 0, 4)
     assert (summary["first_turn_mismatches"], summary["first_turns"]) == (0, 2)
-    caching, plain = summary["turns"]["caching"], summary["turns"]["no caching"]
-    assert caching[0]["cached_share"] < 0.5 < caching[1]["cached_share"]  # turn 2 reuses turn 1's prompt
-    assert all(t["cached_share"] == 0 for t in plain) and summary["counters"]["no caching"]["hits"] == 0
-    assert summary["counters"]["caching"]["hits"] > 0 and summary["ratio"] > 0
+    after, twin = summary["turns"]["after"], summary["turns"]["text twin"]
+    assert after[0]["cached_share"] < 0.5 < after[1]["cached_share"]  # turn 2 reuses turn 1's prompt
+    assert all(abs(a["prompt_tokens"] - t["prompt_tokens"]) < 0.1 * a["prompt_tokens"] for a, t in zip(after, twin))
+    before, later = summary["costs"]["before"], summary["costs"]["after"]
+    assert before["images_decoded"] >= 2 and before["pixel_mb"] > 0 and before["images_left_out"] == 0
+    assert later["images_decoded"] == later["pixel_mb"] == later["embedding_mb"] == 0 and later["images_left_out"] >= 2
+    assert summary["ratio"] > 0 and summary["over_text"] > 0
     markdown = (tmp_path / "results.md").read_text()
-    assert "Hardware:" in markdown and "TTFT from turn 2 on ≥ 3× lower with prefix caching: measured" in markdown
+    assert "Hardware:" in markdown and "TTFT from turn 2 on ≤ 1.5× the text twins': measured" in markdown
 
 
 # -- bench/gpu_engine.py: its sections on the tiny model, the timeline's arithmetic ------------------------
