@@ -103,7 +103,10 @@ def test_a_crash_looping_worker_is_given_up_and_the_rest_kept(tiny_model, tmp_pa
 
 
 def test_the_encoder_tier_grows_under_a_burst_and_shrinks_when_idle(tiny_model, reference):
-    up = UpStack(tiny_model, "--encoders", "1:2", "--scale-up-load", "1", "--scale-down-after", "4", env={"EPD_ENCODER_CACHE_MB": "0", "EPD_DRAIN_SECONDS": "20"})
+    # six images asked over and over: every one must reach the encoders (with prefix routing the language
+    # worker's cache would hold them after their first turn, and the frontend would leave them out)
+    up = UpStack(tiny_model, "--encoders", "1:2", "--scale-up-load", "1", "--scale-down-after", "4",
+                 env={"EPD_ENCODER_CACHE_MB": "0", "EPD_DRAIN_SECONDS": "20", "EPD_PREFIX_ROUTING": "false"})
     images = [make_image(900 + i, 48 + 4 * i, 56) for i in range(6)]
     want = [reference.text(reference.generate("Scale.", [image], 4, ignore_eos=True)) for image in images]
     try:
