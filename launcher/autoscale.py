@@ -1,20 +1,22 @@
 """``--encoders MIN:MAX``: the launcher grows the encoder tier while it stays busy and shrinks it once
-it stays idle.
+it stays idle, never leaving it without a ready encoder it could keep.
 
-Load is the encode jobs in flight per live encoder, as the encoders themselves report it in the NATS
-service API, sampled once a second. Its mean over the last ``up.SCALE_UP_AFTER_S`` seconds above
-``--scale-up-load``: one more encoder (GPUs round-robin as at start). No job in flight in any sample
-of the last ``--scale-down-after`` seconds: the newest encoder is sent SIGTERM (it leaves the queue
+Load is the encode jobs in flight per listed encoder, as the encoders themselves report it in the NATS
+service API, plus the requests the frontends report waiting for an encoder, sampled once a second. Its
+mean over the last ``up.SCALE_UP_AFTER_S`` seconds above ``--scale-up-load``: one more encoder (GPUs
+round-robin as at start); a tier at zero grows as soon as a request waits for it. No job in flight and
+none waiting in any sample of the last ``--scale-down-after`` seconds: one encoder is sent SIGTERM — one
+still starting if there is one (it serves nothing yet), else the newest ready one (it leaves the queue
 group, finishes its jobs and serves what it handed out, so scaling in loses nothing). One change at a
-time; after each, the window starts again (hysteresis), and nothing is judged while an encoder is
-still starting.
+time; after each, the window starts again (hysteresis); no growth is judged while an encoder is still
+starting. One that cannot start is the supervisor's (reported, killed and started again).
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from launcher.supervisor import Supervisor
+from launcher.supervisor import Slot, Supervisor
 from launcher.topology import EncoderScale
 from shared.bus.directory import Directory
 from shared.logging import get_logger
@@ -32,27 +34,34 @@ class EncoderAutoscaler:
         self.up_load = up_load
         self.up_after = up_after
         self.down_after = down_after
-        self._samples: deque[tuple[float, int, int]] = deque()  # (time, jobs in flight, encoders listed)
+        self._samples: deque[tuple[float, int, int]] = deque()  # (time, jobs in flight + waiting, encoders listed)
         self._since = 0.0  # start of the window being judged (the last change)
 
     def step(self, now: float) -> None:
         live = self.supervisor.live("encoder")
         listed = self.directory.of("encoder")
-        if len(listed) < len(live):  # one is still starting: judge the tier once it is up
-            self._restart(now)
-            return
-        self._samples.append((now, sum(int(e.data.get("in_flight", 0)) for e in listed), len(listed)))
+        waiting = sum(int(f.data.get("waiting_encoder", 0)) for f in self.directory.of("frontend"))
+        jobs = sum(int(e.data.get("in_flight", 0)) for e in listed) + waiting
+        self._samples.append((now, jobs, len(listed)))
         while self._samples and now - self._samples[0][0] > max(self.up_after, self.down_after):
             self._samples.popleft()
-        if self._busy(now) and len(live) < self.scale.high:
+        starting = [s for s in live if not s.ready]
+        if len(live) < self.scale.high and (not live and waiting or not starting and self._busy(now)):
             replica = max((s.replica for s in self.supervisor.slots if s.kind == "encoder"), default=-1) + 1
             self.supervisor.start(self.placement(replica), replica)
-            log.info("stack.scaled_out", kind="encoder", encoders=len(live) + 1)
+            log.info("stack.scaled_out", kind="encoder", encoders=len(live) + 1, waiting=waiting)
             self._restart(now)
         elif self._idle(now) and len(live) > self.scale.low:
-            self.supervisor.retire(max(live, key=lambda s: s.replica))
-            log.info("stack.scaled_in", kind="encoder", encoders=len(live) - 1)
+            leaving = self._leaving(live)
+            self.supervisor.retire(leaving)
+            log.info("stack.scaled_in", kind="encoder", encoders=len(live) - 1, replica=leaving.replica,
+                     ready=leaving.ready)
             self._restart(now)
+
+    @staticmethod
+    def _leaving(live: list[Slot]) -> Slot:
+        """Which encoder goes: a starting one before a ready one, the newest first."""
+        return max(live, key=lambda s: (not s.ready, s.replica))
 
     def _busy(self, now: float) -> bool:
         recent = [(jobs, n) for t, jobs, n in self._samples if now - t <= self.up_after]

@@ -17,7 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from launcher.processes import die_with_parent
+from launcher.processes import detach
 from shared.logging import get_logger
 
 log = get_logger(__name__)
@@ -75,7 +75,7 @@ class MpsDaemon:
         env = {**self._base_env(), **self.env(), **({"CUDA_VISIBLE_DEVICES": self.gpus} if self.gpus else {})}
         self.process = subprocess.Popen([shutil.which(CONTROL) or CONTROL, "-f"], env=env,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                        preexec_fn=die_with_parent)
+                                        preexec_fn=detach)
         deadline = time.monotonic() + timeout
         while not (self.pipe / "control").exists():
             if self.process.poll() is not None:

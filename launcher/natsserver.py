@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from launcher.processes import die_with_parent
+from launcher.processes import detach
 
 
 def nats_server_binary() -> str:
@@ -49,7 +49,7 @@ class EmbeddedNats:
         self.process = subprocess.Popen(
             [nats_server_binary(), "-c", str(config)],
             stdout=subprocess.DEVNULL, stderr=open(self.workdir / "nats.log", "ab"),
-            preexec_fn=die_with_parent,
+            preexec_fn=detach,
         )
         self.url = self._wait_for_port(timeout)
         return self.url

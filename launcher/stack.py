@@ -1,8 +1,11 @@
 """A running set of service processes on one NATS server: ``epd up``'s, and the tests' fixture.
 
 Children inherit the ``EPD_*`` environment with the NATS URL (and their role's credentials) filled in,
-die with the launcher (``PR_SET_PDEATHSIG``), and are stopped in order: SIGTERM (they drain), then
-SIGKILL for any that outlive the grace period, then the embedded server.
+run in process groups of their own and die with the launcher (``processes.py``), write their log through
+the launcher's stderr (which keeps each one's last error line), and are stopped in order: the frontends
+first (they stop taking requests and finish theirs while the workers still serve), then the workers,
+each group with SIGTERM (they drain) and SIGKILL for any that outlive the grace period; then the
+embedded server. A second stop signal (``hurry``) kills whatever is still draining.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import asyncio
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,10 +23,13 @@ import nats
 
 from launcher.credentials import StackCredentials
 from launcher.natsserver import EmbeddedNats
-from launcher.processes import die_with_parent
+from launcher.processes import OutputTail, detach_service
 from launcher.topology import KINDS
 from shared.bus.directory import Directory
 from shared.client import JobStreams
+from shared.logging import get_logger
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -31,6 +38,8 @@ class Stack:
     nats: EmbeddedNats | None = None
     processes: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
     credentials: StackCredentials | None = None  # per-role users of the embedded server, when secured
+    outputs: dict[int, OutputTail] = field(default_factory=dict)  # by pid: each child's stderr, forwarded
+    hurry: threading.Event = field(default_factory=threading.Event)  # set: stop kills instead of waiting
 
     @classmethod
     def start_nats(cls, env: dict[str, str], nats_url: str = "", secure: bool = False) -> "Stack":
@@ -57,9 +66,22 @@ class Stack:
             raise ValueError(f"unknown service kind {kind!r}")
         role = self.credentials.env(kind) if self.credentials else {}
         process = subprocess.Popen([sys.executable, "-m", f"services.{kind}", *args],
-                                   env={**self.env, **role, **(env or {})}, preexec_fn=die_with_parent)
+                                   env={**self.env, **role, **(env or {})}, preexec_fn=detach_service,
+                                   stderr=subprocess.PIPE)
+        self.outputs[process.pid] = OutputTail(process.stderr)
         self.processes.append((kind, process))
         return process
+
+    def last_words(self, process: subprocess.Popen) -> str:
+        """Why ``process`` (ended) failed, in its own words: its last error line, else its exit status."""
+        tail = self.outputs.get(process.pid)
+        words = tail.summary() if tail is not None else ""
+        return words or exit_status(process.returncode)
+
+    def forget(self, process: subprocess.Popen) -> None:
+        """``process`` ended and was dealt with."""
+        self.processes = [(k, p) for k, p in self.processes if p is not process]
+        self.outputs.pop(process.pid, None)
 
     async def connect(self):
         """An admin connection (the launcher's own: readiness, stream set-up)."""
@@ -121,16 +143,39 @@ class Stack:
                 raise RuntimeError(f"the {kind} process exited with status {process.returncode}")
 
     def stop(self, grace: float = 30.0) -> None:
-        for _, process in self.processes:
+        """Frontends, then workers, each group drained within ``grace`` seconds; then the embedded server.
+        Every child's exit is logged (``stack.process_exited``): 0 for one that drained."""
+        frontends = [(k, p) for k, p in self.processes if k == "frontend"]
+        for group in (frontends, [(k, p) for k, p in self.processes if k != "frontend"]):
+            self._stop_group(group, grace)
+        self.processes.clear()
+        self.outputs.clear()
+        if self.nats is not None:
+            self.nats.stop()
+
+    def _stop_group(self, group: list[tuple[str, subprocess.Popen]], grace: float) -> None:
+        for _, process in group:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace
-        for _, process in self.processes:
-            try:
-                process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+        for kind, process in group:
+            while process.poll() is None and time.monotonic() < deadline and not self.hurry.is_set():
+                time.sleep(0.05)
+            if process.poll() is None:
                 process.kill()
-                process.wait()
-        self.processes.clear()
-        if self.nats is not None:
-            self.nats.stop()
+                log.warning("stack.process_killed", kind=kind, pid=process.pid, reason="stop asked twice"
+                            if self.hurry.is_set() else f"still draining after {grace:g} s")
+            process.wait()
+            log.info("stack.process_exited", kind=kind, pid=process.pid, status=process.returncode)
+
+
+def exit_status(status: int | None) -> str:
+    """A process's end in words: "exit status 1", "killed by SIGKILL"."""
+    if status is None:
+        return "still running"
+    if status < 0:
+        try:
+            return f"killed by {signal.Signals(-status).name}"
+        except ValueError:
+            return f"killed by signal {-status}"
+    return f"exit status {status}"

@@ -73,7 +73,7 @@ class TopologySettings(CommonSettings):
         "joined", description="joined (E/PD): language workers that prefill and decode; split (E/P/D): prefill "
                               "workers stream KV to decode workers")
     encoders: str = Field("1", description="encoder processes: N, or MIN:MAX to scale the tier with load "
-                                           "(0: text only; image requests get 503)")
+                                           "(0: text only; image and video parts get a 400)")
     languages: int = Field(1, ge=1, description="--pd joined: language workers (prefill + decode)")
     prefills: int = Field(1, ge=1, description="--pd split: prefill workers")
     decodes: int = Field(1, ge=1, description="--pd split: decode workers")
@@ -116,6 +116,11 @@ class TopologySettings(CommonSettings):
     @property
     def encoder_scale(self) -> EncoderScale:
         return EncoderScale.parse(self.encoders)
+
+    @property
+    def text_only(self) -> bool:
+        """No encoder will ever run (``--encoders 0``): the stack serves text only."""
+        return self.topology != "aggregated" and self.encoder_scale.high == 0
 
     def worker_counts(self) -> dict[str, int]:
         """How many processes of each worker kind to start (autoscaled encoders: the minimum)."""

@@ -1,14 +1,19 @@
 """``epd up``: the whole stack on one machine — an embedded nats-server (secured with per-role users), the
 workers of the chosen topology, a frontend — supervised until Ctrl-C / SIGTERM.
 
-1. the built-in model is written once (before the children race for it), the NATS server starts, the
-   durable-job streams are created (clients may not create streams on a secured server);
+1. the options and the model are checked (a bad one: one line, exit status 2), the built-in model is
+   written once (before the children race for it), the NATS server starts, the durable-job streams are
+   created (clients may not create streams on a secured server);
 2. CUDA MPS is started when workers share a GPU (``mps.py``);
-3. every worker and the frontend start in supervised slots (``supervisor.py``); ``stack.ready`` is
-   logged once the NATS service API lists them all;
+3. every worker starts in a supervised slot (``supervisor.py``: one that crashes while starting is
+   started again; one that keeps crashing stops the stack with its own last error line); once the NATS
+   service API lists them all, the frontend starts, so the API opens only when the stack can serve;
+   ``stack.ready`` is logged once the frontend is listed too;
 4. until stopped: crashed workers are restarted, workers that exit cleanly are scale-in, and with
    ``--encoders MIN:MAX`` the encoder tier follows the load (``autoscale.py``);
-5. on Ctrl-C / SIGTERM: every process gets SIGTERM and drains, stragglers are killed, then MPS and NATS stop.
+5. on Ctrl-C (the launcher alone gets it: its children run in process groups of their own), SIGTERM or
+   SIGHUP: the frontend drains, then the workers, stragglers are killed (at once on a second signal),
+   then NATS stops and the MPS daemon last; the exit status is 0.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import asyncio
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -30,18 +36,23 @@ from launcher.autoscale import EncoderAutoscaler
 from launcher.stack import Stack
 from launcher.supervisor import Supervisor
 from launcher.topology import Placement, TopologySettings
-from services.frontend.settings import HttpListener
+from services.frontend.settings import HttpListener, ServedName
 from shared.bus.directory import Directory
 from shared.logging import configure_logging, get_logger
+from shared.settings import BadSettings
 
 log = get_logger(__name__)
 
+STEP_SECONDS = 0.2  # how often the launcher checks its processes
+LIST_SECONDS = 1.0  # how often it reads the NATS service API once the stack serves
 
-READY_TIMEOUT_S = 1800.0  # for every service to come up: a large checkpoint takes minutes to load
+
+READY_TIMEOUT_S = 1800.0  # for a worker to come up (a large checkpoint takes minutes to load): past it, the
+# stack fails to start, or (a restart, a scale-out) the worker is killed and started again
 SCALE_UP_AFTER_S = 2.0  # --encoders MIN:MAX: seconds the tier must stay over --scale-up-load to grow
 
 
-class UpSettings(HttpListener, TopologySettings):
+class UpSettings(HttpListener, ServedName, TopologySettings):
     nats_url: str = Field("", description="use this NATS server; empty: start an embedded one on loopback, "
                                           "secured with generated per-role credentials")
     mps: Literal["auto", "on", "off"] = Field("auto", description="CUDA MPS for processes sharing a GPU: auto "
@@ -56,79 +67,139 @@ class UpSettings(HttpListener, TopologySettings):
 
 
 def up(settings: UpSettings) -> int:
-    configure_logging(settings.log_level, settings.log_format, "epd-up")
-    mps.parse_shares(settings.mps_shares)  # refuse a bad value before anything starts
     try:
-        return asyncio.run(_run(settings))
+        shares = mps.parse_shares(settings.mps_shares)
+        path = settings.model_path()  # writes the built-in model once, before the children race for it
+    except ValueError as err:
+        raise BadSettings(f"epd up: {err}") from None
+    configure_logging(settings.log_level, settings.log_format, "epd-up")
+    try:
+        return asyncio.run(_run(settings, path, shares))
     except (RuntimeError, TimeoutError) as err:
         log.error("stack.failed", error=str(err))
         return 1
 
 
-async def _run(settings: UpSettings) -> int:
-    path = settings.model_path()  # writes the built-in model once, before the children race for it
+async def _run(settings: UpSettings, path: Path, shares: dict[str, int]) -> int:
     dummy_preset = settings.model and settings.load_format == "dummy"
     env = {**os.environ, "EPD_MODEL": settings.model if dummy_preset else str(path),
            "EPD_LOAD_FORMAT": settings.load_format, "EPD_SUBJECT_PREFIX": settings.subject_prefix}
     env.pop("EPD_HEALTH_PORT", None)  # one port per process: probes are for pods, not a local stack
+    if sys.stderr.isatty():
+        env.setdefault("FORCE_COLOR", "1")  # the children write to a pipe, which we forward to the terminal
     workdir = Path(tempfile.mkdtemp(prefix="epd-up-"))  # private (0700): MPS pipes, logs
     stack = Stack.start_nats(env, settings.nats_url, secure=True)
     daemon = None
     stopping = asyncio.Event()
+
+    def stop() -> None:  # a second Ctrl-C: whatever still drains is killed
+        if stopping.is_set():
+            stack.hurry.set()
+        stopping.set()
+
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        loop.add_signal_handler(sig, stop)
     try:
         daemon = _start_mps(settings, workdir, stack)
         if stack.nats is not None:
             await stack.prepare_jobs()
-        supervisor = Supervisor(stack)
-        shares = mps.parse_shares(settings.mps_shares) if daemon else {}
+        supervisor = Supervisor(stack, start_timeout=READY_TIMEOUT_S)
+        shares = shares if daemon else {}
         for placement in settings.placements():
             supervisor.start(_with_share(placement, shares), len(supervisor.live(placement.kind)))
-        supervisor.start(Placement("frontend", None), 0, "--host", settings.host, "--port", str(settings.port))
-        counts = {**settings.worker_counts(), "frontend": 1}
-        http = await stack.wait_ready(counts, READY_TIMEOUT_S, interrupted=stopping.is_set)
-        log.info("stack.ready", api=f"http://{http}/v1", nats=stack.nats_url, topology=settings.topology,
-                 pd=settings.pd, mps=daemon is not None,
-                 nats_client_credentials=str(stack.write_client_credentials() or ""), **settings.worker_counts())
-        await _supervise(settings, stack, supervisor, stopping, shares)
+        nc = await stack.connect()
+        directory = Directory(nc, settings.subject_prefix)
+        try:
+            http = await _start(settings, supervisor, directory, stopping)
+            if http is not None:
+                supervisor.serving = True
+                log.info("stack.ready", api=f"http://{http}/v1", nats=stack.nats_url, topology=settings.topology,
+                         pd=settings.pd, mps=daemon is not None,
+                         nats_client_credentials=str(stack.write_client_credentials() or ""),
+                         **settings.worker_counts())
+                await _supervise(settings, supervisor, directory, stopping, shares)
+        finally:
+            await nc.close()
         return 0
-    except RuntimeError as err:
-        if stopping.is_set():
-            return 0
-        raise err
     finally:
-        log.info("stack.stopping")
+        log.info("stack.stopping", hint="Ctrl-C again to stop at once")
         await asyncio.to_thread(stack.stop, settings.drain_seconds + 5)
         if daemon is not None:
-            daemon.stop()
+            daemon.stop()  # last: a process still using it when it goes would abort
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-async def _supervise(settings: UpSettings, stack: Stack, supervisor: Supervisor, stopping: asyncio.Event,
+async def _start(settings: UpSettings, supervisor: Supervisor, directory: Directory,
+                 stopping: asyncio.Event) -> str | None:
+    """Every worker until the service API lists it (restarting those that crash), then the frontend until
+    it is listed too. The frontend's HTTP address (host:port), or None when stopped first."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    front = None
+    while not stopping.is_set():
+        await directory.refresh(enough=lambda seen: all(seen.get(s.kind, 0) >= n for s, n in _wanted(supervisor)))
+        supervisor.check(time.monotonic(), _pids(directory))
+        workers = [s for s in supervisor.slots if s.kind != "frontend" and not s.retired]
+        if front is None and all(s.ready for s in workers):
+            log.info("stack.workers_ready", **settings.worker_counts())
+            front = supervisor.start(Placement("frontend", None), 0, *_frontend_args(settings))
+        if front is not None and front.ready:
+            listed = [i for i in directory.of("frontend") if i.metadata.get("pid") == str(front.process.pid)]
+            return listed[0].metadata.get("http", "") if listed else ""
+        if time.monotonic() > deadline:
+            waiting = sorted({s.kind for s in supervisor.slots if not s.ready and not s.retired})
+            raise TimeoutError(f"not ready in {READY_TIMEOUT_S:g} s: {', '.join(waiting)}")
+        await _pause(stopping, STEP_SECONDS)
+    return None
+
+
+def _frontend_args(settings: UpSettings) -> list[str]:
+    args = ["--host", settings.host, "--port", str(settings.port)]
+    if settings.served_model_name:
+        args += ["--served-model-name", settings.served_model_name]
+    if settings.text_only:  # no encoder will ever serve: images and videos are refused at once (400)
+        args += ["--limit-mm-per-prompt", "image=0,video=0"]
+    return args
+
+
+async def _supervise(settings: UpSettings, supervisor: Supervisor, directory: Directory, stopping: asyncio.Event,
                      shares: dict[str, int]) -> None:
-    nc = await stack.connect()
-    directory = Directory(nc, settings.subject_prefix)
-    directory.start()
     scaler = None
     if settings.encoder_scale.autoscaled:
         scaler = EncoderAutoscaler(supervisor, directory, settings.encoder_scale,
                                    lambda replica: _with_share(settings.placement("encoder", replica), shares),
                                    settings.scale_up_load, SCALE_UP_AFTER_S, settings.scale_down_after)
-    try:
-        while not stopping.is_set():
-            now = time.monotonic()
-            supervisor.check(now)
-            if scaler is not None and directory.refreshed.is_set():
-                scaler.step(now)
+    listed_at = time.monotonic()
+    while not stopping.is_set():
+        now = time.monotonic()
+        listed = None
+        if now - listed_at >= LIST_SECONDS and directory.nc.is_connected:
             try:
-                await asyncio.wait_for(stopping.wait(), 0.2)
-            except asyncio.TimeoutError:
-                pass
-    finally:
-        await directory.stop()
-        await nc.close()
+                await directory.refresh()
+                listed, listed_at = _pids(directory), now
+            except Exception as err:  # the bus is restarting: processes are still supervised meanwhile
+                log.warning("stack.listing_failed", error=str(err))
+        supervisor.check(now, listed)
+        if scaler is not None and listed is not None:
+            scaler.step(now)
+        await _pause(stopping, STEP_SECONDS)
+
+
+def _wanted(supervisor: Supervisor):
+    """(slot, how many of its kind) for every slot that should be listed: stop listening once they are."""
+    slots = [s for s in supervisor.slots if not s.retired and not s.stopping]
+    return [(s, sum(o.kind == s.kind for o in slots)) for s in slots]
+
+
+def _pids(directory: Directory) -> set[int]:
+    return {int(i.metadata["pid"]) for i in directory.instances if str(i.metadata.get("pid", "")).isdigit()}
+
+
+async def _pause(stopping: asyncio.Event, seconds: float) -> None:
+    try:
+        await asyncio.wait_for(stopping.wait(), seconds)
+    except asyncio.TimeoutError:
+        pass
 
 
 def _start_mps(settings: UpSettings, workdir: Path, stack: Stack):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import structlog
@@ -10,8 +11,9 @@ import structlog
 
 def configure_logging(level: str = "info", fmt: str = "console", service: str = "epd") -> None:
     numeric = getattr(logging, level.upper(), logging.INFO)
-    renderer = (structlog.processors.JSONRenderer() if fmt == "json"
-                else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()))
+    # FORCE_COLOR / NO_COLOR (the common conventions): `epd up` forwards its children's lines to a terminal
+    colors = not os.environ.get("NO_COLOR") and (sys.stderr.isatty() or bool(os.environ.get("FORCE_COLOR")))
+    renderer = (structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(colors=colors))
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

@@ -148,6 +148,7 @@ class Service:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # held by `epd up` until now: see processes.py
         health = await start_health(self.settings, self.readiness)  # first and last: /live while models load
         try:
             started = await self._start_unless_stopped()
@@ -209,10 +210,17 @@ async def _end_leftover_tasks(timeout: float = 2.0) -> None:
 
 def service_main(service_cls, settings_cls, argv: list[str] | None = None) -> None:
     """Entry point of ``python -m services.<kind>`` and ``epd <kind>``: flags → settings → run."""
-    from shared.settings import parse_settings
+    from shared.settings import BadSettings, parse_settings
 
     args = sys.argv[1:] if argv is None else argv
-    settings = parse_settings(settings_cls, args, f"epd {service_cls.kind}")
+    prog = f"epd {service_cls.kind}"
+    try:
+        settings = parse_settings(settings_cls, args, prog)
+        if settings.model:
+            settings.model_path()  # a checkpoint directory or a preset: said before anything starts
+    except ValueError as err:  # BadSettings, or the model's: one line, exit status 2 (``epd`` does the same)
+        print(err if isinstance(err, BadSettings) else f"{prog}: {err}", file=sys.stderr)
+        sys.exit(2)
     configure_logging(settings.log_level, settings.log_format, f"epd-{service_cls.kind}")
     if service_cls.uses_torch:
         settings.apply_torch_threads()

@@ -3,7 +3,8 @@
 Every instance answers ``$SRV.STATS`` with its metadata (instance id, subject prefix, pid, addresses)
 and its own figures (load, cache fingerprint, …). One ``Directory`` per process polls it every
 ``interval`` seconds; the frontend routes from it, its metrics export it, ``/health`` and ``epd up``
-read readiness from it.
+read readiness from it. Whoever needs a kind that is not listed (a worker restarting, a tier scaling up
+from zero) ``wait_for``s it: woken by each listing, never polling on its own.
 
 Liveness is asked of NATS itself, not of a listing: ``watching(instance)`` gives an event set once
 the instance is gone. One loop pings every watched instance (however many requests wait on it) at its
@@ -65,6 +66,8 @@ class Directory:
         self.instances: list[Instance] = []
         self.raw: list[dict] = []  # the last STATS answers of this stack, for metrics
         self.refreshed = asyncio.Event()  # set after the first listing
+        self.seen: set[str] = set()  # every kind listed since this directory started: the stack's layout
+        self._listing = asyncio.Event()  # set, then replaced, at every listing: wakes the ``wait_for``s
         self._watched: dict[str, _Watch] = {}
         self._tasks: list[asyncio.Task] = []
 
@@ -85,6 +88,19 @@ class Directory:
     def counts(self) -> dict[str, int]:
         return _counts(self.raw)
 
+    async def wait_for(self, kinds: tuple[str, ...], timeout: float,
+                       accept: Callable[[Instance], bool] = lambda _: True) -> list[Instance]:
+        """``of(*kinds)`` that ``accept``, waiting up to ``timeout`` seconds for a listing that shows one
+        (empty if none did)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not (found := [i for i in self.of(*kinds) if accept(i)]) and (left := deadline - loop.time()) > 0:
+            try:
+                await asyncio.wait_for(self._listing.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+        return found
+
     async def refresh(self, enough: Callable[[dict[str, int]], bool] | None = None) -> list[Instance]:
         """List this stack's instances (every answer within ``wait``); ``enough``: stop listening once the
         counts by kind so far satisfy it (``epd up`` waiting for the instances it started)."""
@@ -93,7 +109,10 @@ class Directory:
         self.raw = mine
         self.instances = sorted((Instance(s["name"][4:], s.get("id", ""), s.get("metadata") or {}, endpoint_data(s))
                                  for s in mine), key=lambda i: i.instance)
+        self.seen.update(i.kind for i in self.instances)
         self.refreshed.set()
+        listing, self._listing = self._listing, asyncio.Event()
+        listing.set()
         return self.instances
 
     def _mine(self, stats: list[dict]) -> list[dict]:
