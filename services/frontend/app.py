@@ -1,6 +1,11 @@
 """The OpenAI-compatible HTTP API: /v1/chat/completions and /v1/completions (streaming and not),
 /v1/models[/{id}], vLLM's /tokenize, /detokenize and /version, /health, /metrics.
 
+``/health`` is 503, with the reason, while the stack lacks a worker of a kind this frontend needs
+(``workers.py``); ``/v1/models`` is 503 until the stack has first listed what a text request needs (as
+vLLM's API answers only once it can serve), and answers from then on: a worker that goes missing later
+is waited for by each request.
+
 A client's ``X-Request-Id`` is echoed on the response and becomes the request id's prefix; without
 one, the response carries the id the server chose.
 
@@ -54,16 +59,20 @@ class ServedModel:
     root: str = ""  # the checkpoint it was loaded from
 
 
-def create_app(gateway: Gateway, model: ServedModel, ready: Callable[[], bool],
-               metrics: Callable[[], Awaitable[bytes]], max_body_bytes: int) -> FastAPI:
+def create_app(gateway: Gateway, model: ServedModel, unready: Callable[[], str | None],
+               unopened: Callable[[], str | None], metrics: Callable[[], Awaitable[bytes]],
+               max_body_bytes: int) -> FastAPI:
+    """``unready``: why the frontend cannot serve every request now; ``unopened``: why the model is not
+    served yet (None: it is)."""
     app = FastAPI(title="epd", version=__version__, docs_url=None, redoc_url=None)
     _install_error_handlers(app)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = ready()
-        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+        if (reason := unready()) is None:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503, headers={"Retry-After": "1"})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -71,12 +80,18 @@ def create_app(gateway: Gateway, model: ServedModel, ready: Callable[[], bool],
 
     card = ModelCard(id=model.name, created=model.created, root=model.root, max_model_len=model.max_model_len)
 
-    @app.get("/v1/models", response_model=ModelList)
+    def check_open() -> None:
+        if (reason := unopened()) is not None:
+            raise ApiError(503, f"the model is not served yet: {reason}")
+
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models() -> ModelList:
+        check_open()
         return ModelList(data=[card])
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
     async def one_model(model_id: str) -> ModelCard:
+        check_open()
         if model_id != model.name:
             raise ApiError(404, f"model {model_id!r} is not served here", "model")
         return card

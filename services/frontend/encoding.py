@@ -2,8 +2,9 @@
 ``EncodeJob`` per image (or video clip: its sampled frames) to the encoder the router picks, all in parallel.
 
 A failed attempt — a server error, a timeout, the encoder gone — goes again to the queue group (NATS
-picks a live encoder), up to ``ENCODE_ATTEMPTS`` tries. Nobody serving the queue group at all is a
-503 at once. The pixels stay published until every image is encoded: an encode may be retried.
+picks a live encoder), up to ``ENCODE_ATTEMPTS`` tries. No encoder listed (one restarting, the tier
+scaling up from zero): the request waits for one (``StackWorkers``), then it is a 503. The pixels stay
+published until every image is encoded: an encode may be retried.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import asyncio
 from shared.bus.watched import call_watched
 from services.frontend.errors import ApiError
 from services.frontend.media import DecodedImage
-from services.frontend.routing import EncoderRouter
-from shared.bus.watched import Target
+from services.frontend.routing import ENCODER_KINDS, EncoderRouter
+from services.frontend.workers import StackWorkers
+from shared.bus.watched import Target, WorkerGone
 from shared.bus.calls import ServiceCallError
 from shared.bus.directory import Directory
 from shared.bus.subjects import Subjects
@@ -29,11 +31,13 @@ ENCODE_ATTEMPTS = 3  # tries per image when an encoder fails or vanishes
 
 
 class EncodeFanout:
-    def __init__(self, nc, subjects: Subjects, plane: DataPlane, directory: Directory, settings):
+    def __init__(self, nc, subjects: Subjects, plane: DataPlane, directory: Directory, workers: StackWorkers,
+                 settings):
         self.nc = nc
         self.subjects = subjects
         self.plane = plane
         self.directory = directory
+        self.workers = workers
         self.settings = settings
         self.router = EncoderRouter(nc, directory, subjects)
         self.encoded_images = 0
@@ -49,6 +53,8 @@ class EncodeFanout:
     async def encode(self, request_id: str, images: list[DecodedImage]) -> list[EncodeResult]:
         if not images:
             return []
+        until = self.workers.deadline()
+        await self.workers.encoder(until)  # none listed: the queue group, and NATS says
         s = self.settings
         handles = self.publish(images, s.encode_timeout * ENCODE_ATTEMPTS + 30)
         try:
@@ -56,12 +62,13 @@ class EncodeFanout:
                               video=getattr(i, "sampling", None))  # a DecodedVideo's frames are sampled
                     for h, i in zip(handles, images)]
             targets = await self.router.targets([i.content_hash for i in images])
-            return list(await asyncio.gather(*(self._encode_one(job, t) for job, t in zip(jobs, targets))))
+            return list(await asyncio.gather(*(self._encode_one(job, t, until) for job, t in zip(jobs, targets))))
         finally:
             for handle in handles:
                 self.plane.release(handle)
 
-    async def _encode_one(self, job: EncodeJob, target: Target) -> EncodeResult:
+    async def _encode_one(self, job: EncodeJob, target: Target, until: float) -> EncodeResult:
+        gone: set[str] = set()
         for attempt in range(1, ENCODE_ATTEMPTS + 1):
             try:
                 with self.router.outstanding.sending(target.instance):
@@ -70,8 +77,15 @@ class EncodeFanout:
                 self.encoded_images += 1
                 return unpack(EncodeResult, reply)
             except ServiceCallError as err:
-                direct = bool(target.instance)
-                retry = err.status >= 500 and (direct or not err.no_responders) and attempt < ENCODE_ATTEMPTS
+                listed = True
+                if err.no_responders or isinstance(err, WorkerGone):
+                    # that encoder is gone; nobody in the queue group: every one listed is (the listing lags).
+                    # Wait for another, or one restarted (a new instance); after one that went away, the
+                    # queue group is asked anyway (an encoder may serve before it is listed)
+                    gone |= {target.instance} if target.instance else {e.instance for e in
+                                                                       self.directory.of(*ENCODER_KINDS)}
+                    listed = await self.workers.encoder(until, exclude=gone) or bool(target.instance)
+                retry = err.status >= 500 and attempt < ENCODE_ATTEMPTS and listed
                 log.warning("encode.failed", request_id=job.request_id, status=err.status, retry=retry)
                 if not retry:
                     raise ApiError(err.status, "image encoding failed: " + err.message) from None

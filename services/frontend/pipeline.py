@@ -5,7 +5,8 @@
    tokenized, or taken as token ids), check sampling against the context, the vocabulary and the grammar;
 2. subscribe to the request's stream;
 3. ``submit`` the prefill job to the intake worker the router picks (the one holding the longest prefix
-   of the prompt, images included, unless overloaded; else the least loaded), watching it: a worker that
+   of the prompt, images included, unless overloaded; else the least loaded; waiting for one when none is
+   listed, see ``workers.py``), watching it: a worker that
    is gone before it accepted gets the job again elsewhere at once, and one that does not accept within
    ``--prefill-timeout`` (alive, but stuck or swamped) has it cancelled and sent elsewhere. An image
    whose every token that worker's prefix cache holds is not sent at all (``slots.cached``; one only
@@ -44,9 +45,10 @@ from services.frontend.stream import TokenStream
 from services.frontend.text_protocol import CompletionRequest
 from services.frontend.tools import tool_constraint
 from services.frontend.video import DecodedVideo
+from services.frontend.workers import StackWorkers
 from shared.aio import TaskSet
 from shared.bus.calls import ServiceCallError
-from shared.bus.directory import Directory
+from shared.bus.directory import Directory, kind_of
 from shared.bus.subjects import Subjects
 from shared.bus.watched import WorkerGone, call_watched
 from shared.dataplane.plane import DataPlane
@@ -76,7 +78,8 @@ class Pipeline:
         self.max_model_len = sampling.max_model_len
         self.plane = plane  # the request's pixels, for a worker that encodes in place, and given embeddings
         self.embeds = EmbedsReader(builder.config, settings.max_media_bytes)
-        self.encoding = EncodeFanout(nc, subjects, plane, directory, settings)
+        self.workers = StackWorkers(directory, settings.worker_wait, media=not settings.text_only)
+        self.encoding = EncodeFanout(nc, subjects, plane, directory, self.workers, settings)
         self.intake = IntakeRouter(nc, directory, subjects, settings.prefix_routing)
         self.merge = builder.config.vision.merge_size
         self.images_cached = 0  # images left out of prefill jobs: their target's prefix cache held them
@@ -136,6 +139,8 @@ class Pipeline:
         s = self.settings
         for kind, limit in s.limit_mm_per_prompt.items():
             count = sum(k.startswith(kind) for k, _ in parts)  # images: image_url and image_embeds parts
+            if count and not self.workers.media:
+                raise ApiError(400, f"this server serves text only: {kind} input is not accepted", "messages")
             if count > limit:
                 raise ApiError(400, f"too many {kind}s: {count} (at most {limit})", "messages")
 
@@ -166,11 +171,15 @@ class Pipeline:
         spans = slots.spans(planned, self.merge)
         encoded: dict[int, EncodeResult] = {}  # by image, once encoded through the encoder subjects
         leave_out = generation.resumes == 0  # a resume sends every image
-        tried: set[str] = set()
-        gone, sent = 0, False
+        tried: set[str] = set()  # workers this request went to: gone, or too slow to accept it
+        vanished: set[str] = set()  # those of them that went away
+        gone, sent, until = 0, False, self.workers.deadline()
         while True:
+            await self.workers.intake(until, exclude=vanished)  # none listed: the queue group, and NATS says
             route = await self.intake.route(prompt.token_ids, spans, exclude=tried)
             target = route.target
+            if kind_of(target.instance) == "prefill":
+                await self.workers.decode(until)  # it hands the prompt on to one
             cached = slots.inside(planned, route.cached_tokens, self.merge) if leave_out else set()
             needed = [i for i in range(len(planned)) if i not in cached and not isinstance(images[i], ImageEmbeds)]
             in_place = bool(needed) and self.intake.encodes_in_place(target)
@@ -185,7 +194,7 @@ class Pipeline:
                     generation.timing.submitted, sent = time.time(), True
                 with self.intake.outstanding.sending(target.instance):
                     reply = await call_watched(self.nc, self.directory, target, pack(job),
-                                               self.settings.prefill_timeout, "prefill worker")
+                                               self.settings.prefill_timeout, self.workers.intake_name())
                 generation.stream.expect(attempt, unpack(PrefillAccepted, reply).prefill_id)
                 self.images_cached += len(cached)
                 return
@@ -193,9 +202,11 @@ class Pipeline:
                 if isinstance(err, WorkerGone) or (err.no_responders and target.instance):
                     # died before it accepted, or left (draining) since it was listed: another takes it now
                     tried.add(target.instance)
+                    vanished.add(target.instance)
                     log.warning("prefill.worker_gone", request_id=attempt, worker=target.instance)
                     if len(tried) > RESUME_ATTEMPTS:
-                        raise ApiError(503, "the prefill workers this request was sent to went away") from None
+                        raise ApiError(503, f"every {self.workers.intake_name()} this request was sent to went "
+                                            "away") from None
                     continue
                 if err.status == EMBEDDINGS_GONE and gone < ENCODE_ATTEMPTS:
                     # their encoder went away before prefill pulled them, or the worker no longer holds what

@@ -8,6 +8,7 @@ import contextlib
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import uvicorn
 from prometheus_client import generate_latest
@@ -60,6 +61,7 @@ class FrontendService(Service):
         self.jobs: JobWorker | None = None
         self._server: _Server | None = None
         self._server_task: asyncio.Task | None = None
+        self._opened = False  # the stack has listed what a text request needs at least once
 
     def metadata(self) -> dict[str, str]:
         return {**super().metadata(), "http": f"{self.settings.host}:{self.port}"}
@@ -69,7 +71,7 @@ class FrontendService(Service):
         path = s.model_path()
         config = ModelConfig.from_checkpoint(path)
         tokenizer = await asyncio.to_thread(load_tokenizer, path)
-        model = ServedModel(s.served_model_name or path.name, int(time.time()),
+        model = ServedModel(s.served_model_name or served_name(s.model, path), int(time.time()),
                             min(s.max_model_len or config.text.max_position_embeddings,
                                 config.text.max_position_embeddings), root=path.name)
         self.metrics.model_name = model.name
@@ -80,6 +82,10 @@ class FrontendService(Service):
         self.directory = Directory(nc, self.subjects.prefix)
         self.directory.start()
         self.resources.push_async_callback(self.directory.stop)
+        # Listed means ready: the first listing is in before this frontend registers (``epd up`` starts it once
+        # its workers are listed, so it serves from its first request); bounded, discovery is not a must.
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.directory.refreshed.wait(), 5.0)
         executor = ThreadPoolExecutor(s.media_threads, thread_name_prefix="media")
         self.resources.callback(executor.shutdown, wait=False, cancel_futures=True)
         # images are recognised by their bytes only where they may be left out of a prompt
@@ -94,7 +100,8 @@ class FrontendService(Service):
         self.gateway = Gateway(self.pipeline, self.admission, model.name, self.metrics.ignored_fields)
         self.jobs = JobWorker(self.gateway, s)
         self.resources.push_async_callback(self.jobs.stop)
-        await self._serve_http(create_app(self.gateway, model, self._serving, self._metrics, s.max_body_bytes))
+        await self._serve_http(create_app(self.gateway, model, self._unready, self._unopened, self._metrics,
+                                          s.max_body_bytes))
         log.info("frontend.listening", url=f"http://{s.host}:{self.port}", model=model.name)
 
     async def _serve_http(self, app) -> None:
@@ -118,10 +125,22 @@ class FrontendService(Service):
         if self.settings.jobs:
             self.jobs.start(self.nc)
 
-    def _serving(self) -> bool:
-        """Ready for traffic: registered, on the bus, and the stack's workers listed at least once (an
-        image sent before that would find no encoder)."""
-        return self.ready and self.directory.refreshed.is_set()
+    def _unready(self) -> str | None:
+        """Why ``/health`` is 503: this frontend is not registered or is off the bus, or its stack lacks a
+        worker of a kind it needs."""
+        if not self.ready:
+            return f"the frontend is {self.readiness()}"
+        return self.pipeline.workers.missing()
+
+    def _unopened(self) -> str | None:
+        """Why ``/v1/models`` is 503: until the stack first lists what a text request needs."""
+        if not self._opened:
+            if not self.ready:
+                return f"the frontend is {self.readiness()}"
+            if (reason := self.pipeline.workers.missing_for_text()) is not None:
+                return reason
+            self._opened = True
+        return None
 
     async def _metrics(self) -> bytes:
         if self.nc.is_connected:
@@ -143,4 +162,11 @@ class FrontendService(Service):
         return {"instance": self.instance, "in_flight": self.admission.count, "cpu_seconds": time.process_time(),
                 **(self.pipeline.stats() if self.pipeline else {}),
                 "nats_chat_errors": sum(e.errors for e in self.registration.endpoints) if self.registration else 0,
+                **(self.pipeline.workers.stats() if self.pipeline else {}),
                 **(self.jobs.stats() if self.jobs else {})}
+
+
+def served_name(model: str, path: Path) -> str:
+    """The model's name by default: ``--model`` as the user gave it — a preset's name, a checkpoint
+    directory's name — or the built-in model's directory name."""
+    return Path(model).name if model else path.name

@@ -18,6 +18,13 @@ class HttpListener(BaseModel):
     port: int = Field(8000, ge=0, le=65535, description="HTTP port of the OpenAI-compatible API")
 
 
+class ServedName(BaseModel):
+    """The model's name for clients (``epd frontend``, and ``epd up`` for its frontend)."""
+
+    served_model_name: str = Field("", description="model name clients use; default: --model as given (a "
+                                                   "preset's name, a checkpoint directory's name)")
+
+
 class MediaDecoding(BaseModel):
     """The frontend's media decoding (``epd plan`` models it too)."""
 
@@ -25,8 +32,7 @@ class MediaDecoding(BaseModel):
                                                     "image-heavy traffic on a host with cores to spare")
 
 
-class FrontendSettings(MediaDecoding, MediaLimits, ModelLength, HttpListener, CommonSettings):
-    served_model_name: str = Field("", description="model name clients use; default: the checkpoint's name")
+class FrontendSettings(MediaDecoding, MediaLimits, ModelLength, ServedName, HttpListener, CommonSettings):
     max_concurrent_requests: int = Field(256, ge=1, description="requests in flight; more get 429 (the stack's "
                                                                 "capacity: raise it with more workers)")
     limit_mm_per_prompt: dict[Literal["image", "video"], Annotated[int, Field(ge=0)]] = Field(
@@ -55,6 +61,9 @@ class FrontendSettings(MediaDecoding, MediaLimits, ModelLength, HttpListener, Co
                                                    "chat's returning images are not decoded, encoded or sent again; "
                                                    "--no-prefix-routing: by load alone, every image sent (traffic "
                                                    "that never repeats a prefix saves a lookup a request)")
+    worker_wait: float = Field(30.0, ge=0, description="seconds a request waits for a worker of a kind it needs "
+                               "when none is listed (one restarting, a tier scaling up from zero, this frontend "
+                               "started before its workers) before it gets a 503 naming the missing kind")
     token_timeout: float = Field(120.0, gt=0, description="seconds a request may go without a token (the first "
                                                           "counted from its admission) before it fails: above the "
                                                           "longest prompt's prefill time")
