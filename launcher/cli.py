@@ -1,5 +1,6 @@
 """The ``epd`` command: ``epd up`` runs the whole stack; ``epd <service>`` runs one service; ``epd bench`` and
-``epd plan`` measure."""
+``epd plan`` measure. A bad option, value or combination is one line on stderr (what is wrong, what to do)
+and exit status 2, for every command."""
 
 from __future__ import annotations
 
@@ -52,27 +53,39 @@ def settings_class(command: str) -> type:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = sys.argv[1:] if argv is None else argv
+    from shared.settings import BadSettings
+
+    try:
+        run(sys.argv[1:] if argv is None else argv)
+    except BadSettings as err:
+        print(err, file=sys.stderr)
+        sys.exit(2)
+
+
+def run(args: list[str]) -> None:
     if not args or args[0] in ("-h", "--help"):
         print(USAGE)
         sys.exit(0 if args else 2)
     command, rest = args[0], args[1:]
+    from shared.settings import BadSettings, parse_settings
+
     if command == "bench" and rest[:1] == ["plot"]:
         command, rest = "bench plot", rest[1:]
     if command == "credentials":
         sys.exit(credentials(rest))
     if command not in COMMANDS:
-        print(f"epd: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
-        sys.exit(2)
-    run = _load(COMMANDS[command][1])
+        known = ", ".join([c for c in COMMANDS if " " not in c] + ["credentials"])
+        raise BadSettings(f"epd: unknown command {command!r}; the commands are {known} (epd --help)")
+    main_of = _load(COMMANDS[command][1])
     if command in SERVICES:
         from shared.service import service_main
 
-        service_main(run, settings_class(command), rest)
+        service_main(main_of, settings_class(command), rest)
         return
-    from shared.settings import parse_settings
-
-    sys.exit(run(parse_settings(settings_class(command), rest, f"epd {command}")))
+    settings = parse_settings(settings_class(command), rest, f"epd {command}")
+    if command == "plan":
+        check_model(settings, "epd plan")
+    sys.exit(main_of(settings))
 
 
 def credentials(args: list[str]) -> int:
@@ -88,13 +101,30 @@ def credentials(args: list[str]) -> int:
 def credentials_parser():
     import argparse
 
-    parser = argparse.ArgumentParser(prog="epd credentials", description=(
+    from shared.settings import BadSettings
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message: str):
+            raise BadSettings(f"epd credentials: {message} (`epd credentials --help` lists the options)")
+
+    parser = Parser(prog="epd credentials", description=(
         "Generate a user per role (encoder, prefill, decode, language, aggregated, frontend, client, admin) with "
         "subject permissions limited to its work: DIR/nats-auth.conf goes into the nats-server "
         "configuration (`include`), DIR/<role>.env gives each process its EPD_NATS_USER/EPD_NATS_PASSWORD."))
     parser.add_argument("--out", required=True, help="directory for the files (created; files are mode 0600)")
     parser.add_argument("--subject-prefix", default="epd", help="the stack's subject prefix")
     return parser
+
+
+def check_model(settings, prog: str) -> None:
+    """``--model`` names a checkpoint directory or a preset (written once here, before anything starts)."""
+    from shared.settings import BadSettings
+
+    try:
+        if settings.model:
+            settings.model_path()
+    except ValueError as err:
+        raise BadSettings(f"{prog}: {err}") from None
 
 
 if __name__ == "__main__":

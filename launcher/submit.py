@@ -12,7 +12,7 @@ from pydantic_settings import CliPositionalArg
 
 from shared.bus.subjects import Subjects
 from shared.client import ChatError, chat, chat_stream, submit_job, wait_result
-from shared.settings import CommonSettings
+from shared.settings import BadSettings, CommonSettings
 
 
 class SubmitSettings(CommonSettings):
@@ -26,10 +26,15 @@ class SubmitSettings(CommonSettings):
 def submit(settings: SubmitSettings) -> int:
     """Send one chat request over NATS; answers go to stdout, an error body to stderr (exit 1)."""
     if settings.stream and settings.durable or settings.wait and not settings.durable:
-        print("epd submit: --stream is for direct requests; --wait needs --durable", file=sys.stderr)
-        return 2
-    text = sys.stdin.read() if settings.file == "-" else open(settings.file, encoding="utf-8").read()
-    request, prefix, timeout = json.loads(text), settings.subject_prefix, settings.timeout
+        raise BadSettings("epd submit: --stream is for direct requests; --wait needs --durable")
+    try:
+        text = sys.stdin.read() if settings.file == "-" else open(settings.file, encoding="utf-8").read()
+        request = json.loads(text)
+    except (OSError, UnicodeDecodeError) as err:
+        raise BadSettings(f"epd submit: cannot read {settings.file}: {getattr(err, 'strerror', None) or err}") from None
+    except ValueError as err:
+        raise BadSettings(f"epd submit: {settings.file} is not a JSON request body: {err}") from None
+    prefix, timeout = settings.subject_prefix, settings.timeout
 
     async def run() -> None:
         nc = await nats.connect(name="epd-submit", connect_timeout=5, allow_reconnect=False,

@@ -1,7 +1,9 @@
 """Settings shared by every service: pydantic-settings, ``EPD_`` environment variables, CLI flags.
 
 Each service extends ``CommonSettings`` with its own fields; ``parse_settings`` maps ``--kebab-case``
-flags onto them (flags win over the environment), and an unknown flag or variable is an error.
+flags onto them (flags win over the environment), and an unknown flag or variable is an error. A bad
+value or combination is a ``BadSettings``: one line that says what is wrong and what to do, which the
+``epd`` command prints before it exits with status 2.
 """
 
 from __future__ import annotations
@@ -10,8 +12,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar
 
-from pydantic import BaseModel, Field, field_validator
-from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, SettingsConfigDict
+from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, SettingsConfigDict, SettingsError
 
 if TYPE_CHECKING:
     import torch
@@ -163,10 +165,32 @@ class CudaGraphs(BaseModel):
                                                    "for debugging")
 
 
+class BadSettings(ValueError):
+    """A bad option, value or combination, in one line: what is wrong and what to do."""
+
 
 def parse_settings(cls: type[S], args: list[str] | None, prog: str) -> S:
     """Settings from the environment overridden by CLI ``args`` (``None``: environment only)."""
-    if args is None:
-        return cls()
-    source = CliSettingsSource(cls, cli_prog_name=prog, cli_kebab_case=True, cli_implicit_flags=True)
-    return CliApp.run(cls, cli_args=args, cli_settings_source=source)
+    try:
+        if args is None:
+            return cls()
+        source = CliSettingsSource(cls, cli_prog_name=prog, cli_kebab_case=True, cli_implicit_flags=True,
+                                   cli_exit_on_error=False)
+        return CliApp.run(cls, cli_args=args, cli_settings_source=source)
+    except ValidationError as err:
+        raise BadSettings(f"{prog}: {_problem(err)}") from None
+    except SettingsError as err:
+        raise BadSettings(f"{prog}: {str(err).removeprefix('error parsing CLI: ')} (`{prog} --help` lists "
+                          "the options)") from None
+
+
+def _problem(err: ValidationError) -> str:
+    """The first problem pydantic found, in the options' own terms (``--port 'abc': ...``)."""
+    errors = err.errors()
+    first = errors[0]
+    message = first["msg"].removeprefix("Value error, ")
+    field = str(first["loc"][0]) if first.get("loc") else ""
+    if field and not message.startswith(f"--{field.replace('_', '-')}"):
+        given = f" {first['input']!r}" if isinstance(first.get("input"), (str, int, float)) else ""
+        message = f"--{field.replace('_', '-')} (EPD_{field.upper()}){given}: {message}"
+    return message + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else "")
