@@ -21,7 +21,7 @@ LONG = 240  # tokens: long enough on this CPU to act mid-stream
 
 @pytest.fixture(scope="module")
 def stack(nats_url, tiny_model):
-    env = {"EPD_DRAIN_SECONDS": "20"}
+    env = {"EPD_DRAIN_SECONDS": "20", "EPD_WORKER_WAIT": "5"}  # a kind with nobody left: 5 s, not 30, to give up
     running = RunningStack(nats_url, tiny_model, env=env).start(
         encoders=2, prefills=2, decodes=2,
         frontend_args=("--max-output-tokens", "1000", "--max-concurrent-requests", "24", "--encode-timeout", "10"))

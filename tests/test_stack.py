@@ -161,9 +161,9 @@ def test_malformed_json_and_wrong_model(stack):
 
 @pytest.fixture(scope="module")
 def lean_stack(nats_url, tiny_model):
-    """No encoder, one prefill and one decode; the frontend gives prefill 2 s to accept a request and
-    takes media (precomputed embeddings too) of 4 KiB at most."""
-    running = RunningStack(nats_url, tiny_model, env={"EPD_PREFILL_TIMEOUT": "2",
+    """No encoder, one prefill and one decode; the frontend gives prefill 2 s to accept a request, a request
+    0.5 s to find a worker of a kind it needs, and takes media (precomputed embeddings too) of 4 KiB at most."""
+    running = RunningStack(nats_url, tiny_model, env={"EPD_PREFILL_TIMEOUT": "2", "EPD_WORKER_WAIT": "0.5",
                                                       "EPD_MAX_MEDIA_BYTES": "4096"}).start(encoders=0)
     yield running
     running.stop()
@@ -193,7 +193,7 @@ def test_missing_and_stalled_stages_fail_fast(lean_stack):
     with pytest.raises(openai.APIStatusError) as err:
         ask(lean_stack, [image])
     assert err.value.status_code == 503 and time.monotonic() - started < 2.0
-    assert "encoder" in err.value.response.json()["error"]["message"]
+    assert err.value.response.json()["error"]["message"] == "image encoding failed: no encoder is available"
 
     assert ask(lean_stack, [], text="Text needs no encoder.").choices[0].finish_reason == "length"
 
@@ -220,3 +220,4 @@ def test_missing_and_stalled_stages_fail_fast(lean_stack):
     with pytest.raises(openai.APIStatusError) as err:
         ask(lean_stack, [], text="no prefill worker")
     assert err.value.status_code == 503 and time.monotonic() - started < 2.0
+    assert err.value.response.json()["error"]["message"] == "no prefill worker is available"

@@ -7,6 +7,7 @@ HTTP and /metrics, processes from /proc, the ``client`` role's credentials only.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +26,7 @@ TOKENS = 40
 @pytest.fixture(scope="module")
 def up(tiny_model):
     stack = UpStack(tiny_model, "--encoders", "2", "--pd", "split", "--prefills", "2", "--decodes", "2",
-                    env={"EPD_DRAIN_SECONDS": "20", "EPD_ENCODER_CACHE_MB": "0"})
+                    env={"EPD_DRAIN_SECONDS": "20", "EPD_ENCODER_CACHE_MB": "0", "EPD_WORKER_WAIT": "120"})
     yield stack
     assert stack.stop() == 0
 
@@ -87,6 +88,17 @@ def test_a_worker_killed_under_load_loses_nothing_and_is_restarted(up, want, kin
     up.wait_for_workers(kind, 2)  # the supervisor restarted it
     assert up.count("stack.worker_died") == died + 1
     assert up.process.poll() is None
+    up.wait_idle()
+
+
+@pytest.mark.parametrize("kind", ["encoder", "prefill"])
+def test_requests_that_find_no_worker_of_a_kind_wait_for_one_to_restart(up, want, kind):
+    """Every worker of a kind killed at once: the requests sent meanwhile wait for the supervisor to start
+    one again (``--worker-wait``), then are answered exactly."""
+    died = up.count("stack.worker_died")
+    burst(up, want, 4, lambda: [os.kill(pid, signal.SIGKILL) for pid in up.pids(kind)], after=0)
+    up.wait_for_workers(kind, 2)
+    assert up.count("stack.worker_died") == died + 2
     up.wait_idle()
 
 

@@ -52,15 +52,23 @@ def cmdline(pid: int) -> str:
 
 
 class UpStack:
-    def __init__(self, model: Path, *args: str, env: dict[str, str] | None = None):
+    """``wait=False``: return at once (``wait_ready`` later); ``terminal=True``: in a session of its own, as
+    a shell runs a command in a terminal, so ``interrupt`` is a terminal's Ctrl-C."""
+
+    def __init__(self, model: Path, *args: str, env: dict[str, str] | None = None, wait: bool = True,
+                 terminal: bool = False):
         base = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
         base.update(EPD_MODEL=str(model), EPD_KV_CACHE_MB="32", EPD_LOG_FORMAT="json", **(env or {}))
         self.process = subprocess.Popen([sys.executable, "-m", "launcher.cli", "up", "--port", "0", *args], env=base,
-                                        stderr=subprocess.PIPE, text=True)
+                                        stderr=subprocess.PIPE, text=True, start_new_session=terminal)
         self.events: list[dict] = []
         self._ready = threading.Event()
         threading.Thread(target=self._read_logs, daemon=True).start()  # a full pipe would block the children
-        if not self._ready.wait(240):
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self, timeout: float = 240) -> None:
+        if not self._ready.wait(timeout):
             self.stop()
             raise RuntimeError(f"epd up did not come up: {self.events[-5:]}")
         ready = self.event("stack.ready")
@@ -69,6 +77,14 @@ class UpStack:
         self.ready = ready
         self.api = ready["api"]
         self.root = self.api.removesuffix("/v1")
+
+    def interrupt(self) -> None:
+        """A terminal's Ctrl-C: SIGINT to the whole foreground process group."""
+        os.killpg(self.process.pid, signal.SIGINT)
+
+    def exits(self) -> list[tuple[str, int]]:
+        """(kind, exit status) of every process the launcher stopped, in the order they ended."""
+        return [(e["kind"], e["status"]) for e in self.events if e.get("event") == "stack.process_exited"]
 
     def _read_logs(self) -> None:
         for line in self.process.stderr:
