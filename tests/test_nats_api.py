@@ -123,7 +123,7 @@ def test_epd_submit_durable_wait_prints_the_answer(stack):
 
 
 def test_job_submitted_before_any_service_runs_completes_once_they_start(nats_url, tiny_model, stack):
-    fresh = RunningStack(nats_url, tiny_model)
+    fresh = RunningStack(nats_url, tiny_model, env={"EPD_WORKER_WAIT": "1"})  # gives up on a worker soon: retried
     body = request("Tell me a short story.")  # text only: no encoder needed
     try:
         job_id = asyncio.run(submit_job(nats_url, body, fresh.prefix))
