@@ -139,7 +139,7 @@ class Pipeline:
         s = self.settings
         for kind, limit in s.limit_mm_per_prompt.items():
             count = sum(k.startswith(kind) for k, _ in parts)  # images: image_url and image_embeds parts
-            if count and not self.workers.media:
+            if count and s.text_only:
                 raise ApiError(400, f"this server serves text only: {kind} input is not accepted", "messages")
             if count > limit:
                 raise ApiError(400, f"too many {kind}s: {count} (at most {limit})", "messages")

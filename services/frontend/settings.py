@@ -74,3 +74,8 @@ class FrontendSettings(MediaDecoding, MediaLimits, ModelLength, ServedName, Http
     @classmethod
     def _every_kind(cls, value: dict[str, int]) -> dict[str, int]:
         return {**MEDIA_PER_PROMPT, **value}
+
+    @property
+    def text_only(self) -> bool:
+        """No image and no video accepted (``epd up --encoders 0``): the stack needs no encoder."""
+        return not any(self.limit_mm_per_prompt.values())
