@@ -24,7 +24,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from launcher.topology import Placement
 from shared.engine.settings import PREFILL_GRAPH_TOKENS
@@ -39,6 +40,49 @@ CONTEXT_MARGIN = 0.9  # of a planned KV pool, for what the plan cannot see (allo
 GRAPH_TOKENS = PREFILL_GRAPH_TOKENS  # prefill graphs' tokens: their pool is taken before the KV pool
 PREFILL_STORE = 2 * GIB  # a prefill worker's KV chunks copied out until decode pulls them (its data store)
 LANGUAGE_KINDS = ("language", "prefill", "decode", "aggregated")
+
+
+@dataclass
+class MemoryPlan:
+    """What ``epd up`` gives the processes of GPUs they share: each kind's variables on each GPU, and the
+    stack's context where the smallest KV pool cannot hold the model's."""
+
+    envs: dict[tuple[str, str | None], dict[str, str]] = field(default_factory=dict)
+    max_model_len: int = 0  # lowered to what every KV pool holds; 0: as configured
+
+    @classmethod
+    def for_stack(cls, settings, path) -> "MemoryPlan":
+        """The plan for ``epd up``'s ``settings`` (placements, ``--gpu-memory-utilization``), with the limits
+        its workers will read from this environment."""
+        from services.encoder.settings import EncoderSettings
+        from shared.engine.settings import EngineSettings
+        from shared.model.config import ModelConfig
+
+        engine, encoder = EngineSettings(), EncoderSettings()
+        limits = SimpleNamespace(max_batch_patches=encoder.max_batch_patches, max_num_seqs=engine.max_num_seqs,
+                                 max_batched_tokens=engine.max_batched_tokens, max_model_len=engine.max_model_len)
+        model = ModelConfig.from_checkpoint(path)
+        envs, longest = plan(settings.placements_at_most(), model, limits, settings.gpu_memory_utilization)
+        # a context the user set stays (a pool too small for it is the engine's one-line error)
+        lowered = longest if longest and not engine.max_model_len and longest < model.text.max_position_embeddings \
+            else 0
+        return cls(envs, lowered)
+
+    def of(self, placement: Placement) -> tuple[tuple[str, str], ...]:
+        return tuple(self.envs.get((placement.kind, placement.gpu), {}).items())
+
+    def log(self) -> None:
+        if not self.envs:
+            return
+        from shared.logging import get_logger
+
+        log = get_logger(__name__)
+        for (kind, gpu), env in self.envs.items():
+            log.info("stack.memory", kind=kind, gpu=gpu, **{k.removeprefix("EPD_").lower(): v for k, v in env.items()})
+        if self.max_model_len:
+            log.warning("stack.max_model_len", tokens=self.max_model_len,
+                        reason="the smallest KV pool of a shared GPU holds no longer sequence",
+                        hint="--gpu-memory-utilization higher, fewer processes on a GPU, or --pd joined")
 
 
 class MemoryPlanError(ValueError):

@@ -33,12 +33,13 @@ class Placement:
     kind: str
     gpu: str | None  # CUDA_VISIBLE_DEVICES of the process; None: inherited
     sm_share: int | None = None  # under MPS: percent of the GPU's SMs this process may use
+    memory: tuple[tuple[str, str], ...] = ()  # its share of a GPU it shares (launcher/memory.py), as EPD_* variables
 
     def env(self) -> dict[str, str]:
         env = {} if self.gpu is None else {"CUDA_VISIBLE_DEVICES": self.gpu}
         if self.sm_share is not None:
             env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(self.sm_share)
-        return env
+        return {**env, **dict(self.memory)}
 
 
 @dataclass(frozen=True)
@@ -143,12 +144,16 @@ class TopologySettings(CommonSettings):
         """Every worker process at start (the frontend aside), with its GPU."""
         return [self.placement(kind, i) for kind, n in self.worker_counts().items() for i in range(n)]
 
-    def shared_gpus(self) -> list[str | None]:
-        """GPUs that more than one worker process would use at the most (autoscaled encoders at MAX)."""
+    def placements_at_most(self) -> list[Placement]:
+        """Every worker process there may be (autoscaled encoders at MAX), with its GPU."""
         counts = dict(self.worker_counts())
         if "encoder" in counts:
             counts["encoder"] = self.encoder_scale.high
-        use = Counter(self.placement(kind, i).gpu for kind, n in counts.items() for i in range(n))
+        return [self.placement(kind, i) for kind, n in counts.items() for i in range(n)]
+
+    def shared_gpus(self) -> list[str | None]:
+        """GPUs that more than one worker process would use at the most."""
+        use = Counter(p.gpu for p in self.placements_at_most())
         return [gpu for gpu, n in use.items() if n > 1]
 
 

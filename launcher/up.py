@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from dataclasses import replace
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -39,7 +40,7 @@ from launcher.topology import Placement, TopologySettings
 from services.frontend.settings import HttpListener, ServedName
 from shared.bus.directory import Directory
 from shared.logging import configure_logging, get_logger
-from shared.settings import BadSettings
+from shared.settings import BadSettings, GpuMemory
 
 log = get_logger(__name__)
 
@@ -52,7 +53,7 @@ READY_TIMEOUT_S = 1800.0  # for a worker to come up (a large checkpoint takes mi
 SCALE_UP_AFTER_S = 2.0  # --encoders MIN:MAX: seconds the tier must stay over --scale-up-load to grow
 
 
-class UpSettings(HttpListener, ServedName, TopologySettings):
+class UpSettings(GpuMemory, HttpListener, ServedName, TopologySettings):
     nats_url: str = Field("", description="use this NATS server; empty: start an embedded one on loopback, "
                                           "secured with generated per-role credentials")
     mps: Literal["auto", "on", "off"] = Field("auto", description="CUDA MPS for processes sharing a GPU: auto "
@@ -70,21 +71,24 @@ def up(settings: UpSettings) -> int:
     try:
         shares = mps.parse_shares(settings.mps_shares)
         path = settings.model_path()  # writes the built-in model once, before the children race for it
+        plan = _plan_memory(settings, path)  # a stack that cannot fit its GPUs is refused before it starts
     except ValueError as err:
         raise BadSettings(f"epd up: {err}") from None
     configure_logging(settings.log_level, settings.log_format, "epd-up")
     try:
-        return asyncio.run(_run(settings, path, shares))
+        return asyncio.run(_run(settings, path, shares, plan))
     except (RuntimeError, TimeoutError) as err:
         log.error("stack.failed", error=str(err))
         return 1
 
 
-async def _run(settings: UpSettings, path: Path, shares: dict[str, int]) -> int:
+async def _run(settings: UpSettings, path: Path, shares: dict[str, int], plan: "MemoryPlan") -> int:
     dummy_preset = settings.model and settings.load_format == "dummy"
     env = {**os.environ, "EPD_MODEL": settings.model if dummy_preset else str(path),
            "EPD_LOAD_FORMAT": settings.load_format, "EPD_SUBJECT_PREFIX": settings.subject_prefix}
     env.pop("EPD_HEALTH_PORT", None)  # one port per process: probes are for pods, not a local stack
+    if plan.max_model_len:  # every process, the frontend too: it checks prompts against the context
+        env["EPD_MAX_MODEL_LEN"] = str(plan.max_model_len)
     if sys.stderr.isatty():
         env.setdefault("FORCE_COLOR", "1")  # the children write to a pipe, which we forward to the terminal
     workdir = Path(tempfile.mkdtemp(prefix="epd-up-"))  # private (0700): MPS pipes, logs
@@ -105,9 +109,14 @@ async def _run(settings: UpSettings, path: Path, shares: dict[str, int]) -> int:
         if stack.nats is not None:
             await stack.prepare_jobs()
         supervisor = Supervisor(stack, start_timeout=READY_TIMEOUT_S)
+        plan.log()
         shares = shares if daemon else {}
+
+        def place(placement: Placement) -> Placement:
+            return replace(placement, sm_share=shares.get(placement.kind), memory=plan.of(placement))
+
         for placement in settings.placements():
-            supervisor.start(_with_share(placement, shares), len(supervisor.live(placement.kind)))
+            supervisor.start(place(placement), len(supervisor.live(placement.kind)))
         nc = await stack.connect()
         directory = Directory(nc, settings.subject_prefix)
         try:
@@ -118,7 +127,7 @@ async def _run(settings: UpSettings, path: Path, shares: dict[str, int]) -> int:
                          pd=settings.pd, mps=daemon is not None,
                          nats_client_credentials=str(stack.write_client_credentials() or ""),
                          **settings.worker_counts())
-                await _supervise(settings, supervisor, directory, stopping, shares)
+                await _supervise(settings, supervisor, directory, stopping, place)
         finally:
             await nc.close()
         return 0
@@ -163,11 +172,11 @@ def _frontend_args(settings: UpSettings) -> list[str]:
 
 
 async def _supervise(settings: UpSettings, supervisor: Supervisor, directory: Directory, stopping: asyncio.Event,
-                     shares: dict[str, int]) -> None:
+                     place: Callable[[Placement], Placement]) -> None:
     scaler = None
     if settings.encoder_scale.autoscaled:
         scaler = EncoderAutoscaler(supervisor, directory, settings.encoder_scale,
-                                   lambda replica: _with_share(settings.placement("encoder", replica), shares),
+                                   lambda replica: place(settings.placement("encoder", replica)),
                                    settings.scale_up_load, SCALE_UP_AFTER_S, settings.scale_down_after)
     listed_at = time.monotonic()
     while not stopping.is_set():
@@ -214,5 +223,10 @@ def _start_mps(settings: UpSettings, workdir: Path, stack: Stack):
     return daemon
 
 
-def _with_share(placement: Placement, shares: dict[str, int]) -> Placement:
-    return replace(placement, sm_share=shares.get(placement.kind))
+def _plan_memory(settings: UpSettings, path: Path) -> "MemoryPlan":
+    """Each process's share of a GPU it shares with others (nothing to plan on CPU, or with a GPU each)."""
+    from launcher.memory import MemoryPlan
+
+    if settings.device == "cpu" or not mps.gpus_present() or not settings.shared_gpus():
+        return MemoryPlan()
+    return MemoryPlan.for_stack(settings, path)

@@ -183,6 +183,21 @@ class Service:
         return True
 
 
+def _out_of_memory_errors() -> tuple[type[BaseException], ...]:
+    """Ours (``MemoryError``) and CUDA's (``torch.OutOfMemoryError``, a ``RuntimeError``) where torch is loaded."""
+    torch = sys.modules.get("torch")
+    return (MemoryError, torch.OutOfMemoryError) if torch is not None else (MemoryError,)
+
+
+def _out_of_memory(err: BaseException) -> str:
+    """One line for an out-of-memory at start: what ran out, and the setting that gives more."""
+    first = str(err).splitlines()[0] if str(err) else type(err).__name__
+    if "--" in first:  # our own message already names the setting
+        return first
+    return (f"{first.split('. Tried')[0]}: out of GPU memory while starting; on a GPU shared with other processes "
+            f"lower their share (epd up plans it from --gpu-memory-utilization), or give this one more")
+
+
 def gpu_memory_taken() -> dict:
     """What this process holds on its GPU, for the ``service.ready`` line: torch's reserved pool and its
     peak (MiB); nothing when the process never initialized CUDA (the frontend, a CPU stack)."""
@@ -226,6 +241,9 @@ def service_main(service_cls, settings_cls, argv: list[str] | None = None) -> No
         settings.apply_torch_threads()
     try:
         asyncio.run(service_cls(settings).run())
+    except _out_of_memory_errors() as err:  # the KV pool's sizing, or CUDA's allocator
+        log.error("service.out_of_memory", kind=service_cls.kind, error=_out_of_memory(err))
+        sys.exit(1)
     finally:
         # Everything is released by now (or the service failed). What is left is the interpreter's
         # shutdown, whose garbage collections walk every object torch and transformers made: 1-1.5 s

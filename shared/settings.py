@@ -165,6 +165,15 @@ class CudaGraphs(BaseModel):
                                                    "for debugging")
 
 
+class GpuMemory(BaseModel):
+    """How much of a GPU's memory to take."""
+
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="share of each GPU's memory to take: a "
+                                          "language worker's own (weights, graphs, working room, then the KV pool "
+                                          "from what is left); for epd up the whole stack's, divided among the "
+                                          "processes it places on one GPU")
+
+
 class BadSettings(ValueError):
     """A bad option, value or combination, in one line: what is wrong and what to do."""
 

@@ -67,6 +67,16 @@ def test_image_embeds_beside_pixel_images(stack, reference):
     assert counted.json()["count"] == reference.inputs(TEXT, [first, second])["input_ids"].shape[1]
 
 
+def test_bfloat16_rows_are_read_exactly(stack, reference):
+    """bfloat16 rows (numpy has no such type; read as their 16-bit words and widened) give the answer their
+    float32 values give: the widening loses nothing."""
+    rows, grid = hf_image_embeds(reference, make_image(44, 72, 90))
+    rows = rows.to(torch.bfloat16)
+    client = stack.client()
+    as_bf16 = openai_chat(client, with_parts([image_embeds_part(rows, grid)]), MAX_TOKENS)[0]
+    assert as_bf16 == openai_chat(client, with_parts([image_embeds_part(rows.float(), grid)]), MAX_TOKENS)[0]
+
+
 def _refusal(stack, parts: list[dict]) -> str:
     client = stack.client()
     with pytest.raises(openai.BadRequestError) as err:

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field, field_validator
 
-from shared.settings import CommonSettings, CudaGraphs, ModelLength
+from shared.settings import CommonSettings, CudaGraphs, GpuMemory, ModelLength
 
 if TYPE_CHECKING:
     import torch
@@ -21,7 +21,7 @@ PREFILL_GRAPH_TOKENS = 4096
 DEFAULT_TARGET_ITL_MS = 50.0
 
 
-class EngineSettings(CudaGraphs, ModelLength, CommonSettings):
+class EngineSettings(GpuMemory, CudaGraphs, ModelLength, CommonSettings):
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block: the unit the cache is allocated, "
                                                            "shared and evicted in")
     max_num_seqs: int = Field(256, ge=1, description="sequences in one batch at most; lower it to bound a step's "
@@ -44,9 +44,6 @@ class EngineSettings(CudaGraphs, ModelLength, CommonSettings):
                                                    "images by content hash); --no-prefix-caching: compute every prompt")
     kv_cache_mb: int = Field(0, ge=0, description="KV pool size in MiB; 0: from --gpu-memory-utilization "
                                                   "on GPU, 256 MiB on CPU")
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="share of GPU memory this process may use "
-                                                                        "(weights, graphs, KV pool); lower it for "
-                                                                        "processes sharing a GPU")
 
     @field_validator("max_batched_tokens")
     @classmethod

@@ -20,7 +20,8 @@ from pathlib import Path
 # Log events counted per stack: requests resumed on other workers, encode jobs retried, prefill jobs
 # re-sent because their worker went away, and workers that died (the supervisor restarts them); and
 # Triton compiles (``kernel.compiled``), each a stall of the thread that launched it, seconds at worst.
-EVENTS = ("request.resume", "encode.failed", "prefill.worker_gone", "stack.worker_died", "kernel.compiled")
+EVENTS = ("request.resume", "encode.failed", "prefill.worker_gone", "stack.worker_died", "stack.crash_loop",
+          "kernel.compiled")
 
 
 class StackProcess:
