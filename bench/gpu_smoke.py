@@ -14,10 +14,10 @@ For each layout (``aggregated``; ``joined``: colocated E/PD, the default; ``spli
 4. The GPU memory each process took (its own ``service.ready`` line, and nvidia-smi where it answers).
 5. SIGINT to the whole process group (Ctrl-C): the launcher exits 0, every service logged
    ``service.stopped``, nothing aborted, no process of the group is left.
-``--warm-restart`` starts the layout once more on the caches the first start filled (the warm start time).
+``--warm-restart joined`` starts that layout once more on the caches its first start filled (the warm start).
 
     python bench/gpu_smoke.py --model qwen2.5-vl-7b --out /tmp/smoke
-    python bench/gpu_smoke.py --model qwen3-vl-30b-a3b --layouts joined,split --warm-restart
+    python bench/gpu_smoke.py --model qwen3-vl-30b-a3b --layouts joined,split --warm-restart joined
     python bench/gpu_smoke.py --tiny --layouts joined      # CPU, the built-in model (tests/test_bench.py)
 """
 
@@ -222,7 +222,7 @@ async def smoke(args, layout: str, out: Path) -> list[dict]:
     checks.append(check(layout, "ctrl-c", status == 0 and not left and stopped >= started and not aborts,
                         f"launcher status {status}, {stopped}/{started} services stopped, left {left}, "
                         f"aborts {aborts}"))
-    if args.warm_restart and cache is not None:
+    if layout in args.warm_restart and cache is not None:
         try:
             stack, _, begun, answered = await start(args, layout, cache, out / f"{layout}-warm.log")
             checks.append(check(layout, "warm restart", True, f"API after {answered - begun:.1f} s"))
@@ -240,7 +240,8 @@ def main() -> int:
     parser.add_argument("--layouts", default="aggregated,joined,split", help="comma separated: " + ", ".join(LAYOUTS))
     parser.add_argument("--cold", action=argparse.BooleanOptionalAction, default=True,
                         help="fresh cache directories per layout (as on a fresh machine)")
-    parser.add_argument("--warm-restart", action="store_true", help="start each layout again on its filled caches")
+    parser.add_argument("--warm-restart", default="", help="layouts (comma separated) to start once more on the "
+                                                            "caches their first start filled")
     parser.add_argument("--burst", type=int, default=16, help="requests fired when /v1/models first answers")
     parser.add_argument("--rate", type=float, default=8.0, help="requests per second of the traffic windows")
     parser.add_argument("--window", type=float, default=30.0, help="seconds of each of the two traffic windows")
@@ -257,7 +258,8 @@ def main() -> int:
         args.burst, args.rate, args.window = min(args.burst, 4), min(args.rate, 1.0), min(args.window, 4.0)
         args.output_len, args.input_len, args.resolution = min(args.output_len, 8), min(args.input_len, 16), "64x64"
     layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
-    if unknown := [name for name in layouts if name not in LAYOUTS]:
+    args.warm_restart = [name.strip() for name in args.warm_restart.split(",") if name.strip()]
+    if unknown := [name for name in layouts + args.warm_restart if name not in LAYOUTS]:
         parser.error(f"unknown layout {unknown[0]!r}: use {', '.join(LAYOUTS)}")
     out = Path(args.out or tempfile.mkdtemp(prefix="gpu-smoke-"))
     out.mkdir(parents=True, exist_ok=True)

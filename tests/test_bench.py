@@ -742,3 +742,17 @@ def test_itl_target_tiny_measures_both_stacks_and_the_models_error(tmp_path):
     assert off["steps"]["steps_timed"] == off["steps"]["vit_time_error_count"] == 0  # no budget, no model
     markdown = (tmp_path / "results.md").read_text()
     assert "| aggregated @ 50 ms |" in markdown and "- aggregated @ 50 ms: ITL p99" in markdown
+
+
+# -- bench/gpu_smoke.py ------------------------------------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_gpu_smoke_tiny_passes_the_users_path(tmp_path):
+    """The user's path on the built-in model: `epd up` with default flags, a burst the moment /v1/models
+    answers (all answered), two windows of traffic, Ctrl-C to the process group (exit 0, nothing left)."""
+    done = subprocess.run([sys.executable, "bench/gpu_smoke.py", "--tiny", "--layouts", "joined", "--out",
+                           str(tmp_path)], cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    checks = {c["check"]: c for c in json.loads((tmp_path / "results.json").read_text())["checks"]}
+    assert {"burst at first answer", "traffic", "compiles after ready", "ctrl-c"} <= set(checks)
+    assert all(c["ok"] for c in checks.values())
+    assert "4/4 ok" in checks["burst at first answer"]["detail"]
