@@ -189,6 +189,7 @@ async def smoke(args, layout: str, out: Path) -> list[dict]:
         return [check(layout, "start", False, str(err))]
     try:
         burst = await run_load(load(base, args, args.burst, float("inf"), seed=1))
+        await asyncio.to_thread(stack.ready_within, 10.0)  # the launcher logs stack.ready just after opening the API
         checks.append(check(layout, "api after start", True, f"{answered - begun:.1f} s (stack.ready after "
                             f"{since(stack.ready_event.get('timestamp'), wall):.1f} s)"))
         checks.append(check(layout, "burst at first answer", burst["failed"] == 0,

@@ -65,6 +65,11 @@ class StackProcess:
     def api(self) -> str:
         return self.ready_event.get("api", "")
 
+    def ready_within(self, timeout: float) -> bool:
+        """Whether ``stack.ready`` was logged within ``timeout`` seconds (the stack left running either way)."""
+        self._ready.wait(timeout)
+        return bool(self.api)
+
     def wait_ready(self, timeout: float) -> str:
         self._ready.wait(timeout)
         if not self.api:
