@@ -211,7 +211,7 @@ async def smoke(args, layout: str, out: Path) -> list[dict]:
                             f"{len(late)} after the API answered, {compiles_at_api} before; "
                             + ", ".join(sorted({c['kernel'] or '?' for c in late}))[:200]))
         memory = gpu_memory()
-        took = {e.get("kind"): e.get("gpu_mib") for e in log_events(log) if e.get("event") == "service.ready"}
+        took = {e["kind"]: e["gpu_mib"] for e in log_events(log) if e.get("event") == "service.ready" and "gpu_mib" in e}
         checks.append(check(layout, "gpu memory", True, f"logged {took}; nvidia-smi {sorted(memory.values())} MiB"))
     finally:
         status, left = interrupt(stack, args.stop_timeout)

@@ -6,8 +6,9 @@ workers of the chosen topology, a frontend — supervised until Ctrl-C / SIGTERM
    created (clients may not create streams on a secured server);
 2. CUDA MPS is started when workers share a GPU (``mps.py``);
 3. every worker starts in a supervised slot (``supervisor.py``: one that crashes while starting is
-   started again; one that keeps crashing stops the stack with its own last error line); once the NATS
-   service API lists them all, the frontend starts, so the API opens only when the stack can serve;
+   started again; one that keeps crashing stops the stack with its own last error line), and the frontend
+   beside them (``--wait-for-workers``: it sets itself up meanwhile, and opens its port only once the NATS
+   service API lists every worker started, so the API answers only when the stack can serve);
    ``stack.ready`` is logged once the frontend is listed too;
 4. until stopped: crashed workers are restarted, workers that exit cleanly are scale-in, and with
    ``--encoders MIN:MAX`` the encoder tier follows the load (``autoscale.py``);
@@ -35,7 +36,7 @@ from pydantic import Field
 from launcher import mps
 from launcher.autoscale import EncoderAutoscaler
 from launcher.stack import Stack
-from launcher.supervisor import Supervisor
+from launcher.supervisor import Slot, Supervisor
 from launcher.topology import Placement, TopologySettings
 from services.frontend.settings import HttpListener, ServedName
 from shared.bus.directory import Directory
@@ -117,10 +118,11 @@ async def _run(settings: UpSettings, path: Path, shares: dict[str, int], plan: "
 
         for placement in settings.placements():
             supervisor.start(place(placement), len(supervisor.live(placement.kind)))
+        front = supervisor.start(Placement("frontend", None), 0, *_frontend_args(settings))
         nc = await stack.connect()
         directory = Directory(nc, settings.subject_prefix)
         try:
-            http = await _start(settings, supervisor, directory, stopping)
+            http = await _start(settings, supervisor, directory, stopping, front)
             if http is not None:
                 supervisor.serving = True
                 log.info("stack.ready", api=f"http://{http}/v1", nats=stack.nats_url, topology=settings.topology,
@@ -140,19 +142,20 @@ async def _run(settings: UpSettings, path: Path, shares: dict[str, int], plan: "
 
 
 async def _start(settings: UpSettings, supervisor: Supervisor, directory: Directory,
-                 stopping: asyncio.Event) -> str | None:
-    """Every worker until the service API lists it (restarting those that crash), then the frontend until
-    it is listed too. The frontend's HTTP address (host:port), or None when stopped first."""
+                 stopping: asyncio.Event, front: Slot) -> str | None:
+    """Every process until the service API lists it (restarting those that crash): the workers, then the
+    frontend, which opens its port once it sees them. The frontend's HTTP address (host:port), or None when
+    stopped first."""
     deadline = time.monotonic() + READY_TIMEOUT_S
-    front = None
+    workers_ready = False
     while not stopping.is_set():
         await directory.refresh(enough=lambda seen: all(seen.get(s.kind, 0) >= n for s, n in _wanted(supervisor)))
         supervisor.check(time.monotonic(), _pids(directory))
         workers = [s for s in supervisor.slots if s.kind != "frontend" and not s.retired]
-        if front is None and all(s.ready for s in workers):
+        if not workers_ready and all(s.ready for s in workers):
             log.info("stack.workers_ready", **settings.worker_counts())
-            front = supervisor.start(Placement("frontend", None), 0, *_frontend_args(settings))
-        if front is not None and front.ready:
+            workers_ready = True
+        if workers_ready and front.ready:
             listed = [i for i in directory.of("frontend") if i.metadata.get("pid") == str(front.process.pid)]
             return listed[0].metadata.get("http", "") if listed else ""
         if time.monotonic() > deadline:
@@ -164,6 +167,8 @@ async def _start(settings: UpSettings, supervisor: Supervisor, directory: Direct
 
 def _frontend_args(settings: UpSettings) -> list[str]:
     args = ["--host", settings.host, "--port", str(settings.port)]
+    if wanted := ",".join(f"{kind}={n}" for kind, n in settings.worker_counts().items() if n):
+        args += ["--wait-for-workers", wanted]
     if settings.served_model_name:
         args += ["--served-model-name", settings.served_model_name]
     if settings.text_only:  # no encoder will ever serve: images and videos are refused at once (400)

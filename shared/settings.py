@@ -103,10 +103,12 @@ class CommonSettings(BaseSettings):
 
     def model_path(self) -> Path:
         """The checkpoint directory: the built-in tiny model, a dummy preset, or the given path."""
-        from shared.model.presets import PRESETS, materialize_preset
+        from shared.model.presets import PRESETS, TINY_DIR, cache_dir, materialize_preset
 
         if not self.model:
-            from shared.model.tiny import default_tiny_checkpoint  # torch and transformers: only when needed
+            if (cache_dir() / TINY_DIR / "config.json").exists():
+                return cache_dir() / TINY_DIR
+            from shared.model.tiny import default_tiny_checkpoint  # torch and transformers: only to write it
 
             return default_tiny_checkpoint()
         if self.load_format == "dummy" and self.model in PRESETS:

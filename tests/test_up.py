@@ -41,11 +41,12 @@ def test_up_restarts_a_worker_killed_while_starting_serves_once_all_are_ready_an
         assert died["kind"] == "encoder" and died["pid"] == killed and died["status"] == -signal.SIGKILL
         family = descendants(up.process.pid)
         assert len(family) >= 4  # nats-server, encoder, language worker, frontend
-        # the frontend (the API) starts once every worker is listed: it serves from its first request
+        # the frontend starts beside the workers and opens its port (the API) once every worker is listed:
+        # it serves from its first request
         names = [(e.get("event"), e.get("service")) for e in up.events]
-        opened = names.index(("stack.workers_ready", "epd-up"))
+        opened = names.index(("frontend.listening", "epd-frontend"))
+        assert ("frontend.waiting_for_workers", "epd-frontend") in names[:opened]
         assert {s for e, s in names[:opened] if e == "service.ready"} == {"epd-encoder", "epd-language"}
-        assert not [s for _, s in names[:opened] if s == "epd-frontend"]
         assert httpx.get(f"{up.root}/health").json() == {"status": "ok"}
         assert [m["id"] for m in httpx.get(f"{up.api}/models").json()["data"]] == ["my-vlm"]
         reply = httpx.post(f"{up.api}/chat/completions", timeout=60, json={
@@ -124,7 +125,7 @@ def test_ctrl_c_while_starting_stops_every_process_cleanly(tiny_model):
         time.sleep(1.0)  # loading its libraries, or its model
         up.interrupt()
         assert up.process.wait(90) == 0
-        assert sorted(up.exits()) == [("decode", 0), ("encoder", 0), ("prefill", 0)]  # no frontend started yet
+        assert sorted(up.exits()) == [("decode", 0), ("encoder", 0), ("frontend", 0), ("prefill", 0)]
         assert up.event("stack.ready") is None and not [p for p in family if alive(p)]
     finally:
         up.stop()
@@ -139,7 +140,7 @@ def test_a_worker_that_keeps_failing_to_start_stops_the_stack_with_its_own_error
         assert failed.endswith("epd encoder: --encoder-cache-mb (EPD_ENCODER_CACHE_MB) '-1': Input should be "
                                "greater than or equal to 0"), failed
         assert up.event("stack.ready") is None and up.count("stack.worker_died") == 2
-        assert sorted(up.exits()) == [("language", 0)]  # the rest was stopped cleanly
+        assert sorted(up.exits()) == [("frontend", 0), ("language", 0)]  # the rest was stopped cleanly
     finally:
         up.stop()
 

@@ -23,7 +23,7 @@ from services.frontend.pipeline import Pipeline
 from services.frontend.prompt import PromptBuilder
 from services.frontend.sampling import GenerationDefaults, SamplingBuilder
 from services.frontend.seen_images import SeenImages
-from services.frontend.settings import FrontendSettings
+from services.frontend.settings import MEDIA_THREADS, FrontendSettings
 from shared.bus.directory import Directory
 from shared.bus.service_api import Endpoint
 from shared.dataplane.plane import DataPlane
@@ -36,6 +36,7 @@ from shared.model.video import VideoGeometry
 from shared.service import Service
 
 log = get_logger(__name__)
+WORKERS_POLL_SECONDS = 0.2  # between listings while the port waits for the stack's workers
 
 
 class _Server(uvicorn.Server):
@@ -50,7 +51,7 @@ class FrontendService(Service):
 
     def __init__(self, settings: FrontendSettings):
         super().__init__(settings)
-        self.socket = socket.create_server((settings.host, settings.port), reuse_port=False)
+        self.socket = bound_socket(settings.host, settings.port)
         self.port = self.socket.getsockname()[1]
         self.plane = DataPlane.from_settings(settings)
         self.metrics = FrontendMetrics()
@@ -82,11 +83,11 @@ class FrontendService(Service):
         self.directory = Directory(nc, self.subjects.prefix)
         self.directory.start()
         self.resources.push_async_callback(self.directory.stop)
-        # Listed means ready: the first listing is in before this frontend registers (``epd up`` starts it once
-        # its workers are listed, so it serves from its first request); bounded, discovery is not a must.
+        # Listed means ready: the first listing is in before this frontend registers (under ``epd up`` the port
+        # opens once its workers are listed, so it serves from its first request); bounded, discovery is not a must.
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.directory.refreshed.wait(), 5.0)
-        executor = ThreadPoolExecutor(s.media_threads, thread_name_prefix="media")
+        executor = ThreadPoolExecutor(MEDIA_THREADS, thread_name_prefix="media")
         self.resources.callback(executor.shutdown, wait=False, cancel_futures=True)
         # images are recognised by their bytes only where they may be left out of a prompt
         media = MediaLoader(s, executor, VideoGeometry.from_checkpoint(path, config.family),
@@ -100,9 +101,24 @@ class FrontendService(Service):
         self.gateway = Gateway(self.pipeline, self.admission, model.name, self.metrics.ignored_fields)
         self.jobs = JobWorker(self.gateway, s)
         self.resources.push_async_callback(self.jobs.stop)
+        if s.wait_for_workers:
+            await self._wait_for_workers(s.wait_for_workers)
         await self._serve_http(create_app(self.gateway, model, self._unready, self._unopened, self._metrics,
                                           s.max_body_bytes))
         log.info("frontend.listening", url=f"http://{s.host}:{self.port}", model=model.name)
+
+    async def _wait_for_workers(self, wanted: dict[str, int]) -> None:
+        """Until the stack lists ``wanted`` (kind → count): everything else is set up meanwhile, so the port
+        opens as soon as the workers can serve."""
+        def enough(seen: dict[str, int]) -> bool:
+            return all(seen.get(kind, 0) >= n for kind, n in wanted.items())
+
+        log.info("frontend.waiting_for_workers", **wanted)
+        while not enough(self.directory.counts()):
+            if self.nc.is_connected:
+                await self.directory.refresh(enough=enough)
+            if not enough(self.directory.counts()):
+                await asyncio.sleep(WORKERS_POLL_SECONDS)
 
     async def _serve_http(self, app) -> None:
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
@@ -164,6 +180,21 @@ class FrontendService(Service):
                 "nats_chat_errors": sum(e.errors for e in self.registration.endpoints) if self.registration else 0,
                 **(self.pipeline.workers.stats() if self.pipeline else {}),
                 **(self.jobs.stats() if self.jobs else {})}
+
+
+def bound_socket(host: str, port: int) -> socket.socket:
+    """The HTTP port, bound (ours from the start, its number known) but not listening: connections are
+    refused, not queued, until the server starts (asyncio's server calls ``listen``)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def served_name(model: str, path: Path) -> str:

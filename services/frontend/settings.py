@@ -25,14 +25,11 @@ class ServedName(BaseModel):
                                                    "preset's name, a checkpoint directory's name)")
 
 
-class MediaDecoding(BaseModel):
-    """The frontend's media decoding (``epd plan`` models it too)."""
-
-    media_threads: int = Field(4, ge=1, description="threads decoding images and videos: raise it for "
-                                                    "image-heavy traffic on a host with cores to spare")
+# threads decoding images and videos (``epd plan`` models them too); 10 on a 16-core host changed nothing
+MEDIA_THREADS = 4
 
 
-class FrontendSettings(MediaDecoding, MediaLimits, ModelLength, ServedName, HttpListener, CommonSettings):
+class FrontendSettings(MediaLimits, ModelLength, ServedName, HttpListener, CommonSettings):
     max_concurrent_requests: int = Field(256, ge=1, description="requests in flight; more get 429 (the stack's "
                                                                 "capacity: raise it with more workers)")
     limit_mm_per_prompt: dict[Literal["image", "video"], Annotated[int, Field(ge=0)]] = Field(
@@ -64,6 +61,12 @@ class FrontendSettings(MediaDecoding, MediaLimits, ModelLength, ServedName, Http
     worker_wait: float = Field(30.0, ge=0, description="seconds a request waits for a worker of a kind it needs "
                                "when none is listed (one restarting, a tier scaling up from zero, this frontend "
                                "started before its workers) before it gets a 503 naming the missing kind")
+    wait_for_workers: dict[Literal["encoder", "language", "prefill", "decode", "aggregated"],
+                           Annotated[int, Field(ge=0)]] = Field(
+        default_factory=dict,
+        description="open the HTTP port only once the stack lists this many workers of each kind, e.g. "
+                    "encoder=1,language=1 (epd up passes the workers it started, so its frontend starts beside "
+                    "them and answers only when all can serve); empty: open at once, /health saying what is missing")
     token_timeout: float = Field(120.0, gt=0, description="seconds a request may go without a token (the first "
                                                           "counted from its admission) before it fails: above the "
                                                           "longest prompt's prefill time")

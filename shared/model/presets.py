@@ -87,18 +87,26 @@ REAL_MAX_PIXELS = 12845056
 REAL_MIN_PIXELS = 3136
 
 
+def cache_dir() -> Path:
+    """Where the built-in model and the presets' checkpoint directories are written, once per user."""
+    return Path(os.environ.get("EPD_CACHE_DIR") or Path(tempfile.gettempdir()) / f"epd-{os.getuid()}")
+
+
+TINY_DIR = "tiny-qwen2_5_vl-v4"  # v4: video in the template, a video processor, the tools section
+
+
 def materialize_preset(name: str, root: str | os.PathLike | None = None) -> Path:
     """Write (once) a weightless checkpoint directory for preset ``name`` and return its path."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+    base = Path(root) if root else cache_dir()
+    path = base / f"preset-{name}-v3"  # v3: video in the chat template, Qwen3-VL's video processor
+    if (path / "config.json").exists():
+        return path  # written: nothing to import (the tokenizer writer pulls in torch: seconds of a start)
     from shared.model import qwen3_checkpoint
     from shared.model.config import QWEN3_FAMILIES
     from shared.model.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, image_processor_config, write_tokenizer
 
-    base = Path(root or os.environ.get("EPD_CACHE_DIR") or Path(tempfile.gettempdir()) / f"epd-{os.getuid()}")
-    path = base / f"preset-{name}-v3"  # v3: video in the chat template, Qwen3-VL's video processor
-    if (path / "config.json").exists():
-        return path
     staging = Path(tempfile.mkdtemp(dir=base.mkdir(parents=True, exist_ok=True) or base))
     qwen3 = PRESETS[name]["model_type"] in QWEN3_FAMILIES
     write_tokenizer(staging, vocab_size=600, chat_template=qwen3_checkpoint.CHAT_TEMPLATE if qwen3 else CHAT_TEMPLATE)

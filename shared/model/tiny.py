@@ -16,6 +16,7 @@ import torch
 
 from shared.model import qwen3_checkpoint
 from shared.model.config import QWEN3_FAMILIES
+from shared.model.presets import TINY_DIR, cache_dir
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -257,8 +258,8 @@ def write_tiny_checkpoint(path: str | os.PathLike, family: str = "qwen2_5_vl", s
 
 def default_tiny_checkpoint() -> Path:
     """The built-in model: written once per user into a cache directory, reused afterwards."""
-    root = Path(os.environ.get("EPD_CACHE_DIR") or Path(tempfile.gettempdir()) / f"epd-{os.getuid()}")
-    path = root / "tiny-qwen2_5_vl-v4"  # v4: video in the template, a video processor, the tools section
+    root = cache_dir()
+    path = root / TINY_DIR
     if not (path / "config.json").exists():
         staging = Path(tempfile.mkdtemp(dir=root.mkdir(parents=True, exist_ok=True) or root))
         write_tiny_checkpoint(staging)

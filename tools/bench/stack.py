@@ -26,7 +26,7 @@ EVENTS = ("request.resume", "encode.failed", "prefill.worker_gone", "stack.worke
 
 class StackProcess:
     def __init__(self, args: list[str], env: dict[str, str], cwd: Path, log: Path | None = None, port: int = 0):
-        self.log = log.open("w") if log is not None else None  # every line the stack writes, kept
+        self.log = log.open("w", buffering=1) if log is not None else None  # every line, kept as it comes
         self.command = [sys.executable, "-m", "launcher.cli", "up", "--port", str(port), *args]
         self.process = subprocess.Popen(self.command, cwd=cwd, env=env, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.PIPE, text=True, start_new_session=True)

@@ -38,6 +38,7 @@ from shared.messages.sampling import SamplingParams
 from shared.model.geometry import Grid, grid_tokens
 from shared.model.rope import video_time_interval
 from shared.model.video import VideoGeometry, VideoTiming
+from services.frontend.settings import MEDIA_THREADS
 from tools.plan.cost_table import PER_IMAGE_TOKENS, TEMPLATE_TOKENS, Costs  # noqa: F401 - named here too
 
 
@@ -366,7 +367,7 @@ def measure_costs(settings, decode_batch: int) -> Costs:
                  resolution=settings.image_resolution, image_tokens=image_tokens, preprocess_ms=preprocess_ms,
                  preprocess_threads=settings.preprocess_threads, vit_ms=vit_ms, prefill_ms=prefill_ms,
                  decode_ms=decode_ms, preprocess=mode, media_ms=measure_media(width, height, settings.image_format),
-                 media_threads=settings.media_threads, corun=corun, **moe_fields(config))
+                 media_threads=MEDIA_THREADS, corun=corun, **moe_fields(config))
 
 
 def moe_fields(config) -> dict[str, int]:

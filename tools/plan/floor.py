@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field
 
 from services.encoder.settings import Preprocessing
-from services.frontend.settings import MediaDecoding
+from services.frontend.settings import MEDIA_THREADS
 from shared.engine.settings import EngineSettings
 from shared.settings import parse_settings
 from tools.bench.settings import VideoWorkload, Workload, parse_resolution
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from tools.plan.costs import EngineProbe, VisionProbe
 
 
-class FloorSettings(MediaDecoding, Preprocessing, EngineSettings):
+class FloorSettings(Preprocessing, EngineSettings):
     shapes: str = Field(description="JSON list of workloads (epd bench's Workload fields) whose request shapes "
                                     "to measure")
     out: str = Field(description="the JSON file to write")
@@ -149,7 +149,7 @@ def _measure(settings, path, config, mode, shapes, middle, seen, vision, engine,
             prompt = input_len + TEMPLATE_TOKENS + n * (tokens + PER_IMAGE_TOKENS)
             if prompt not in prefill:
                 prefill[prompt] = engine.prefill_ms(input_len, n, tokens, grid)
-            media = measure_media(width, height, settings.image_format, n, settings.media_threads) if n else 0.0
+            media = measure_media(width, height, settings.image_format, n, MEDIA_THREADS) if n else 0.0
             vit = vit_ms[n] + math.ceil(n / settings.preprocess_threads) * pre_ms if n else 0.0
             rows.append({"resolution": resolution, "input_len": input_len, "images": n, "prompt_tokens": prompt,
                          "media_ms": media, "vit_ms": vit, "prefill_ms": prefill[prompt],
@@ -165,7 +165,7 @@ def _measure(settings, path, config, mode, shapes, middle, seen, vision, engine,
             resolution=resolution, image_tokens=tokens, preprocess_ms=pre_ms,
             preprocess_threads=settings.preprocess_threads, vit_ms=vit_ms,
             prefill_ms={r["prompt_tokens"]: r["prefill_ms"] for r in mine}, decode_ms=decode, preprocess=mode,
-            media_ms=measure_media(width, height, settings.image_format), media_threads=settings.media_threads,
+            media_ms=measure_media(width, height, settings.image_format), media_threads=MEDIA_THREADS,
             corun=corun, media_batch_ms={r["images"]: r["media_ms"] for r in mine}, **moe_fields(config)).to_json()
     return {"model": path.name, "device": str(settings.torch_device()), "costs": costs, "shapes": rows,
             "hidden_bytes": config.text.hidden_size * settings.torch_dtype().itemsize}

@@ -1,7 +1,7 @@
 """The latency model of ``epd plan``: mean TTFT and TPOT of a layout at a request rate, from measured costs.
 
 Every time in seconds; λ requests/s per replica; a request carries n images (0: text) with probability
-p_n; L output tokens. Per request: media m(n) (the frontend decoding its images, ``--media-threads`` at
+p_n; L output tokens. Per request: media m(n) (the frontend decoding its images, ``MEDIA_THREADS`` at
 a time), ViT v(n) (one forward over its n images, preprocessing on the device included), prefill P(n)
 (its prompt), transfer x(n) (its embeddings over the data plane, not in aggregated). A decode step of
 B sequences costs t(B) = a + b·x(B) + c·B·ctx, x(B) = B for a dense model and the experts B tokens touch

@@ -15,7 +15,6 @@ from pathlib import Path
 from pydantic import Field
 
 from services.encoder.settings import Preprocessing
-from services.frontend.settings import MediaDecoding
 from tools.plan.cost_table import Costs
 from tools.plan.layouts import Layout, layouts
 from tools.plan.model import DATA_PLANE_GBS, Planner, Prediction, Traffic, traffic  # noqa: F401 - the planner's public names
@@ -23,7 +22,7 @@ from tools.bench.settings import Workload
 from shared.engine.settings import EngineSettings
 
 
-class PlanSettings(MediaDecoding, Preprocessing, Workload, EngineSettings):
+class PlanSettings(Preprocessing, Workload, EngineSettings):
     """Measures the model's ViT, prefill and decode costs (and the frontend's image decoding, and how much
     a ViT forward and the language model slow each other side by side) on this machine, then predicts
     mean TTFT and TPOT of each layout for the workload: ViT v(n) per forward, prefill P by prompt tokens,
