@@ -28,6 +28,7 @@ from launcher.topology import KINDS
 from shared.bus.directory import Directory
 from shared.client import JobStreams
 from shared.logging import get_logger
+from shared.settings import nats_auth
 
 log = get_logger(__name__)
 
@@ -123,9 +124,7 @@ class Stack:
     def _auth(self) -> dict:
         if self.credentials:
             return {"user": "admin", "password": self.credentials.passwords["admin"]}
-        if self.env.get("EPD_NATS_USER"):
-            return {"user": self.env["EPD_NATS_USER"], "password": self.env.get("EPD_NATS_PASSWORD", "")}
-        return {}
+        return nats_auth(*(self.env.get(f"EPD_NATS_{name}") for name in ("USER", "PASSWORD", "CREDS", "TLS_CA")))
 
     def write_client_credentials(self) -> Path | None:
         """An env file with the ``client`` role's credentials (mode 0600), for `epd submit` and friends."""

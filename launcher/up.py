@@ -41,7 +41,7 @@ from launcher.topology import Placement, TopologySettings
 from services.frontend.settings import HttpListener, ServedName
 from shared.bus.directory import Directory
 from shared.logging import configure_logging, get_logger
-from shared.settings import BadSettings, GpuMemory
+from shared.settings import BadSettings, CommonSettings, GpuMemory
 
 log = get_logger(__name__)
 
@@ -52,6 +52,11 @@ LIST_SECONDS = 1.0  # how often it reads the NATS service API once the stack ser
 READY_TIMEOUT_S = 1800.0  # for a worker to come up (a large checkpoint takes minutes to load): past it, the
 # stack fails to start, or (a restart, a scale-out) the worker is killed and started again
 SCALE_UP_AFTER_S = 2.0  # --encoders MIN:MAX: seconds the tier must stay over --scale-up-load to grow
+# the options every process shares, passed on as given to epd up (flag or EPD_ variable); the rest are the
+# launcher's own (the NATS server, the model, the health port: one per pod) or set per process
+FORWARDED = tuple(name for name in CommonSettings.model_fields
+                  if name not in ("nats_url", "subject_prefix", "model", "load_format", "health_port")) \
+    + ("gpu_memory_utilization",)
 
 
 class UpSettings(GpuMemory, HttpListener, ServedName, TopologySettings):
@@ -85,7 +90,7 @@ def up(settings: UpSettings) -> int:
 
 async def _run(settings: UpSettings, path: Path, shares: dict[str, int], plan: "MemoryPlan") -> int:
     dummy_preset = settings.model and settings.load_format == "dummy"
-    env = {**os.environ, "EPD_MODEL": settings.model if dummy_preset else str(path),
+    env = {**os.environ, **forwarded(settings), "EPD_MODEL": settings.model if dummy_preset else str(path),
            "EPD_LOAD_FORMAT": settings.load_format, "EPD_SUBJECT_PREFIX": settings.subject_prefix}
     env.pop("EPD_HEALTH_PORT", None)  # one port per process: probes are for pods, not a local stack
     if plan.max_model_len:  # every process, the frontend too: it checks prompts against the context
@@ -163,6 +168,16 @@ async def _start(settings: UpSettings, supervisor: Supervisor, directory: Direct
             raise TimeoutError(f"not ready in {READY_TIMEOUT_S:g} s: {', '.join(waiting)}")
         await _pause(stopping, STEP_SECONDS)
     return None
+
+
+def forwarded(settings: UpSettings) -> dict[str, str]:
+    """The shared options given to ``epd up``, as the variables its children read (a GPU's memory plan
+    overrides ``EPD_GPU_MEMORY_UTILIZATION`` and the encoders' ``EPD_DATA_MAX_MB`` where processes share
+    it; NATS credentials are for a server of ``--nats-url``)."""
+    given = {name: getattr(settings, name) for name in FORWARDED if name in settings.model_fields_set
+             and (settings.nats_url or not name.startswith("nats_"))}  # the embedded server has its own users
+    return {f"EPD_{name.upper()}": str(value).lower() if isinstance(value, bool) else str(value)
+            for name, value in given.items() if value is not None}
 
 
 def _frontend_args(settings: UpSettings) -> list[str]:

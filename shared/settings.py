@@ -120,16 +120,22 @@ class CommonSettings(BaseSettings):
         return path
 
     def nats_options(self) -> dict:
-        options: dict = {"servers": [s.strip() for s in self.nats_url.split(",") if s.strip()]}
-        if self.nats_user:
-            options.update(user=self.nats_user, password=self.nats_password or "")
-        if self.nats_creds:
-            options["user_credentials"] = self.nats_creds
-        if self.nats_tls_ca:
-            import ssl
+        return {"servers": [s.strip() for s in self.nats_url.split(",") if s.strip()],
+                **nats_auth(self.nats_user, self.nats_password, self.nats_creds, self.nats_tls_ca)}
 
-            options["tls"] = ssl.create_default_context(cafile=self.nats_tls_ca)
-        return options
+
+def nats_auth(user: str | None, password: str | None, creds: str | None, tls_ca: str | None) -> dict:
+    """``nats.connect``'s options for a server's users, credentials file and TLS CA (those given)."""
+    options: dict = {}
+    if user:
+        options.update(user=user, password=password or "")
+    if creds:
+        options["user_credentials"] = creds
+    if tls_ca:
+        import ssl
+
+        options["tls"] = ssl.create_default_context(cafile=tls_ca)
+    return options
 
 
 class ModelLength(BaseModel):

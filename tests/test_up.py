@@ -29,7 +29,8 @@ from tests.up_stack import UpStack, alive, descendants
 
 
 def test_up_restarts_a_worker_killed_while_starting_serves_once_all_are_ready_and_sigterm_stops_everything(tiny_model):
-    up = UpStack(tiny_model, "--encoders", "1", "--served-model-name", "my-vlm", wait=False)
+    up = UpStack(tiny_model, "--encoders", "1", "--served-model-name", "my-vlm", "--data-max-mb", "123",
+                 "--no-data-cuda-ipc", wait=False)
     try:
         deadline = time.monotonic() + 60
         while not up.pids("encoder"):
@@ -41,6 +42,9 @@ def test_up_restarts_a_worker_killed_while_starting_serves_once_all_are_ready_an
         assert died["kind"] == "encoder" and died["pid"] == killed and died["status"] == -signal.SIGKILL
         family = descendants(up.process.pid)
         assert len(family) >= 4  # nats-server, encoder, language worker, frontend
+        for kind in ("encoder", "language", "frontend"):  # the shared options given to epd up reach every process
+            environ = Path(f"/proc/{up.pids(kind)[0]}/environ").read_bytes().split(b"\0")
+            assert {b"EPD_DATA_MAX_MB=123", b"EPD_DATA_CUDA_IPC=false"} <= set(environ), kind
         # the frontend starts beside the workers and opens its port (the API) once every worker is listed:
         # it serves from its first request
         names = [(e.get("event"), e.get("service")) for e in up.events]
