@@ -16,8 +16,10 @@ of the next one's. After one warm-up chat on images of its own, every user's tur
 once all are answered, every user's later turns (each user's in order; greedy, ignore_eos). The "after"
 stack replays the "before" stack's histories, so both send the same prompts and their answers can be
 compared turn by turn (on a GPU in bf16 a random-weight model's answers also differ with the batches
-around a prompt: turn 1, which the feature does not touch, is the control). The encoders' embedding cache
-is on in both runs (the default).
+around a prompt: turn 1, which the feature does not touch, is the control). So that answers can be held
+equal on a GPU too, ``--alone-users`` more chats (images of their own) then run one turn at a time with
+nothing else on the stack: the same prompts in the same batches (of one) on both stacks, so any difference
+is the feature's. The encoders' embedding cache is on in both runs (the default).
 
 Measured per stack: TTFT per turn; the cached share (usage's ``cached_tokens``; the workers'
 ``vllm:prefix_cache_*``); and from turn 2 on, per turn, from the services' own stats on ``/metrics``: the
@@ -63,8 +65,8 @@ BASELINES = {"no-prefix-routing": {"EPD_PREFIX_ROUTING": "false"}, "no-caching":
 TEXT_TARGET = 1.5  # no-prefix-routing: TTFT from turn 2 on, image chat over its text twin, at most
 CACHING_TARGET = 3.0  # no-caching: TTFT from turn 2 on, before over after, at least
 MODES = ("before", "after")  # in this order: the second replays the first's histories
-DEFAULTS = {False: dict(users=16, turns=6, max_tokens=64, input_len=64, image_resolution="1080p"),
-            True: dict(users=3, turns=3, max_tokens=8, input_len=16, image_resolution="224x224")}
+DEFAULTS = {False: dict(users=16, turns=6, max_tokens=64, input_len=64, image_resolution="1080p", alone_users=2),
+            True: dict(users=3, turns=3, max_tokens=8, input_len=16, image_resolution="224x224", alone_users=1)}
 _COUNTER = re.compile(r'^vllm:prefix_cache_(hits|queries)(?:_total)?\{[^}]*\} (\S+)$', re.M)
 _STAT = re.compile(r'^epd_service_stat\{([^}]*)\} (\S+)$', re.M)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
@@ -85,10 +87,10 @@ class Conversation:
 
 
 def conversations(args, writer: PromptWriter) -> list[Conversation]:
-    """The users' chats and, last, the warm-up's; seeded per user so both stacks get the same ones, each
-    user on images of its own (no hits across users)."""
+    """The users' chats, the warm-up's, then the ``--alone-users``' chats; seeded per user so both stacks
+    get the same ones, each user on images of its own (no hits across users)."""
     out, next_id = [], 0
-    for user in range(args.users + 1):
+    for user in range(args.users + 1 + args.alone_users):
         rng = np.random.default_rng([args.seed, user])
         count = int(rng.integers(2, 6))  # drawn before the text: the same with or without a tokenizer
         texts = tuple(writer.write(rng, args.input_len) for _ in range(args.turns))
@@ -152,26 +154,31 @@ class ChatRun:
         self.generator = LoadGenerator(BenchSettings(base_url=api, timeout=args.request_timeout))
         self.t0 = time.perf_counter()
 
-    async def run(self, chats: list[Conversation], replay: list[list[str]] | None = None) -> dict:
-        """``replay``: each user's earlier answers to put in its history (another run's), so both runs
-        send the very same prompts and their answers can be compared turn by turn."""
+    async def run(self, chats: list[Conversation], alone: list[Conversation],
+                  replay: dict[str, list[list[str]]] | None = None) -> dict:
+        """``chats``: the users' and, last, the warm-up's; ``alone``: chats run one turn at a time afterwards;
+        ``replay``: each user's earlier answers (``users``, ``alone``) to put in its history (another run's),
+        so both runs send the very same prompts and their answers can be compared turn by turn."""
         try:
             await self.generator.resolve_model()
             warm = self.start(chats[-1])
             await self.turns(warm, 0, min(2, self.args.turns))
             if not warm.going:
                 raise RuntimeError(f"the warm-up chat failed: {warm.results[-1].error}")
-            users = [self.start(c, replay[i] if replay else None) for i, c in enumerate(chats[:-1])]
+            users = [self.start(c, replay["users"][i] if replay else None) for i, c in enumerate(chats[:-1])]
             marks = [await stack_figures(self.api)]
             started = time.perf_counter()
             for first, last in ((0, 1), (1, self.args.turns)):
                 await asyncio.gather(*(self.turns(u, first, last) for u in users))
                 marks.append(await stack_figures(self.api))
             seconds = time.perf_counter() - started
+            alone_users = [self.start(c, replay["alone"][i] if replay else None) for i, c in enumerate(alone)]
+            for user in alone_users:  # each turn alone on the stack
+                await self.turns(user, 0, self.args.turns)
         finally:
             await self.generator.close()
         return {"seconds": seconds, "counters": spent(marks[0], marks[2]), "later": spent(marks[1], marks[2]),
-                "users": [[{**r.record(), "text": r.text} for r in u.results] for u in users]}
+                "users": answers(users), "alone": answers(alone_users)}
 
     def start(self, chat: Conversation, replay: list[str] | None = None) -> UserChat:
         spec = RequestSpec(chat.user, "image" if chat.image_ids else "text", chat.filler + chat.texts[0],
@@ -195,13 +202,18 @@ class ChatRun:
             user.results.append(await send(self.generator.client, self.generator.url, body, spec, self.t0))
 
 
+def answers(users: list[UserChat]) -> list[list[dict]]:
+    return [[{**r.record(), "text": r.text} for r in u.results] for u in users]
+
+
 def stack_of(args, mode: str) -> StackProcess:
     env = stack_env(args)
     env.update(BASELINES[args.baseline] if mode == "before" else {})
     return StackProcess(list(args.layout.args), env, ROOT)
 
 
-def run_modes(args, pool: ImagePool, chats: list[Conversation], twins: list[Conversation]) -> dict[str, dict]:
+def run_modes(args, pool: ImagePool, chats: list[Conversation], alone: list[Conversation],
+              twins: list[Conversation]) -> dict[str, dict]:
     """Each mode on a stack of its own, one after the other, the second on the first's histories, then the
     text twins on the second (on the same histories). Tiny: both start up front (start-up dominates a CPU
     smoke run; the idle stack costs next to nothing)."""
@@ -214,10 +226,11 @@ def run_modes(args, pool: ImagePool, chats: list[Conversation], twins: list[Conv
             try:
                 api = stack.wait_ready(900)
                 print(f"## {mode}: {api} (up in {time.monotonic() - started:.0f} s)", flush=True)
-                replay = [[r["text"] for r in user] for user in out["before"]["users"]] if out else None
-                out[mode] = asyncio.run(ChatRun(args, api, pool).run(chats, replay))
+                replay = {part: [[r["text"] for r in user] for user in out["before"][part]]
+                          for part in ("users", "alone")} if out else None
+                out[mode] = asyncio.run(ChatRun(args, api, pool).run(chats, alone, replay))
                 if mode == "after":
-                    out["text twin"] = asyncio.run(ChatRun(args, api, pool).run(twins, replay))
+                    out["text twin"] = asyncio.run(ChatRun(args, api, pool).run(twins, [], replay))
             finally:
                 stack.stop()
     finally:
@@ -259,10 +272,10 @@ def later_costs(run: dict) -> dict[str, float]:
             "embedding_mb": later.get("workers.embedding_bytes_pulled", 0.0) / turns / 1e6}
 
 
-def mismatches(runs: dict[str, dict], turns: slice) -> tuple[int, int]:
-    """(turns of this slice whose answers differ or are missing in one run, turns compared): the
-    prompts are the same in both runs (the second replays the first's histories)."""
-    before, after = (runs[m]["users"] for m in MODES)
+def mismatches(runs: dict[str, dict], turns: slice, part: str = "users") -> tuple[int, int]:
+    """(turns of this slice whose answers differ or are missing in one run, turns compared) among the
+    ``part``'s chats: the prompts are the same in both runs (the second replays the first's histories)."""
+    before, after = (runs[m][part] for m in MODES)
     pairs = [(a[t] if t < len(a) else None, b[t] if t < len(b) else None)
              for a, b in zip(after, before) for t in range(max(len(a), len(b)))[turns]]
     return sum(x is None or y is None or x["text"] != y["text"] for x, y in pairs), len(pairs)
@@ -273,11 +286,13 @@ def summarize(args, runs: dict[str, dict]) -> dict:
     later = {mode: mean_ttft_ms(answered(run, slice(1, None))) for mode, run in runs.items()}
     differ, compared = mismatches(runs, slice(None))
     first_differ, first_compared = mismatches(runs, slice(0, 1))
-    failed = sum(not r["ok"] for run in runs.values() for u in run["users"] for r in u)
+    alone_differ, alone_compared = mismatches(runs, slice(None), "alone")
+    failed = sum(not r["ok"] for run in runs.values() for part in ("users", "alone") for u in run[part] for r in u)
     return {"turns": turns, "later_ttft_ms": later, "ratio": later["before"] / later["after"],
             "over_text": later["after"] / later["text twin"], "costs": {m: later_costs(runs[m]) for m in MODES},
             "mismatches": differ, "compared": compared, "first_turn_mismatches": first_differ,
-            "first_turns": first_compared, "failed": failed, "counters": {m: runs[m]["counters"] for m in runs}}
+            "first_turns": first_compared, "alone_mismatches": alone_differ, "alone_compared": alone_compared,
+            "failed": failed, "counters": {m: runs[m]["counters"] for m in runs}}
 
 
 def report(args, meta: dict, summary: dict) -> str:
@@ -313,7 +328,10 @@ def report(args, meta: dict, summary: dict) -> str:
               f"{summary['mismatches']} of {summary['compared']} turns differ — "
               f"{'yes' if summary['mismatches'] == 0 else 'no'}; of them in turn 1, which neither setting touches "
               f"(only the batches around each prompt differ): {summary['first_turn_mismatches']} of "
-              f"{summary['first_turns']}."]
+              f"{summary['first_turns']}.",
+              f"Same outputs before and after, each turn alone on the stack ({args.alone_users} more chats, one turn "
+              f"at a time): {summary['alone_mismatches']} of {summary['alone_compared']} turns differ — "
+              f"{'yes' if summary['alone_compared'] and summary['alone_mismatches'] == 0 else 'no'}."]
     if args.baseline == "no-prefix-routing":
         lines.append(f"TTFT from turn 2 on ≤ {TEXT_TARGET:g}× the text twins': measured "
                      f"{summary['over_text']:.2f}× — {'yes' if summary['over_text'] <= TEXT_TARGET else 'no'}")
@@ -331,6 +349,7 @@ def dry_run(args, chats: list[Conversation]) -> int:
     for mode in MODES:
         env = " ".join(f"{k}={v}" for k, v in BASELINES[args.baseline].items()) if mode == "before" else "(defaults)"
         print(f"stack {mode:6} {env} python -m launcher.cli up --port 0 {' '.join(args.layout.args)}")
+    print(f"then on each stack: {args.alone_users} more chats, one turn at a time, alone on the stack")
     print("then on the after stack: each user's text twin (its images as text of their token count)")
     return 0
 
@@ -345,9 +364,9 @@ def parse_args(argv=None):
     parser.add_argument("--baseline", default="no-prefix-routing", choices=sorted(BASELINES),
                         help="what the \"before\" stack runs without (see above)")
     for name, kind in (("users", int), ("turns", int), ("max-tokens", int), ("input-len", int),
-                       ("image-resolution", str)):
-        parser.add_argument(f"--{name}", type=kind, help="default: 16 / 6 / 64 / 64 / 1080p (tiny: 3 / 3 / 8 / 16 / "
-                                                         "224x224)")
+                       ("image-resolution", str), ("alone-users", int)):
+        parser.add_argument(f"--{name}", type=kind, help="default: 16 / 6 / 64 / 64 / 1080p / 2 (tiny: 3 / 3 / 8 / "
+                                                         "16 / 224x224 / 1)")
     parser.add_argument("--model", default="qwen2.5-vl-7b", choices=sorted(PRESETS), help="preset, dummy weights")
     parser.add_argument("--kv-cache-mb", type=int, default=20480, help="KV pool of every LM process (MiB)")
     parser.add_argument("--max-batched-tokens", type=int, default=0,
@@ -358,8 +377,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     for key, value in DEFAULTS[args.tiny].items():
         setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
-    if min(args.users, args.turns, args.max_tokens, args.input_len) < 1:
-        parser.error("--users, --turns, --max-tokens and --input-len must be at least 1")
+    if min(args.users, args.turns, args.max_tokens, args.input_len) < 1 or args.alone_users < 0:
+        parser.error("--users, --turns, --max-tokens and --input-len must be at least 1, --alone-users at least 0")
     layouts = {t.label: t for t in topologies(0 if args.tiny else visible_gpus(), args.tiny)}
     if args.topology not in layouts:
         parser.error(f"--topology {args.topology}: choose from {', '.join(layouts)}")
@@ -372,16 +391,17 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.dry_run:
-        return dry_run(args, conversations(args, PromptWriter()))
+        return dry_run(args, conversations(args, PromptWriter())[:args.users + 1])
     started = time.monotonic()
     tokenizer = tokenizer_dir(args.tiny, args.model)
     writer = PromptWriter(tokenizer)
-    chats = conversations(args, writer)
+    drawn = conversations(args, writer)
+    chats, alone = drawn[:args.users + 1], drawn[args.users + 1:]
     pool = ImagePool(parse_resolution(args.image_resolution), "jpeg", args.seed)
-    pool.generate(sum(len(c.image_ids) for c in chats))
+    pool.generate(sum(len(c.image_ids) for c in drawn))
     width, height = pool.size
     twins = text_twins(chats, ImageGeometry.from_checkpoint(tokenizer).num_tokens(height, width), writer, args.seed)
-    runs = run_modes(args, pool, chats, twins)
+    runs = run_modes(args, pool, chats, alone, twins)
     summary = summarize(args, runs)
     meta = {"hardware": hardware(), "versions": versions(), "command": sys.argv, "wall_s": time.monotonic() - started,
             "model": "tiny" if args.tiny else f"{args.model} (dummy weights)", "transport": args.transport}

@@ -591,10 +591,11 @@ def test_multi_turn_chats_are_seeded_and_grow_from_their_images():
     from bench.multi_turn_chat import conversations
     from tools.bench.dataset import PromptWriter
 
-    args = Namespace(users=16, turns=6, input_len=8, seed=3)
+    args = Namespace(users=16, turns=6, input_len=8, seed=3, alone_users=2)
     chats = conversations(args, PromptWriter())
     assert chats == conversations(args, PromptWriter())  # both stacks get the same chats
-    assert len(chats) == 17 and all(2 <= len(c.image_ids) <= 5 and len(c.texts) == 6 for c in chats)
+    assert chats[:17] == conversations(Namespace(**{**vars(args), "alone_users": 0}), PromptWriter())
+    assert len(chats) == 19 and all(2 <= len(c.image_ids) <= 5 and len(c.texts) == 6 for c in chats)
     ids = [i for c in chats for i in c.image_ids]
     assert ids == list(range(len(ids)))  # every user (and the warm-up) on images of its own
     assert len({len(c.image_ids) for c in chats}) > 1 and all(len(set(c.texts)) == 6 for c in chats)
@@ -645,6 +646,7 @@ def test_multi_turn_tiny_answers_alike_with_and_without_prefix_routing(tmp_path)
     summary = results["summary"]
     assert (summary["failed"], summary["mismatches"], summary["compared"]) == (0, 0, 4)
     assert (summary["first_turn_mismatches"], summary["first_turns"]) == (0, 2)
+    assert (summary["alone_mismatches"], summary["alone_compared"]) == (0, 2)  # one more chat, each turn alone
     after, twin = summary["turns"]["after"], summary["turns"]["text twin"]
     assert after[0]["cached_share"] < 0.5 < after[1]["cached_share"]  # turn 2 reuses turn 1's prompt
     assert all(abs(a["prompt_tokens"] - t["prompt_tokens"]) < 0.1 * a["prompt_tokens"] for a, t in zip(after, twin))
