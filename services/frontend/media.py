@@ -1,8 +1,8 @@
 """Fetching and decoding images (and video clips, ``video.py``) for the frontend: bounded, off the event
 loop, and hard to abuse. Videos follow the same URL, SSRF and byte rules with caps of their own.
 
-- ``data:`` URLs always; ``https:`` and ``http:`` by default (``--no-allow-http-media``: https only);
-  ``file:`` only inside a configured directory. Hosts may be restricted to an allowlist.
+- ``data:`` URLs always; ``https:`` and ``http:`` (hosts may be restricted with ``--allowed-media-domains``);
+  ``file:`` only inside a configured directory (``--local-media-dir``).
 - A fetched host is resolved once, every address checked (private, loopback, link-local, metadata and
   other non-global addresses are refused unless allowed), and the checked address is the one dialled,
   so DNS cannot be rebound between check and use. Redirects are followed by hand and re-checked.
