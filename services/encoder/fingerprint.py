@@ -1,6 +1,6 @@
 """What makes two encoders' embeddings interchangeable: the same preprocessing (settings and where it
-runs: ``pil`` and ``torch`` agree bit for bit today (``shared/model/resample.py``) and stay apart in case either changes),
-weights and dtype.
+runs: ``pil`` and ``torch`` agree bit for bit today, ``shared/model/resample.py``, and stay apart in case
+either changes), weights and dtype.
 
 The fingerprint goes into every cache key, so an encoder never serves (or borrows) embeddings that
 another configuration produced: a changed resize rule, normalization, checkpoint or dtype gives new keys.
