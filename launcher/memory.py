@@ -6,7 +6,8 @@ room). Several processes on one GPU therefore need shares that add up, not 0.9 e
 ``--gpu-memory-utilization`` is the share of each GPU the whole stack may take; here it is divided:
 
 1. every process needs a fixed part: its CUDA context and libraries' workspaces, its weights (counted
-   from the model's own classes on the meta device: exact, nothing is allocated), and working room for
+   from the model's own classes on the meta device: exact, nothing is allocated; remembered in the cache
+   directory, so a warm start plans without importing torch), and working room for
    its largest step (a language worker: ``--max-batched-tokens`` tokens eager; an encoder: a ViT forward of
    ``--max-batch-patches``);
 2. what is left is *room*: each encoder takes a tenth of it (at most 12 GiB: its embedding cache and the
@@ -21,10 +22,14 @@ with one line naming what to change.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 
 from launcher.topology import Placement
@@ -119,21 +124,59 @@ def process_needs(kind: str, model, settings, dtype_bytes: int = 2) -> Needs:
     """The fixed bytes a process of ``kind`` needs on its GPU (``model``: the ``ModelConfig``): the same
     figures a language worker subtracts before sizing its KV pool (``shared/engine/memory.py``)."""
     from shared.engine.memory import CONTEXT_BYTES, kv_bytes_per_token, step_work_bytes
-    from shared.model.loader import parameter_bytes
 
     fixed = CONTEXT_BYTES
     if kind in ("encoder", "aggregated"):
         vision = model.vision
-        fixed += parameter_bytes(model, "vision", dtype_bytes)
+        fixed += weight_bytes(model, "vision", dtype_bytes)
         # a ViT forward's live tensors: the residual stream and q|k|v, attention's output, the MLP's hidden
         fixed += settings.max_batch_patches * (6 * vision.width + 2 * vision.mlp_hidden) * dtype_bytes
     if kind in LANGUAGE_KINDS:
-        fixed += parameter_bytes(model, "text", dtype_bytes)
+        fixed += weight_bytes(model, "text", dtype_bytes)
         fixed += step_work_bytes(model.text, settings.max_batched_tokens or 8192, settings.max_num_seqs, dtype_bytes)
         if kind == "prefill":
             fixed += PREFILL_STORE
         return Needs(fixed, kv_bytes_per_token(model.text, dtype_bytes))
     return Needs(fixed)
+
+
+def weight_bytes(model, role: str, dtype_bytes: int = 2) -> int:
+    """``shared.model.loader.parameter_bytes``, remembered in the cache directory by the model's configuration
+    and the model code's digest: counting imports torch, ~3 s of an ``epd up`` on a GPU host."""
+    from shared.model.presets import cache_dir
+
+    key = hashlib.blake2b(repr((role, dtype_bytes, model)).encode() + _model_code_digest(), digest_size=16)
+    key = key.hexdigest()
+    file = cache_dir() / "parameter-bytes.json"
+    try:
+        known = json.loads(file.read_text())
+    except (OSError, ValueError):
+        known = {}
+    known = known if isinstance(known, dict) else {}
+    if isinstance(known.get(key), int):
+        return known[key]
+    from shared.model.loader import parameter_bytes
+
+    count = known[key] = parameter_bytes(model, role, dtype_bytes)
+    try:  # written whole or not at all: starts racing each other lose an entry at worst
+        file.parent.mkdir(parents=True, exist_ok=True)
+        fd, staging = tempfile.mkstemp(dir=file.parent, prefix=".parameter-bytes-")
+        with os.fdopen(fd, "w") as out:
+            json.dump(known, out)
+        os.replace(staging, file)
+    except OSError:
+        pass  # a read-only cache directory: counted again next time
+    return count
+
+
+def _model_code_digest() -> bytes:
+    """The model classes' source (``shared/model/``): a changed layer is counted again."""
+    import shared.model
+
+    digest = hashlib.blake2b(digest_size=16)
+    for source in sorted(Path(shared.model.__file__).parent.glob("*.py")):
+        digest.update(source.name.encode() + source.read_bytes())
+    return digest.digest()
 
 
 def plan_gpu(total: int, utilization: float, kinds: list[str], needs: dict[str, Needs],

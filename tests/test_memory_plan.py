@@ -7,6 +7,9 @@ architectures (the presets) on an H200's memory; tests/test_up.py starts stacks 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -72,3 +75,19 @@ def test_processes_alone_on_their_gpus_keep_their_own_share():
     model = ModelConfig.from_checkpoint(materialize_preset("qwen2.5-vl-7b"))
     placements = [Placement("encoder", "1"), Placement("language", "0")]
     assert plan(placements, model, DEFAULTS, 0.9, {"0": H200, "1": H200}) == ({}, 0)
+
+
+def test_a_warm_start_plans_without_torch(tmp_path):
+    """Weights are counted once per configuration: the next ``epd up`` reads the count from the cache
+    directory and never imports torch to plan (seconds of a start on a GPU host)."""
+    model = ModelConfig.from_checkpoint(materialize_preset("qwen3-vl-30b-a3b", root=tmp_path))
+    script = ("import sys; from types import SimpleNamespace as N; from launcher.memory import process_needs; "
+              "from shared.model.config import ModelConfig; from shared.model.presets import materialize_preset; "
+              "model = ModelConfig.from_checkpoint(materialize_preset('qwen3-vl-30b-a3b')); "
+              f"print(process_needs('aggregated', model, N(**{vars(DEFAULTS)!r})).fixed, 'torch' in sys.modules)")
+    env = {**os.environ, "EPD_CACHE_DIR": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+            for _ in range(2)]
+    (first, counted), (second, read) = (run.stdout.split() for run in runs)
+    assert int(first) == int(second) == process_needs("aggregated", model, DEFAULTS).fixed
+    assert (counted, read) == ("True", "False")
