@@ -35,8 +35,10 @@ DESCRIBE = "Describe this picture in a few words, with as much detail as you can
 
 @pytest.fixture(scope="module")
 def epd(nats_url, tiny_model):
-    """One encoder, two language workers with 127-block KV pools, a frontend."""
-    running = RunningStack(nats_url, tiny_model, env={"EPD_KV_CACHE_MB": "1", "EPD_MAX_MODEL_LEN": "1024"}).start(
+    """One encoder, two language workers with 127-block KV pools, a frontend that waits 2 s for a missing
+    worker (the last test's 503)."""
+    env = {"EPD_KV_CACHE_MB": "1", "EPD_MAX_MODEL_LEN": "1024", "EPD_WORKER_WAIT": "2"}
+    running = RunningStack(nats_url, tiny_model, env=env).start(
         encoders=1, prefills=0, decodes=0, languages=2)
     yield running
     running.stop()
