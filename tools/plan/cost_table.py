@@ -13,6 +13,7 @@ linear in B would draw a straight line under that concave curve between the meas
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -20,6 +21,22 @@ import numpy as np
 
 TEMPLATE_TOKENS = 24  # the chat template around one user turn (system prompt, role markers)
 PER_IMAGE_TOKENS = 2  # <|vision_start|> and <|vision_end|> around each image's placeholders
+
+
+def _width(batch: float, experts: int, top_k: int) -> float:
+    if not (experts > 0 and top_k > 0):
+        return batch
+    if math.isinf(batch):
+        return float(experts)
+    return experts * (1 - (1 - top_k / experts) ** batch)
+
+
+@functools.lru_cache(maxsize=64)
+def _decode_fit(steps: tuple, experts: int, top_k: int) -> tuple[float, float, float]:
+    rows = np.array([[1.0, _width(b, experts, top_k), b * ctx] for b, ctx, _ in steps])
+    ms = np.array([m for _, _, m in steps])
+    coef, *_ = np.linalg.lstsq(rows, ms, rcond=None)
+    return tuple(max(0.0, float(c)) for c in coef)
 
 
 @dataclass
@@ -66,18 +83,12 @@ class Costs:
         """x(B) of the module docstring: the batch (dense), or the experts ``batch`` tokens touch in a MoE
         layer, each token's k drawn independently and uniformly (what random routing gives; the floor's
         dummy weights route so)."""
-        if not self.moe:
-            return batch
-        if math.isinf(batch):
-            return float(self.moe_experts)
-        return self.moe_experts * (1 - (1 - self.moe_top_k / self.moe_experts) ** batch)
+        return _width(batch, self.moe_experts, self.moe_top_k)
 
     def decode_fit(self) -> tuple[float, float, float]:
-        """(a, b, c) of step_ms = a + b·x(batch) + c·batch·context, fitted to the measured steps."""
-        rows = np.array([[1.0, self.decode_width(b), b * ctx] for b, ctx, _ in self.decode_ms])
-        ms = np.array([m for _, _, m in self.decode_ms])
-        coef, *_ = np.linalg.lstsq(rows, ms, rcond=None)
-        return tuple(max(0.0, float(c)) for c in coef)
+        """(a, b, c) of step_ms = a + b·x(batch) + c·batch·context, fitted to the measured steps (once per
+        set of steps: the simulation asks for it at every step)."""
+        return _decode_fit(tuple(map(tuple, self.decode_ms)), self.moe_experts, self.moe_top_k)
 
     def decode_step(self, batch: float, context: float) -> float:
         a, b, c = self.decode_fit()
