@@ -342,7 +342,9 @@ def stack_env(args) -> dict[str, str]:
         env["EPD_MAX_BATCHED_TOKENS"] = str(args.max_batched_tokens)
     env.update(getattr(args, "stack_env", ()))
     if not args.tiny:
-        env.update(EPD_MODEL=args.model, EPD_LOAD_FORMAT="dummy", EPD_KV_CACHE_MB=str(args.kv_cache_mb))
+        env.update(EPD_MODEL=args.model, EPD_LOAD_FORMAT="dummy")
+        if args.kv_cache_mb:  # 0: sized from the share of the GPU, as a user's stack is
+            env["EPD_KV_CACHE_MB"] = str(args.kv_cache_mb)
         if getattr(args, "max_model_len", 0):  # bench/multi_turn_chat.py's stacks keep the model's own
             env["EPD_MAX_MODEL_LEN"] = str(args.max_model_len)
     else:

@@ -368,7 +368,8 @@ def parse_args(argv=None):
         parser.add_argument(f"--{name}", type=kind, help="default: 16 / 6 / 64 / 64 / 1080p / 2 (tiny: 3 / 3 / 8 / "
                                                          "16 / 224x224 / 1)")
     parser.add_argument("--model", default="qwen2.5-vl-7b", choices=sorted(PRESETS), help="preset, dummy weights")
-    parser.add_argument("--kv-cache-mb", type=int, default=20480, help="KV pool of every LM process (MiB)")
+    parser.add_argument("--kv-cache-mb", type=int, default=0, help="KV pool of every LM process (MiB; 0: sized "
+                                                                   "from the GPU's share, as a user's stack is)")
     parser.add_argument("--max-batched-tokens", type=int, default=0,
                         help="every LM worker's step budget (EPD_MAX_BATCHED_TOKENS; 0: the engine's default)")
     parser.add_argument("--transport", default="auto", choices=("auto", "zmq", "ucx"))

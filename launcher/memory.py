@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -44,6 +45,11 @@ PREFILL_KV_SHARE = 1 / 3
 CONTEXT_MARGIN = 0.9  # of a planned KV pool, for what the plan cannot see (allocator rounding)
 GRAPH_TOKENS = PREFILL_GRAPH_TOKENS  # prefill graphs' tokens: their pool is taken before the KV pool
 PREFILL_STORE = 2 * GIB  # a prefill worker's KV chunks copied out until decode pulls them (its data store)
+# what a language worker holds beyond its counted parts when it sizes its KV pool: the allocator's segments
+# around the loaded weights, and (prefill) its piece graphs' pool past their tensors. Measured on an H200,
+# Qwen3-VL-30B-A3B: a decode worker 270 MiB, a prefill worker 420 MiB over the plan.
+LOADED_SLACK = 512 * MIB
+GRAPH_POOL_FACTOR = 2  # a piece-graph pool against its largest step's live tensors (350 / 200 MiB measured)
 LANGUAGE_KINDS = ("language", "prefill", "decode", "aggregated")
 
 
@@ -132,7 +138,7 @@ def process_needs(kind: str, model, settings, dtype_bytes: int = 2) -> Needs:
         # a ViT forward's live tensors: the residual stream and q|k|v, attention's output, the MLP's hidden
         fixed += settings.max_batch_patches * (6 * vision.width + 2 * vision.mlp_hidden) * dtype_bytes
     if kind in LANGUAGE_KINDS:
-        fixed += weight_bytes(model, "text", dtype_bytes)
+        fixed += weight_bytes(model, "text", dtype_bytes) + LOADED_SLACK
         fixed += step_work_bytes(model.text, settings.max_batched_tokens or 8192, settings.max_num_seqs, dtype_bytes)
         if kind == "prefill":
             fixed += PREFILL_STORE
@@ -212,12 +218,17 @@ def plan_gpu(total: int, utilization: float, kinds: list[str], needs: dict[str, 
                      "bytes": needs["encoder"].fixed + encoder_room}
     for i, kv in zip(language, split_kv(kv_room, [kinds[i] for i in language], context_bytes)):
         own = needs[kinds[i]].fixed + kv
-        env = {"EPD_GPU_MEMORY_UTILIZATION": f"{own / total:.4f}"}
+        env = {"EPD_GPU_MEMORY_UTILIZATION": _share(own, total)}
         if kinds[i] == "prefill":  # the store is bounded by its own setting, outside the KV pool's share
-            env = {"EPD_GPU_MEMORY_UTILIZATION": f"{(own - PREFILL_STORE) / total:.4f}",
+            env = {"EPD_GPU_MEMORY_UTILIZATION": _share(own - PREFILL_STORE, total),
                    "EPD_DATA_MAX_MB": str(PREFILL_STORE // MIB)}
         shares[i] = {"env": env, "bytes": own, "kv": kv}
     return shares
+
+
+def _share(nbytes: int, total: int) -> str:
+    """``nbytes`` of ``total`` as --gpu-memory-utilization, rounded down: the shares never add up to more."""
+    return f"{math.floor(nbytes / total * 1e4) / 1e4:.4f}"
 
 
 def split_kv(room: int, kinds: list[str], context_bytes: int) -> list[int]:
@@ -247,7 +258,7 @@ def plan(placements: list[Placement], model, settings, utilization: float,
     per_token = max((n.kv_per_token for n in needs.values()), default=0)
     context = settings.max_model_len or model.text.max_position_embeddings
     # the prefill graphs' pool is taken from the share before the KV pool is sized (shared/engine/builder.py)
-    graphs = step_work_bytes(model.text, GRAPH_TOKENS, 0, 2)
+    graphs = GRAPH_POOL_FACTOR * step_work_bytes(model.text, GRAPH_TOKENS, 0, 2)
     envs: dict[tuple[str, str | None], dict] = {}
     longest = 0
     for gpu, members in by_gpu.items():
