@@ -22,6 +22,7 @@ with one line naming what to change.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -175,6 +176,7 @@ def weight_bytes(model, role: str, dtype_bytes: int = 2) -> int:
     return count
 
 
+@functools.lru_cache(maxsize=1)
 def _model_code_digest() -> bytes:
     """The model classes' source (``shared/model/``): a changed layer is counted again."""
     import shared.model
