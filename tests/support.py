@@ -225,5 +225,50 @@ class RunningStack:
         self.stack.stop(grace=15)
 
 
+class Chat:
+    """One conversation, in the OpenAI client's form and in the chat template's (for HF); each answer
+    greedy, ``max_tokens`` long."""
+
+    def __init__(self, name: str, max_tokens: int = 6):
+        self.system = f"You are the assistant of conversation {name}."
+        self.turns: list[tuple[str, list, str]] = []  # (role, images, text)
+        self.max_tokens = max_tokens
+
+    def user(self, text: str, *images) -> "Chat":
+        self.turns.append(("user", list(images), text))
+        return self
+
+    def assistant(self, text: str) -> "Chat":
+        self.turns.append(("assistant", [], text))
+        return self
+
+    @property
+    def images(self) -> list:
+        return [image for _, images, _ in self.turns for image in images]
+
+    def openai(self) -> list[dict]:
+        return [{"role": "system", "content": self.system}] + [
+            {"role": role, "content": [{"type": "image_url", "image_url": {"url": data_url(i)}} for i in images]
+             + [{"type": "text", "text": text}]} if role == "user" else {"role": role, "content": text}
+            for role, images, text in self.turns]
+
+    def template(self) -> list[dict]:
+        return [{"role": "system", "content": self.system}] + [
+            {"role": role, "content": [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]}
+            if role == "user" else {"role": role, "content": text} for role, images, text in self.turns]
+
+    def ask(self, running: "RunningStack") -> str:
+        client = running.client(timeout=60)
+        return client.chat.completions.create(model=client.models.list().data[0].id, messages=self.openai(),
+                                              max_tokens=self.max_tokens, temperature=0).choices[0].message.content
+
+    def expected(self, reference: "Reference") -> str:
+        """HF generate()'s greedy answer to the conversation so far."""
+        inputs = hf_chat_inputs(reference, self.template(), self.images)
+        with torch.no_grad():
+            out = reference.model.generate(**inputs, max_new_tokens=self.max_tokens, do_sample=False)
+        return reference.text(out[0, inputs["input_ids"].shape[1]:].tolist())
+
+
 def dumps(obj) -> str:
     return json.dumps(obj, sort_keys=True)

@@ -26,10 +26,8 @@ from shared.messages.sampling import SamplingParams
 from shared.messages import pack
 from shared.messages.control import Cancel
 from shared.messages.prefill import PrefillJob
-from tests.engine_support import hf_generate
-from tests.support import RunningStack, data_url, endpoint_data, make_image
+from tests.support import Chat, RunningStack, data_url, endpoint_data, make_image
 
-MAX_TOKENS = 6
 DESCRIBE = "Describe this picture in a few words, with as much detail as you can."
 
 
@@ -42,45 +40,6 @@ def epd(nats_url, tiny_model):
         encoders=1, prefills=0, decodes=0, languages=2)
     yield running
     running.stop()
-
-
-class Chat:
-    """One conversation, in the OpenAI client's form and in the chat template's (for HF)."""
-
-    def __init__(self, name: str):
-        self.system = f"You are the assistant of conversation {name}."
-        self.turns: list[tuple[str, list, str]] = []  # (role, images, text)
-
-    def user(self, text: str, *images) -> "Chat":
-        self.turns.append(("user", list(images), text))
-        return self
-
-    def assistant(self, text: str) -> "Chat":
-        self.turns.append(("assistant", [], text))
-        return self
-
-    @property
-    def images(self) -> list:
-        return [image for _, images, _ in self.turns for image in images]
-
-    def openai(self) -> list[dict]:
-        return [{"role": "system", "content": self.system}] + [
-            {"role": role, "content": [{"type": "image_url", "image_url": {"url": data_url(i)}} for i in images]
-             + [{"type": "text", "text": text}]} if role == "user" else {"role": role, "content": text}
-            for role, images, text in self.turns]
-
-    def template(self) -> list[dict]:
-        return [{"role": "system", "content": self.system}] + [
-            {"role": role, "content": [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]}
-            if role == "user" else {"role": role, "content": text} for role, images, text in self.turns]
-
-    def ask(self, running: RunningStack) -> str:
-        client = running.client(timeout=60)
-        return client.chat.completions.create(model=client.models.list().data[0].id, messages=self.openai(),
-                                              max_tokens=MAX_TOKENS, temperature=0).choices[0].message.content
-
-    def expected(self, reference) -> str:
-        return reference.text(hf_generate(reference, self.template(), self.images, MAX_TOKENS))
 
 
 def figures(running: RunningStack) -> dict[str, dict]:

@@ -16,7 +16,7 @@ import pytest
 
 from shared.model.config import ModelConfig
 from shared.model.tiny import write_tiny_checkpoint
-from tests.support import (Reference, RunningStack, chat_messages, hf_image_embeds, image_embeds_part, make_image,
+from tests.support import (Chat, Reference, RunningStack, chat_messages, hf_image_embeds, image_embeds_part, make_image,
                            openai_chat)
 
 MAX_TOKENS = 16
@@ -91,7 +91,8 @@ def test_image_embeds_carry_their_deepstack_levels(qwen3_stack, family_model):
 def test_the_aggregated_process_serves_the_same(family_model, nats_url):
     """The aggregated process (its ViT in the engine thread, between steps), concurrent requests: their
     images sent as pixels with the prompt and encoded in place (the embeddings placed from the batcher's
-    hooks), the text-only one with none; every answer HF's."""
+    hooks), the text-only one with none; then a conversation whose returning images are left out: every
+    answer HF's."""
     family, path, reference = family_model
     if family != "qwen3_vl_moe":
         pytest.skip("one aggregated stack is enough: the MoE one")
@@ -116,6 +117,16 @@ def test_the_aggregated_process_serves_the_same(family_model, nats_url):
         assert worker["prompt_pull_count"] == worker["prompt_handoff_count"] == worker["prompt_intake_count"]
         assert worker["prompt_pull_seconds_total"] + worker["prompt_handoff_seconds_total"] <= \
             worker["prompt_intake_seconds_total"]
+        # a conversation resending its images: turn 2's are left out (its KV and deepstack rows come from
+        # the prefix cache), turn 3 brings a new one, encoded in place beside the cached two
+        chat = Chat("moe", max_tokens=MAX_TOKENS).user("Describe both.", make_image(41, 112, 84), make_image(42, 56, 140))
+        chat.assistant(chat.ask(running)).user("Which one is larger?")
+        assert chat.ask(running) == chat.expected(reference)
+        chat.assistant("The second.").user("And this one?", make_image(43, 84, 84))
+        assert chat.ask(running) == chat.expected(reference)
+        [after] = running.figures("aggregated")
+        assert after["images_cached"] - worker.get("images_cached", 0) == 4
+        assert after["images_in_place"] - worker["images_in_place"] == 3
     finally:
         running.stop()
 
