@@ -209,7 +209,8 @@ async def smoke(args, layout: str, out: Path) -> list[dict]:
         late = stack.compiles[compiles_at_api:]
         checks.append(check(layout, "compiles after ready", not late,
                             f"{len(late)} after the API answered, {compiles_at_api} before; "
-                            + ", ".join(sorted({c['kernel'] or '?' for c in late}))[:200]))
+                            + "; ".join(sorted({f"{c['kernel'] or '?'} in the {c['service'] or '?'} "
+                                                f"({c['specialization'] or ''})" for c in late}))[:1200]))
         memory = gpu_memory()
         took = {e["kind"]: e["gpu_mib"] for e in log_events(log) if e.get("event") == "service.ready" and "gpu_mib" in e}
         checks.append(check(layout, "gpu memory", True, f"logged {took}; nvidia-smi {sorted(memory.values())} MiB"))

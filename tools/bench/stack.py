@@ -33,7 +33,7 @@ class StackProcess:
         self.tail: deque[str] = deque(maxlen=60)
         self.ready_event: dict = {}
         self.events: Counter[str] = Counter()
-        self.compiles: list[dict] = []  # each kernel.compiled: kernel, ms, specialization
+        self.compiles: list[dict] = []  # each kernel.compiled: kernel, ms, service, specialization
         self._lock = threading.Lock()
         self._ready = threading.Event()
         threading.Thread(target=self._drain, daemon=True).start()
@@ -53,6 +53,7 @@ class StackProcess:
                     self.events[name] += 1
                     if name == "kernel.compiled":
                         self.compiles.append({"kernel": event.get("kernel"), "ms": event.get("ms"),
+                                              "service": event.get("service"),
                                               "specialization": event.get("specialization")})
             elif name == "stack.ready":
                 self.ready_event = event
