@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -220,6 +221,15 @@ class RunningStack:
         from shared.bus.calls import endpoint_data
 
         return [endpoint_data(s) for s in self.stats_sync(f"epd-{kind}")]
+
+    def frontend_maps(self) -> str:
+        """The frontend process's ``/proc/<pid>/maps`` (which libraries it loaded); skips without /proc."""
+        [frontend] = [p for kind, p in self.stack.processes if kind == "frontend"]
+        try:
+            with open(f"/proc/{frontend.pid}/maps") as f:
+                return f.read()
+        except OSError:
+            pytest.skip("no /proc: which libraries a process mapped is not readable here")
 
     def stop(self) -> None:
         self.stack.stop(grace=15)

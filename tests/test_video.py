@@ -72,6 +72,15 @@ def test_greedy_output_equals_hf(stack, video_reference, case, stream):
     assert (usage.completion_tokens, usage.prompt_tokens) == (completion_tokens, prompt_tokens)
 
 
+def test_the_frontend_samples_a_clip_without_loading_torch(stack, video_reference):
+    """Picking a Qwen2.5-VL clip's frames is the processor's torch arithmetic, done with numpy: the
+    frontend never loads torch (seconds of its event loop at the first video otherwise)."""
+    text, clip = "Describe the video in one sentence.", make_clip(13, 12, 40, 48, 6)  # not seen before
+    answer = openai_chat(stack.client(), media_messages(text, [("video", clip)]), MAX_TOKENS)[0]
+    assert answer == video_reference.reference.text(video_reference.generate(text, [("video", clip)], MAX_TOKENS))
+    assert "libtorch" not in stack.frontend_maps()
+
+
 def _encoder_total(stack, field: str) -> int:
     return sum(endpoint_data(s).get(field, 0) for s in stack.stats_sync("epd-encoder"))
 

@@ -9,6 +9,7 @@ timestamps — and the patches themselves, bit for bit (SHA-256 of HF's float32 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -65,3 +66,15 @@ def test_too_few_frames_is_an_error_not_a_crash(frames):
     for name in ("tiny-qwen2_5_vl", "tiny-qwen3_vl"):
         with pytest.raises(ValueError):
             _geometry(name).sample(frames, 30.0)
+
+
+
+def test_qwen2_frame_indices_are_torchs_float32_arange():
+    """The processor picks frames at ``torch.arange(0, total, total / n).int()``; the frontend computes the
+    same indices with numpy, so it never loads torch. Every clip of up to 1,000 frames, every count."""
+    base = _geometry("tiny-qwen2_5_vl")
+    tps = base.temporal_patch_size
+    for total in range(tps, 1001):
+        for n in range(tps, min(total, 128) + 1, tps):
+            geometry = dataclasses.replace(base, fps=1e-9, min_frames=n, max_frames=10**6)  # n frames exactly
+            assert geometry.sample(total, 1.0) == torch.arange(0, total, total / n).int().tolist(), (total, n)

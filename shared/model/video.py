@@ -108,7 +108,7 @@ class VideoGeometry:
         return self._sample_qwen2(total_frames, source_fps)
 
     def _sample_qwen2(self, total: int, source_fps: float) -> list[int]:
-        import torch  # the index arithmetic is torch's float32 arange, exactly as the processor runs it
+        import numpy as np
 
         tps = self.temporal_patch_size
         most = math.floor(min(self.max_frames, total) / tps) * tps
@@ -116,7 +116,10 @@ class VideoGeometry:
         n = math.floor(n / tps) * tps
         if n < 1:
             raise ValueError(f"the video has {total} frame(s); at least {tps} are needed")
-        return torch.arange(0, total, total / n).int().tolist()
+        # the processor's torch.arange(0, total, total / n).int(): float32 values that torch's CPU kernel
+        # computes in double, then truncated; numpy does the same without loading torch in the frontend
+        step = total / n
+        return (np.arange(math.ceil(total / step), dtype=np.float64) * step).astype(np.float32).astype(np.int64).tolist()
 
     def _sample_qwen3(self, total: int, source_fps: float) -> list[int]:
         import numpy as np
