@@ -15,9 +15,10 @@ room). Several processes on one GPU therefore need shares that add up, not 0.9 e
    fit), the language side the rest for its KV pools — split a third to prefill, two thirds to decode
    where split, since decode holds every running sequence and prefill only prompts in flight;
 3. each process gets its share as environment variables, and logs what it took once ready.
-When the room cannot hold one sequence of the model's context in the smallest KV pool, the whole stack's
-``--max-model-len`` is lowered to what fits (logged); a stack whose fixed parts do not fit at all is refused
-with one line naming what to change.
+When the room cannot hold one sequence of the model's context in the smallest KV pool (also that of a
+language process alone on its GPU, e.g. the 30B-A3B's 256k context on an 80 GB card), the whole stack's
+``--max-model-len`` is lowered to what fits (logged), unless the user set it; a stack whose fixed parts do
+not fit a shared GPU at all is refused with one line naming what to change.
 """
 
 from __future__ import annotations
@@ -93,8 +94,9 @@ class MemoryPlan:
             log.info("stack.memory", kind=kind, gpu=gpu, **{k.removeprefix("EPD_").lower(): v for k, v in env.items()})
         if self.max_model_len:
             log.warning("stack.max_model_len", tokens=self.max_model_len,
-                        reason="the smallest KV pool of a shared GPU holds no longer sequence",
-                        hint="--gpu-memory-utilization higher, fewer processes on a GPU, or --pd joined")
+                        reason="the smallest KV pool holds no longer sequence",
+                        hint="--max-model-len to choose it, --gpu-memory-utilization higher, fewer processes "
+                             "on a GPU, or --pd joined")
 
 
 class MemoryPlanError(ValueError):
@@ -239,7 +241,7 @@ def split_kv(room: int, kinds: list[str], context_bytes: int) -> list[int]:
     third cannot hold one sequence of the model's context (``context_bytes``): then prefill and decode
     share equally, which makes the longest sequence both can hold as long as it can be."""
     if "prefill" not in kinds or "decode" not in kinds:
-        return [room // len(kinds)] * len(kinds)
+        return [room // len(kinds)] * len(kinds) if kinds else []
     prefill_share = PREFILL_KV_SHARE if room * PREFILL_KV_SHARE / kinds.count("prefill") >= context_bytes else 0.5
     return [int(room * (prefill_share / kinds.count("prefill") if k == "prefill" else
                         (1 - prefill_share) / kinds.count("decode"))) for k in kinds]
@@ -247,9 +249,9 @@ def split_kv(room: int, kinds: list[str], context_bytes: int) -> list[int]:
 
 def plan(placements: list[Placement], model, settings, utilization: float,
          totals: dict[str, int] | None = None) -> tuple[dict[tuple[str, str | None], dict], int]:
-    """The memory environment of each kind on each GPU (``(kind, placement.gpu)`` → variables: every
-    process of a kind on a GPU gets the same), and the longest sequence every planned KV pool holds with
-    room to spare (0: nothing was planned: no GPU is shared, or nvidia-smi lists none)."""
+    """The memory environment of each kind on each shared GPU (``(kind, placement.gpu)`` → variables: every
+    process of a kind on a GPU gets the same), and the longest sequence every language process's KV pool
+    holds with room to spare, shared GPU or not (0: nothing was planned: nvidia-smi lists no GPU)."""
     from shared.engine.memory import step_work_bytes
 
     totals = gpu_totals() if totals is None else totals
@@ -265,11 +267,18 @@ def plan(placements: list[Placement], model, settings, utilization: float,
     longest = 0
     for gpu, members in by_gpu.items():
         total = totals.get(gpu if gpu is not None else _inherited_gpu())
-        if len(members) < 2 or total is None:
+        if total is None:
             continue
-        kinds = [p.kind for p in members]
-        for position, share in plan_gpu(total, utilization, kinds, needs, context * per_token).items():
-            envs[(kinds[position], gpu)] = share["env"]
+        kinds, shared = [p.kind for p in members], len(members) > 1
+        try:
+            shares = plan_gpu(total, utilization, kinds, needs, context * per_token)
+        except MemoryPlanError:
+            if shared:
+                raise
+            continue  # a process alone on its GPU: its own start says what does not fit
+        for position, share in shares.items():
+            if shared:  # alone, a process takes the stack's share itself; its context is planned all the same
+                envs[(kinds[position], gpu)] = share["env"]
             if "kv" in share:
                 tokens = int((share["kv"] - graphs) * CONTEXT_MARGIN) // per_token // 256 * 256
                 longest = min(longest, tokens) if longest else tokens

@@ -75,7 +75,19 @@ def test_a_gpu_too_small_is_refused_with_what_to_change():
 def test_processes_alone_on_their_gpus_keep_their_own_share():
     model = ModelConfig.from_checkpoint(materialize_preset("qwen2.5-vl-7b"))
     placements = [Placement("encoder", "1"), Placement("language", "0")]
-    assert plan(placements, model, DEFAULTS, 0.9, {"0": H200, "1": H200}) == ({}, 0)
+    envs, longest = plan(placements, model, DEFAULTS, 0.9, {"0": H200, "1": H200})
+    assert envs == {} and longest >= model.text.max_position_embeddings  # nothing to share, nothing to lower
+
+
+def test_a_context_no_lone_pool_holds_is_lowered_to_what_it_holds():
+    """The 30B-A3B aggregated on one H100 with defaults (2026-12-06): its 61 GB of weights left a KV pool of
+    7,608 blocks of 16 tokens, no room for one sequence of its 262,144-token context, and the worker
+    refused to start three times. Planned, the stack's context is lowered to what that pool holds."""
+    model = ModelConfig.from_checkpoint(materialize_preset("qwen3-vl-30b-a3b"))
+    envs, longest = plan(layout("aggregated"), model, DEFAULTS, 0.9, {"0": 81559 << 20})
+    assert envs == {} and 32768 <= longest <= 7608 * 16
+    # no room at all: the worker's own start says what does not fit (the plan refuses shared GPUs only)
+    assert plan(layout("aggregated"), model, DEFAULTS, 0.5, {"0": 81559 << 20}) == ({}, 0)
 
 
 def test_a_warm_start_plans_without_torch(tmp_path):
