@@ -1,6 +1,7 @@
 # make up    — the whole stack on this machine (tiny built-in model, OpenAI API on :8000)
 # make test  — the test suite
-# Both create .venv first when needed. Variables: PYTHON, TORCH, ARGS (to `epd up`), PYTEST_ARGS.
+# Both create .venv first when needed. Variables: PYTHON, TORCH, ARGS (to `epd up`), PYTEST_ARGS, TEST_WORKERS
+# (pytest-xdist processes; each test file runs whole on one of them, so its module's stack is started once).
 
 ifndef PYTHON
 PYTHON := $(shell command -v python3.11 || command -v python3)
@@ -12,6 +13,7 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 ARGS ?=
 PYTEST_ARGS ?=
+TEST_WORKERS ?= 2
 
 .PHONY: venv up test clean
 
@@ -30,7 +32,7 @@ up: venv
 	$(VENV)/bin/epd up $(ARGS)
 
 test: venv
-	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

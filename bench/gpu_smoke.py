@@ -18,7 +18,7 @@ For each layout (``aggregated``; ``joined``: colocated E/PD, the default; ``spli
 
     python bench/gpu_smoke.py --model qwen2.5-vl-7b --out /tmp/smoke
     python bench/gpu_smoke.py --model qwen3-vl-30b-a3b --layouts joined,split --warm-restart joined
-    python bench/gpu_smoke.py --tiny --layouts joined      # CPU, the built-in model (tests/test_bench.py)
+    python bench/gpu_smoke.py --tiny --layouts joined      # CPU, the built-in model (tests/test_bench_scripts.py)
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ from tools.bench.stack import StackProcess  # noqa: E402
 TOPOLOGIES = {"aggregated": ("--topology", "aggregated"), "E/PD": ()}
 CHAT = dict(text_ratio=0.4, image_count=2, random_image_count=True, image_resolution="720p", repeat_ratio=0.3,
             input_len=128, output_len=256)
-TINY = dict(image_resolution="112x112", input_len=32, output_len=8)
+TINY = dict(image_resolution="112x112", input_len=32, output_len=32)  # long enough that prompts meet decode rows
 TARGETS = {"itl_p99_ms": 100.0, "tpot_p99_ms": 30.0, "ttft_ratio": 1.1, "throughput_ratio": 0.95}
 SETTLE_S = 2.0  # the frontend's copy of the workers' stats is refreshed about once a second
 
@@ -198,7 +198,7 @@ def parse_args(argv=None):
     parser.add_argument("--out", default="bench/results/itl_target", help="directory for results")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test on the built-in tiny model")
     parser.add_argument("--dry-run", action="store_true", help="print what would run")
-    parser.add_argument("--rate", type=float, default=0, help="Poisson arrivals a second (default 24; tiny: 2)")
+    parser.add_argument("--rate", type=float, default=0, help="Poisson arrivals a second (default 24; tiny: 3)")
     parser.add_argument("--seconds", type=float, default=0, help="seconds of arrivals measured (default 12; "
                                                                  "tiny: 3)")
     parser.add_argument("--min-prompts", type=int, default=6, help="measured requests at least")
@@ -219,7 +219,7 @@ def parse_args(argv=None):
     parser.add_argument("--request-timeout", type=float, default=120.0, help="seconds one request may take")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    args.rate = args.rate or (2.0 if args.tiny else 24.0)
+    args.rate = args.rate or (3.0 if args.tiny else 24.0)
     args.seconds = args.seconds or (3.0 if args.tiny else 12.0)
     args.warmup = args.warmup or (2 if args.tiny else 16)
     try:
