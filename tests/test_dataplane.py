@@ -101,6 +101,22 @@ async def test_inproc_hands_over_the_tensor_itself(expected):
     await stopped(consumer, holder)
 
 
+@pytest.mark.parametrize("transport", ["zmq", "inproc"])
+async def test_a_discarded_handle_is_freed_at_once_and_only_with_its_token(transport):
+    """A consumer that will not pull after all (its request failed, its images encoded again) says so: the
+    holder frees the tensor now, not at its lease, and a draining holder does not wait for it."""
+    holder, consumer = await started(DataPlane(transport), DataPlane(transport))
+    kept, dropped = holder.publish(torch.ones(4, 8)), holder.publish(torch.zeros(16, 8))
+    forged = TensorHandle(**{**msgspec.structs.asdict(kept), "token": "not-its-token"})
+    await consumer.discard([forged, dropped])
+    await until(lambda: holder.stats()["bytes_held"] == kept.nbytes, 5, "the discarded tensor to be freed")
+    with pytest.raises(DataPlaneError):
+        await consumer.pull(dropped)
+    await consumer.discard([holder.publish(torch.ones(2))])  # nothing waits on a holder's answer
+    await asyncio.wait_for(asyncio.gather(consumer.pull(kept), holder.handed_out()), 5)
+    await stopped(consumer, holder)
+
+
 def test_the_wire_dtypes_are_torchs_with_their_sizes():
     from shared.dataplane.handle import ELEMENT_SIZES, dtype_name
     from shared.dataplane.tensor_bytes import DTYPES

@@ -7,6 +7,7 @@ tests/test_stack.py's lean stack.)"""
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 import time
 from pathlib import Path
@@ -105,6 +106,26 @@ def test_a_text_only_frontend_refuses_images_at_once_and_needs_no_encoder(early)
         "messages": chat_messages("What is it?", [make_image(7, 32, 32)]), "max_tokens": 2})
     assert refused.status_code == 400 and time.monotonic() - started < 5
     assert refused.json()["error"]["message"] == "this server serves text only: image input is not accepted"
+
+
+def test_a_worker_that_misses_a_listing_after_the_port_opened_does_not_close_the_model(early):
+    """`epd up`'s frontend opens its port once the stack lists every worker it started: a worker too busy to
+    answer the next listing in time (here: stopped) leaves /v1/models served (a client polling it for
+    readiness saw 503 right after `stack.ready`, on a loaded host), and /health names what is missing."""
+    for kind in ("prefill", "decode"):
+        if not any(k == kind for k, _ in early.stack.processes):  # run alone
+            early.spawn(kind)
+    early.wait_for({"prefill": 1, "decode": 1})
+    url = _frontend(early, "--wait-for-workers", "prefill=1,decode=1")
+    [decode] = [p for k, p in early.stack.processes if k == "decode"]
+    decode.send_signal(signal.SIGSTOP)
+    try:
+        _until(lambda: _reason(url) == "no decode worker is available", 30)
+        models = httpx.get(f"{url}/v1/models", timeout=10)  # the first time this frontend is asked
+        assert models.status_code == 200, models.text
+    finally:
+        decode.send_signal(signal.SIGCONT)
+    _until(lambda: _reason(url) in (None, "no encoder is available"), 30)
 
 
 def test_the_served_model_name_is_the_model_as_given(tmp_path):

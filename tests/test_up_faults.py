@@ -149,6 +149,14 @@ def test_an_encoder_gone_before_its_embeddings_were_pulled(up, want, how):
                 pass
     if how == signal.SIGKILL:
         up.wait_for_workers("encoder", 2)
+        # every image of a request whose embeddings were lost is encoded again; those the other encoder still
+        # held are freed at once (discarded), not at their lease's end (60 s)
+        deadline = time.monotonic() + 8
+        while held := [v for labels, v in up.series("epd_service_stat")
+                       if labels.get("stat") == "bytes_held" and labels.get("instance", "").startswith("encoder")
+                       and v]:
+            assert time.monotonic() < deadline, f"embeddings nobody will pull are still held: {held}"
+            time.sleep(0.3)
     else:
         deadline = time.monotonic() + 30
         while up.count("stack.worker_left") == left:

@@ -62,7 +62,13 @@ class EncodeFanout:
                               video=getattr(i, "sampling", None))  # a DecodedVideo's frames are sampled
                     for h, i in zip(handles, images)]
             targets = await self.router.targets([i.content_hash for i in images])
-            return list(await asyncio.gather(*(self._encode_one(job, t, until) for job, t in zip(jobs, targets))))
+            results = await asyncio.gather(*(self._encode_one(job, t, until) for job, t in zip(jobs, targets)),
+                                           return_exceptions=True)
+            if failed := [r for r in results if isinstance(r, BaseException)]:
+                # the request ends here: the images that were encoded will not be pulled, their encoders free them
+                await self.plane.discard([r.embedding for r in results if isinstance(r, EncodeResult)])
+                raise failed[0]
+            return results
         finally:
             for handle in handles:
                 self.plane.release(handle)

@@ -174,61 +174,66 @@ class Pipeline:
         tried: set[str] = set()  # workers this request went to: gone, or too slow to accept it
         vanished: set[str] = set()  # those of them that went away
         gone, sent, until = 0, False, self.workers.deadline()
-        while True:
-            await self.workers.intake(until, exclude=vanished)  # none listed: the queue group, and NATS says
-            route = await self.intake.route(prompt.token_ids, spans, exclude=tried)
-            target = route.target
-            if kind_of(target.instance) == "prefill":
-                await self.workers.decode(until)  # it hands the prompt on to one
-            cached = slots.inside(planned, route.cached_tokens, self.merge) if leave_out else set()
-            needed = [i for i in range(len(planned)) if i not in cached and not isinstance(images[i], ImageEmbeds)]
-            in_place = bool(needed) and self.intake.encodes_in_place(target)
-            await self._decode(generation, needed)
-            if not in_place and (missing := [i for i in needed if i not in encoded]):
-                encoded.update(zip(missing, await self._encode(generation, attempt, missing)))
-            published = self._publish(images, cached, needed if in_place else [])
-            try:
-                job = self.prefill_job(attempt, prompt.token_ids, planned, images, cached, encoded, published,
-                                       sampling, stream, output_offset)
-                if not sent:  # the first_token stage counts from here (in place: the images' encoding too)
-                    generation.timing.submitted, sent = time.time(), True
-                with self.intake.outstanding.sending(target.instance):
-                    reply = await call_watched(self.nc, self.directory, target, pack(job),
-                                               self.settings.prefill_timeout, self.workers.intake_name())
-                generation.stream.expect(attempt, unpack(PrefillAccepted, reply).prefill_id)
-                self.images_cached += len(cached)
-                return
-            except ServiceCallError as err:
-                if isinstance(err, WorkerGone) or (err.no_responders and target.instance):
-                    # died before it accepted, or left (draining) since it was listed: another takes it now
-                    tried.add(target.instance)
-                    vanished.add(target.instance)
-                    log.warning("prefill.worker_gone", request_id=attempt, worker=target.instance)
-                    if len(tried) > RESUME_ATTEMPTS:
-                        raise ApiError(503, f"every {self.workers.intake_name()} this request was sent to went "
-                                            "away") from None
-                    continue
-                if err.status == EMBEDDINGS_GONE and gone < ENCODE_ATTEMPTS:
-                    # their encoder went away before prefill pulled them, or the worker no longer holds what
-                    # it was said to: every image encoded again and sent, under an id of its own (a refused
-                    # split prefill cancels the old one's decode reservation by its id)
-                    gone += 1
-                    encoded, leave_out, attempt = {}, False, f"{attempt}.g{gone}"
-                    log.warning("prefill.embeddings_gone", request_id=attempt, message=err.message)
-                    continue
-                if err.status == 504:
-                    self.cancel_soon(attempt, "prefill timeout")
-                    if target.instance and len(tried) < RESUME_ATTEMPTS:
-                        # slow is not dead, and that worker may still take it: cancelled there, the prompt
-                        # goes to another under an id of its own (the cancel names the old one)
+        try:
+            while True:
+                await self.workers.intake(until, exclude=vanished)  # none listed: the queue group, and NATS says
+                route = await self.intake.route(prompt.token_ids, spans, exclude=tried)
+                target = route.target
+                if kind_of(target.instance) == "prefill":
+                    await self.workers.decode(until)  # it hands the prompt on to one
+                cached = slots.inside(planned, route.cached_tokens, self.merge) if leave_out else set()
+                needed = [i for i in range(len(planned)) if i not in cached and not isinstance(images[i], ImageEmbeds)]
+                in_place = bool(needed) and self.intake.encodes_in_place(target)
+                await self._decode(generation, needed)
+                if not in_place and (missing := [i for i in needed if i not in encoded]):
+                    encoded.update(zip(missing, await self._encode(generation, attempt, missing)))
+                published = self._publish(images, cached, needed if in_place else [])
+                try:
+                    job = self.prefill_job(attempt, prompt.token_ids, planned, images, cached, encoded, published,
+                                           sampling, stream, output_offset)
+                    if not sent:  # the first_token stage counts from here (in place: the images' encoding too)
+                        generation.timing.submitted, sent = time.time(), True
+                    with self.intake.outstanding.sending(target.instance):
+                        reply = await call_watched(self.nc, self.directory, target, pack(job),
+                                                   self.settings.prefill_timeout, self.workers.intake_name())
+                    generation.stream.expect(attempt, unpack(PrefillAccepted, reply).prefill_id)
+                    self.images_cached += len(cached)
+                    return
+                except ServiceCallError as err:
+                    if isinstance(err, WorkerGone) or (err.no_responders and target.instance):
+                        # died before it accepted, or left (draining) since it was listed: another takes it now
                         tried.add(target.instance)
-                        log.warning("prefill.timeout_retry", request_id=attempt, worker=target.instance)
-                        attempt = f"{attempt}.t{len(tried)}"
+                        vanished.add(target.instance)
+                        log.warning("prefill.worker_gone", request_id=attempt, worker=target.instance)
+                        if len(tried) > RESUME_ATTEMPTS:
+                            raise ApiError(503, f"every {self.workers.intake_name()} this request was sent to went "
+                                                "away") from None
                         continue
-                raise ApiError(503 if err.status == EMBEDDINGS_GONE else err.status, err.message) from None
-            finally:
-                for handle in published.values():
-                    self.plane.release(handle)
+                    if err.status == EMBEDDINGS_GONE and gone < ENCODE_ATTEMPTS:
+                        # their encoder went away before prefill pulled them, or the worker no longer holds what
+                        # it was said to: every image encoded again and sent, under an id of its own (a refused
+                        # split prefill cancels the old one's decode reservation by its id)
+                        gone += 1
+                        await self.plane.discard([result.embedding for result in encoded.values()])  # still held
+                        encoded, leave_out, attempt = {}, False, f"{attempt}.g{gone}"
+                        log.warning("prefill.embeddings_gone", request_id=attempt, message=err.message)
+                        continue
+                    if err.status == 504:
+                        self.cancel_soon(attempt, "prefill timeout")
+                        if target.instance and len(tried) < RESUME_ATTEMPTS:
+                            # slow is not dead, and that worker may still take it: cancelled there, the prompt
+                            # goes to another under an id of its own (the cancel names the old one)
+                            tried.add(target.instance)
+                            log.warning("prefill.timeout_retry", request_id=attempt, worker=target.instance)
+                            attempt = f"{attempt}.t{len(tried)}"
+                            continue
+                    raise ApiError(503 if err.status == EMBEDDINGS_GONE else err.status, err.message) from None
+                finally:
+                    for handle in published.values():
+                        self.plane.release(handle)
+        except BaseException:  # not accepted: its embeddings will not be pulled, the encoders free them now
+            self.chores.spawn(self.plane.discard([result.embedding for result in encoded.values()]))
+            raise
 
     async def _decode(self, generation: Generation, indices: list[int]) -> None:
         """The images of ``indices`` that were only recognised by their bytes, decoded (they are sent)."""

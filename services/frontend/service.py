@@ -63,6 +63,7 @@ class FrontendService(Service):
         self._server: _Server | None = None
         self._server_task: asyncio.Task | None = None
         self._opened = False  # the stack has listed what a text request needs at least once
+        self._listed = False  # every worker --wait-for-workers names was listed before the port opened
 
     def metadata(self) -> dict[str, str]:
         return {**super().metadata(), "http": f"{self.settings.host}:{self.port}"}
@@ -103,6 +104,7 @@ class FrontendService(Service):
         self.resources.push_async_callback(self.jobs.stop)
         if s.wait_for_workers:
             await self._wait_for_workers(s.wait_for_workers)
+            self._listed = True  # a later listing that misses a busy worker's answer does not close /v1/models
         await self._serve_http(create_app(self.gateway, model, self._unready, self._unopened, self._metrics,
                                           s.max_body_bytes))
         log.info("frontend.listening", url=f"http://{s.host}:{self.port}", model=model.name)
@@ -153,7 +155,7 @@ class FrontendService(Service):
         if not self._opened:
             if not self.ready:
                 return f"the frontend is {self.readiness()}"
-            if (reason := self.pipeline.workers.missing_for_text()) is not None:
+            if not self._listed and (reason := self.pipeline.workers.missing_for_text()) is not None:
                 return reason
             self._opened = True
         return None

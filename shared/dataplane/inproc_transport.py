@@ -39,6 +39,11 @@ class InprocClient:
             raise DataPlaneError("unreachable", "no in-process holder at this address (stopped, or another process)")
         return take(store, handle, device, out)
 
+    async def discard(self, handle: TensorHandle) -> None:
+        store = _STORES.get(handle.address)
+        if store is not None:
+            store.ack(handle.key, handle.token)
+
     async def close(self) -> None:
         pass
 

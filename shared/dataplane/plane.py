@@ -93,6 +93,18 @@ class DataPlane:
         if handle.address == self.address:
             self.store.release(handle.key)
 
+    async def discard(self, handles) -> None:
+        """Handles nobody will pull after all (their request failed, or its images were encoded again): each
+        holder is told at once, as a pull's ack would (a holder counts it only from whoever has the token), so
+        it frees the tensor now and not at the end of its lease; a draining holder need not wait for it.
+        Best effort: a holder gone or missing the word frees it at its lease, as does a UCX holder (a UCX
+        client would load torch into the frontend, the one process that discards)."""
+        for handle in handles:
+            if handle.address == self.address:
+                self.store.ack(handle.key, handle.token)
+            elif handle.transport != "ucx":
+                await self._client(handle.transport).discard(handle)
+
     async def pull(self, handle: TensorHandle, device: torch.device | str | None = None,
                    out: torch.Tensor | None = None) -> torch.Tensor:
         """The handle's tensor, on ``device`` (None: as held for this process's own tensors, host memory

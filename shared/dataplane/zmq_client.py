@@ -96,6 +96,11 @@ class ZmqClient:
                     log.warning("dataplane.cuda_ipc_unavailable", holder=address, error=str(err)[:200])
         return list(await asyncio.gather(*(self.pull(h, timeout, device, None) for h in handles)))
 
+    async def discard(self, handle: TensorHandle) -> None:
+        """No pull of ``handle`` will come: its ack without the pull (best effort, never waits)."""
+        if handle.address.startswith(("tcp://", "ipc://")):
+            (await self._peer(handle.address)).ack(handle)
+
     async def _peer(self, address: str) -> ZmqPeer:
         peer = self._peers.get(address)
         if peer is not None and peer.dead:
