@@ -31,16 +31,17 @@ def up(tiny_model):
     assert stack.stop() == 0
 
 
-def exact_answers(reference, images: list, ahead: bool = False):
-    """``answer(i)``: request i's images (one of ``images``, in turn) and the exact answer it must get (HF
-    greedy, EOS not stopping); ``ahead``: every answer computed now, before any burst runs."""
+def exact_answers(reference, images: list, ahead: bool = False, per: int = 1):
+    """``answer(i)``: request i's images (``per`` of ``images``, in turn) and the exact answer it must get
+    (HF greedy, EOS not stopping); ``ahead``: every answer computed now, before any burst runs."""
     cache = {}
 
     def answer(i: int) -> tuple[list, str]:
         key = i % len(images)
+        mine = [images[(key + j) % len(images)] for j in range(per)]
         if key not in cache:
-            cache[key] = reference.text(reference.generate(f"Picture {key}.", [images[key]], TOKENS, ignore_eos=True))
-        return [images[key]], cache[key]
+            cache[key] = reference.text(reference.generate(f"Picture {key}.", mine, TOKENS, ignore_eos=True))
+        return mine, cache[key]
 
     for i in range(len(images) if ahead else 0):
         answer(i)
@@ -122,11 +123,19 @@ def test_a_prefill_lost_before_accepting_is_retried_at_once(up, want):
     up.wait_idle()
 
 
+@pytest.fixture(scope="module")
+def pairs(reference):
+    """Requests of two new images each: the encoders share them, one image of a request on each."""
+    return exact_answers(reference, [make_image(600 + i, 48 + 8 * i, 64) for i in range(4)], per=2)
+
+
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
-def test_an_encoder_gone_before_its_embeddings_were_pulled(up, want, how):
+def test_an_encoder_gone_before_its_embeddings_were_pulled(up, pairs, how):
     """Prefill is frozen, so every embedding waits at its encoder; then that encoder goes. Killed, its
-    embeddings are encoded again elsewhere (and it is restarted); stopped (SIGTERM: scale-in) it keeps
-    serving them until they are pulled, then exits and is not restarted."""
+    embeddings are encoded again elsewhere (and it is restarted), with the rest of their requests' images,
+    and nothing stays held once all are answered; stopped (SIGTERM: scale-in) it keeps serving them until
+    they are pulled, then exits and is not restarted."""
+    want = pairs
     left = up.count("stack.worker_left")
     prefills = up.pids("prefill")
     for pid in prefills:
@@ -149,8 +158,8 @@ def test_an_encoder_gone_before_its_embeddings_were_pulled(up, want, how):
                 pass
     if how == signal.SIGKILL:
         up.wait_for_workers("encoder", 2)
-        # every image of a request whose embeddings were lost is encoded again; those the other encoder still
-        # held are freed at once (discarded), not at their lease's end (60 s)
+        # every image of a request whose embeddings were lost is encoded again; what no one will pull is
+        # freed at once (pulled, or discarded by the frontend), not at its lease's end (60 s)
         deadline = time.monotonic() + 8
         while held := [v for labels, v in up.series("epd_service_stat")
                        if labels.get("stat") == "bytes_held" and labels.get("instance", "").startswith("encoder")
