@@ -177,6 +177,36 @@ def test_an_encoder_gone_before_its_embeddings_were_pulled(up, pairs, how):
     up.wait_idle()
 
 
+def encoder_bytes_held(up: UpStack) -> float:
+    return sum(v for labels, v in up.series("epd_service_stat")
+               if labels.get("stat") == "bytes_held" and labels.get("instance", "").startswith("encoder"))
+
+
+def test_a_client_that_leaves_before_prefill_accepts_frees_its_embeddings_at_once(up):
+    """Prefill is frozen, so a new image's embeddings wait at its encoder; the client leaves. Nobody will
+    pull them: the frontend discards them and the encoder frees them now, not at its lease's end (60 s)."""
+    prefills = up.pids("prefill")
+    for pid in prefills:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        payload = {"messages": chat_messages("Leave early.", [make_image(800, 64, 72)]), "max_tokens": 4}
+        leaving = ThreadPoolExecutor(1).submit(httpx.post, f"{up.api}/chat/completions", json=payload, timeout=4)
+        deadline = time.monotonic() + 4
+        while not encoder_bytes_held(up):  # encoded, waiting for the frozen workers
+            assert time.monotonic() < deadline, "the image was not encoded"
+            time.sleep(0.2)
+        with pytest.raises(httpx.ReadTimeout):
+            leaving.result()  # the client gives up
+        deadline = time.monotonic() + 5
+        while encoder_bytes_held(up):
+            assert time.monotonic() < deadline, "the encoder still holds embeddings nobody will pull"
+            time.sleep(0.2)
+    finally:
+        for pid in prefills:
+            os.kill(pid, signal.SIGCONT)
+    up.wait_idle()
+
+
 def test_abandoned_requests_are_cancelled_everywhere(up):
     """Clients that leave — streaming or not — free their sequences on every worker at once."""
     def leave_early(stream: bool) -> None:
