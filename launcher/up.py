@@ -244,9 +244,10 @@ def _start_mps(settings: UpSettings, workdir: Path, stack: Stack):
 
 
 def _plan_memory(settings: UpSettings, path: Path) -> "MemoryPlan":
-    """Each process's share of a GPU it shares with others (nothing to plan on CPU, or with a GPU each)."""
+    """Each process's share of a GPU it shares with others, and the context every KV pool holds, shared GPU
+    or not (nothing to plan on CPU)."""
     from launcher.memory import MemoryPlan
 
-    if settings.device == "cpu" or not mps.gpus_present() or not settings.shared_gpus():
+    if settings.device == "cpu" or not mps.gpus_present():
         return MemoryPlan()
     return MemoryPlan.for_stack(settings, path)
