@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from shared.engine.attention import TritonAttention
-from shared.engine.warmup import calibrate
+from shared.engine.warmup import calibrate, warm_steps
 from shared.engine.sequence import Sequence
 from shared.engine.settings import DEFAULT_TARGET_ITL_MS
 from tests.engine_support import (make_engine, model_parts, requests_with_reference, run_to_completion,  # noqa: F401
@@ -120,6 +120,7 @@ def test_prefill_role_hands_chunked_kv_to_decode(model_parts, requests_with_refe
     span starts at 0 and carries the cached KV too. Decode outputs are HF's."""
     prefill = make_engine(model_parts, role="prefill", max_batched_tokens=32)
     decode = make_engine(model_parts, role="decode")
+    assert warm_steps(prefill) == 4 and warm_steps(decode) == 0  # as the workers start (the KV they wrote: not cached)
     picks = [5, 1, 3, 5]  # the last repeats the first: a cache hit
     seqs = [sequence(f"{n}-{i}", requests_with_reference[i]) for n, i in enumerate(picks)]
     moved = {s.request_id: Sequence(s.request_id, [0] * len(s), len(s), s.sampling, num_computed=len(s)) for s in seqs}
@@ -162,6 +163,30 @@ def test_prefill_role_hands_chunked_kv_to_decode(model_parts, requests_with_refe
     for seq, i in zip(seqs, picks):
         assert moved[seq.request_id].output_ids == requests_with_reference[i][3], seq.request_id
     assert decode.blocks.num_free == decode.blocks.num_blocks
+
+
+@pytest.mark.parametrize("role, target_itl_s, rows", [("prefill", DEFAULT_TARGET_ITL_MS / 1e3, False),
+                                                      ("both", 0.0, True)])
+def test_engines_without_a_time_budget_step_serving_shapes_before_they_serve(model_parts, role, target_itl_s, rows):
+    """A prefill worker (and an engine whose budget is off) fits no step-time model, yet steps the trial
+    shapes once before it serves, so a kernel variant only an eager forward past the prefill graphs
+    launches is compiled then, not on a first long prompt: prompts up to the whole step budget (and a
+    chunk after a prefix); decode rows riding along only where the engine has them. The pool is left free."""
+    engine = make_engine(model_parts, role=role, max_batched_tokens=64, target_itl_s=target_itl_s)
+    assert engine.step_times is None
+    stepped = []
+    prefill = engine.runner.prefill
+
+    def spy(chunks):
+        stepped.append([(c.end - c.start, c.start) for c in chunks])
+        return prefill(chunks)
+
+    engine.runner.prefill = spy
+    assert warm_steps(engine) == len(stepped) >= 4
+    prompts = [step[-1] for step in stepped]
+    assert (64, 0) in prompts and any(start > 0 for _, start in prompts)
+    assert any(len(step) > 1 for step in stepped) is rows
+    assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
 def make_triton(cache, head_dim: int, sdpa: bool, prefix_chunks: str) -> TritonAttention:

@@ -32,7 +32,7 @@ from shared.engine.engine import StepOutput
 from shared.engine.loop import EngineLoop
 from shared.engine.scheduler import PrefixUnavailable
 from shared.engine.sequence import Sequence
-from shared.engine.warmup import calibrate, warm_thread
+from shared.engine.warmup import warm_steps, warm_thread
 from shared.errors import ServiceError
 from shared.logging import get_logger
 from shared.messages import pack
@@ -86,9 +86,9 @@ class LanguageWorker:
         self.loop.start()
         resources.push_async_callback(asyncio.to_thread, self.loop.stop)
         # the engine thread's own library state (cuDNN's attention plans), before any request; then the
-        # step-time model's first fit, on steps of what was just warmed
+        # serving's step shapes (the step-time model's first fit where it has a budget), on what was just warmed
         self.attention_plans = await self.loop.call(warm_thread)
-        await self.loop.call(calibrate)
+        await self.loop.call(warm_steps)
         self.publisher = Publisher(nc)
         resources.push_async_callback(self.publisher.close)
         subscription = await listen_for_cancels(nc, self.subjects, self.cancel)

@@ -1,8 +1,11 @@
 """What the engine thread does before its worker serves (the worker registers after both):
 
 - ``warm_thread``: what libraries cache per thread, built in the thread that will step the engine;
-- ``calibrate``: the step-time model's first fit (``shared.engine.step_time``), from a few engine steps
-  timed here.
+- ``warm_steps``: a few engine steps of the shapes serving reaches, so every kernel variant they launch is
+  compiled before a request comes (an eager forward past the prefill graphs' buckets runs the first
+  layer's norm without a residual and the MoE at larger tiles: variants no graph capture compiles); where
+  the engine has a time budget they are timed and give the step-time model its first fit
+  (``shared.engine.step_time``, ``calibrate``).
 
 The calibration steps are the serving path's own (``ModelRunner.prefill`` on sequences of placeholder tokens whose
 blocks are taken from the pool and given back): prompts alone at three lengths up to the step budget, a
@@ -78,6 +81,23 @@ def warm_thread(engine) -> int:
     return plans
 
 
+def warm_steps(engine) -> int:
+    """Run the trial steps of ``engine``'s role in the thread that steps it, before it serves: timed, and the
+    step-time model fitted to them, where it has a time budget (``calibrate``); once each otherwise (a
+    prefill worker: its prompt trials; ``--target-itl-ms 0``). A decode worker's steps are its captured
+    graphs. Returns how many steps ran."""
+    if engine.role == "decode":
+        return 0
+    if engine.step_times is not None:
+        return calibrate(engine)
+    started = time.perf_counter()
+    plan = role_trials(engine)
+    for trial in plan:
+        run_trial(engine, trial, times=1)
+    log.info("engine.warmed_steps", steps=len(plan), ms=round((time.perf_counter() - started) * 1e3))
+    return len(plan)
+
+
 def calibrate(engine) -> int:
     """Fit ``engine``'s step-time model to timed trial steps (in the thread that steps it, before it
     serves); returns how many steps were timed (0: the engine has no time budget)."""
@@ -93,27 +113,35 @@ def calibrate(engine) -> int:
     return len(samples)
 
 
+def role_trials(engine) -> list[Trial]:
+    """``trials`` for ``engine``'s pool and budget; a prefill worker's without decode rows (it has none)."""
+    blocks = engine.blocks
+    plan = trials(engine.scheduler.max_batched_tokens, blocks.block_size, blocks.num_free, engine.max_model_len,
+                  engine.scheduler.max_num_seqs)
+    return [t for t in plan if not t.rows] if engine.role == "prefill" else plan
+
+
 def measure(engine) -> list[tuple[StepShape, float]]:
     """(shape, seconds of its faster run) of each trial, on ``engine``'s runner and pool (left as found)."""
+    return [(trial.shape(), run_trial(engine, trial, times=2)) for trial in role_trials(engine)]
+
+
+def run_trial(engine, trial: Trial, times: int) -> float:
+    """Step ``trial`` ``times`` times on ``engine``'s runner (its blocks given back after); the fastest run's seconds."""
     runner, blocks = engine.runner, engine.blocks
-    budget = engine.scheduler.max_batched_tokens
-    plan = trials(budget, blocks.block_size, blocks.num_free, engine.max_model_len, engine.scheduler.max_num_seqs)
-    samples = []
-    for trial in plan:
-        seqs, chunks = _trial_chunks(trial, blocks)
-        try:
-            seconds = []
-            for _ in range(2):
-                _sync(runner.device)
-                began = time.perf_counter()
-                runner.prefill(chunks)
-                _sync(runner.device)
-                seconds.append(time.perf_counter() - began)
-            samples.append((trial.shape(), min(seconds)))
-        finally:
-            for seq in seqs:
-                blocks.deallocate(seq)
-    return samples
+    seqs, chunks = _trial_chunks(trial, blocks)
+    try:
+        seconds = []
+        for _ in range(times):
+            _sync(runner.device)
+            began = time.perf_counter()
+            runner.prefill(chunks)
+            _sync(runner.device)
+            seconds.append(time.perf_counter() - began)
+        return min(seconds)
+    finally:
+        for seq in seqs:
+            blocks.deallocate(seq)
 
 
 def _trial_chunks(trial: Trial, blocks) -> tuple[list[Sequence], list[Chunk]]:
