@@ -112,10 +112,10 @@ def test_a_prefill_lost_before_accepting_is_retried_at_once(up, want):
     frozen = up.signal("prefill", signal.SIGSTOP)
     started = time.monotonic()
     try:
-        burst(up, want, 8, lambda: __import__("os").kill(frozen, signal.SIGKILL), after=2.0)
+        burst(up, want, 8, lambda: os.kill(frozen, signal.SIGKILL), after=2.0)
     finally:
         try:
-            __import__("os").kill(frozen, signal.SIGCONT)
+            os.kill(frozen, signal.SIGCONT)
         except ProcessLookupError:
             pass
     assert time.monotonic() - started < 20  # well inside the 30 s a lost job used to wait
@@ -139,21 +139,21 @@ def test_an_encoder_gone_before_its_embeddings_were_pulled(up, pairs, how):
     left = up.count("stack.worker_left")
     prefills = up.pids("prefill")
     for pid in prefills:
-        __import__("os").kill(pid, signal.SIGSTOP)
+        os.kill(pid, signal.SIGSTOP)
 
     def encoder_leaves():
         time.sleep(1.5)  # the images are encoded, their handles handed to the (frozen) prefill workers
         up.signal("encoder", how)
         time.sleep(0.3)
         for pid in prefills:
-            __import__("os").kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGCONT)
 
     try:
         burst(up, want, 6, encoder_leaves, after=0.2)
     finally:
         for pid in prefills:
             try:
-                __import__("os").kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
     if how == signal.SIGKILL:
