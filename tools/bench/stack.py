@@ -33,7 +33,7 @@ class StackProcess:
         self.tail: deque[str] = deque(maxlen=60)
         self.ready_event: dict = {}
         self.events: Counter[str] = Counter()
-        self.compiles: list[dict] = []  # each kernel.compiled: kernel, ms, service, specialization
+        self.compiles: list[dict] = []  # each kernel.compiled: kernel, ms, service, specialization, timestamp
         self._lock = threading.Lock()
         self._ready = threading.Event()
         threading.Thread(target=self._drain, daemon=True).start()
@@ -54,7 +54,8 @@ class StackProcess:
                     if name == "kernel.compiled":
                         self.compiles.append({"kernel": event.get("kernel"), "ms": event.get("ms"),
                                               "service": event.get("service"),
-                                              "specialization": event.get("specialization")})
+                                              "specialization": event.get("specialization"),
+                                              "timestamp": event.get("timestamp")})
             elif name == "stack.ready":
                 self.ready_event = event
                 self._ready.set()
