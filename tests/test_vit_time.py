@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from services.encoder.batcher import VisionBatcher
-from services.encoder.forward_time import SCALES, TRIALS, ForwardTimes, calibrate, features
+from services.encoder.forward_time import SCALES, TRIALS, ForwardTimes, calibrate, features, layout_key
 from shared.engine.loop import EngineLoop
 from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import Sequence
@@ -44,6 +44,42 @@ def test_forward_time_fit_converges_and_follows_a_slower_gpu():
     errors = [abs(times.predict(g) * 1e3 / (1.3 * forward_ms(g)) - 1) for g in (batch() for _ in range(100))]
     assert np.mean(errors) < 0.04
     assert times.stats()["vit_time_error_count"] == 200
+
+
+class Captured:
+    """``LayoutGraphs`` as ``ForwardTimes`` reads it: the layouts captured (its graphs need a GPU)."""
+
+    def __init__(self):
+        self.entries: dict[tuple, object] = {}
+
+
+def test_a_captured_layout_is_predicted_from_its_replays_which_stay_out_of_the_fit():
+    """One 720p image recurs: its first forward is eager, its second captures the layout's graph (10x
+    slow, once), then it replays in a fifth of its eager time. Its replays predict it (within 5 %); neither
+    they nor the capture move the linear fit, so two 1080p images are still predicted at their eager time;
+    a layout no longer captured is predicted by the fit again."""
+    rng = np.random.default_rng(1)
+    graphs = Captured()
+    times = ForwardTimes(graphs=graphs)
+    times.calibrate([(grids, forward_ms(grids) / 1e3) for grids in TRIALS])
+    one, two = [(1, 52, 92)], [(1, 78, 138)] * 2
+    eager = forward_ms(one)
+    assert not times.graphed(one)
+    times.observe(one, eager / 1e3, times.graphed(one))
+    before = times.fit.theta.copy()
+    graphed = times.graphed(one)
+    graphs.entries[layout_key(one)] = object()  # captured during this forward
+    times.observe(one, 10 * eager / 1e3, graphed)
+    assert np.allclose(times.fit.theta, before)
+    for _ in range(40):
+        assert times.graphed(one)
+        times.observe(one, eager / 5 * (1 + 0.02 * rng.standard_normal()) / 1e3, True)
+    assert abs(times.predict(one) * 1e3 / (eager / 5) - 1) < 0.05
+    assert np.allclose(times.fit.theta, before)
+    assert abs(times.predict(two) * 1e3 / forward_ms(two) - 1) < 0.03
+    graphs.entries.clear()
+    times.observe(two, forward_ms(two) / 1e3, times.graphed(two))
+    assert not times.replays and abs(times.predict(one) * 1e3 / eager - 1) < 0.03
 
 
 def patches(tower, seed: int) -> torch.Tensor:

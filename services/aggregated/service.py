@@ -49,7 +49,8 @@ class AggregatedService(LanguageService):
         """The engine thread, before serving: the ViT's forward-time model, fitted to timed forwards, so its
         batches between steps fit the engine's time budget while sequences decode."""
         batcher = self.encoder.vision.batcher
-        batcher.forward_times = ForwardTimes()
+        pieces = batcher.tower.pieces
+        batcher.forward_times = ForwardTimes(graphs=pieces.layouts if pieces is not None else None)
         calibrate(batcher.tower, batcher.forward_times, batcher.max_patches)
 
     def endpoints(self) -> list[Endpoint]:

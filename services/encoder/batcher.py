@@ -154,6 +154,7 @@ class VisionBatcher:
         for item in batch:
             self.times.add("queue", started - item.queued_at)
         timed = self.device.type == "cuda"
+        graphed = self.forward_times is not None and self.forward_times.graphed([item.grid for item in batch])
         try:
             begin = _timing_event() if timed else None
             outputs = self._forward(batch)
@@ -168,7 +169,7 @@ class VisionBatcher:
             return
         self.times.add("forward", time.monotonic() - started, count=len(batch))
         if self.forward_times is not None:
-            self.forward_times.observe([item.grid for item in batch], time.monotonic() - started)
+            self.forward_times.observe([item.grid for item in batch], time.monotonic() - started, graphed)
         if timed:  # host-bound when the launch takes the forward's time; else the GPU span says how long
             self.times.add("forward_launch", queued - started, count=len(batch))
             self.times.add("forward_gpu", begin.elapsed_time(end) / 1e3, count=len(batch))

@@ -8,7 +8,12 @@ The costs (``features``): 1 (a forward's launch, the tower's weights), images (e
 its pixels prepared, its attention segments), patches (every block's matmuls, and windowed attention:
 Qwen2.5-VL's windows are a fixed size, so their cost grows with the patches), and the patch pairs of
 whole-image attention (Qwen2-VL's every block, Qwen2.5-VL's few full ones, Qwen3-VL's: each frame's patches
-attend to each other, (h·w)² a frame). Fitted as the engine's step times are (``shared.fit``).
+attend to each other, (h·w)² a frame). Fitted as the engine's step times are (``shared.fit``), on eager
+forwards only: a layout the tower captured as a whole-forward graph (``shared.model.pieces.LayoutGraphs``:
+a recurring batch, such as one 720p image) replays in a fraction of its eager time, and only that layout
+does, so its replays are remembered per layout (a moving average) and predicted from that — fitted into
+the linear model they would pull every eager prediction down (on one H100, mean error 96 % with them in).
+The forward that captures a layout (a warm-up and the capture, once) is left out of both.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ NAMES = ("ms_per_forward", "ms_per_image", "ms_per_10k_patches", "ms_per_1e8_pat
 # LayoutGraphs, which captures a layout at its second forward, never captures theirs.
 TRIALS = ([(1, 34, 30)], [(1, 66, 62)], [(1, 66, 62)] * 2, [(1, 34, 30)] * 4, [(1, 98, 94)], [(1, 50, 46)] * 3)
 CPU_SCALE = 4  # on CPU (the tiny test model) each side a quarter as long
+REPLAY_WEIGHT = 0.25  # of each new replay in a captured layout's remembered time
 
 
 def features(grids: Sequence[Grid]) -> np.ndarray:
@@ -40,29 +46,53 @@ def features(grids: Sequence[Grid]) -> np.ndarray:
     return np.array((1, len(grids), patches, pairs), dtype=np.float64) / SCALES
 
 
-class ForwardTimes:
-    """A batcher's forward-time model, and how far its predictions were from the forwards it timed."""
+def layout_key(grids: Sequence[Grid]) -> tuple:
+    """A batch's layout as ``LayoutGraphs`` keys it."""
+    return tuple(map(tuple, grids))
 
-    def __init__(self, forgetting: float = FORGETTING):
+
+class ForwardTimes:
+    """A batcher's forward-time model, and how far its predictions were from the forwards it timed.
+    ``graphs``: the tower's ``LayoutGraphs`` (GPU), whose captured layouts are predicted by their replays."""
+
+    def __init__(self, forgetting: float = FORGETTING, graphs=None):
         self.fit = RecursiveFit(len(SCALES), forgetting)
+        self.graphs = graphs
+        self.replays: dict[tuple, float] = {}  # ms a captured layout's replay takes (at most the graphs' limit)
         self.observed = 0
         self.error_total = 0.0  # Σ |predicted − observed| / observed
         self.cut = 0  # batches a time budget closed before the limits on images and patches did
 
+    def graphed(self, grids: Sequence[Grid]) -> bool:
+        """Whether a forward of ``grids`` replays a captured graph (ask before the forward: it may capture)."""
+        return self.graphs is not None and layout_key(grids) in self.graphs.entries
+
     def predict(self, grids: Sequence[Grid]) -> float:
         """Seconds."""
-        return self.fit.predict(features(grids)) / 1e3
+        return self._predict_ms(grids, self.graphed(grids)) / 1e3
+
+    def _predict_ms(self, grids: Sequence[Grid], graphed: bool) -> float:
+        remembered = self.replays.get(layout_key(grids)) if graphed else None
+        return remembered if remembered is not None else self.fit.predict(features(grids))
 
     def calibrate(self, samples: list[tuple[list[Grid], float]]) -> None:
         self.fit = RecursiveFit.calibrated(len(SCALES), [(features(g), s * 1e3) for g, s in samples],
                                            self.fit.forgetting)
 
-    def observe(self, grids: Sequence[Grid], seconds: float) -> None:
-        x = features(grids)
-        if seconds > 0:
-            self.error_total += abs(self.fit.predict(x) - seconds * 1e3) / (seconds * 1e3)
+    def observe(self, grids: Sequence[Grid], seconds: float, graphed: bool = False) -> None:
+        """A forward of ``grids`` took ``seconds``; ``graphed``: ``graphed(grids)`` before it ran."""
+        ms = seconds * 1e3
+        if ms > 0:
+            self.error_total += abs(self._predict_ms(grids, graphed) - ms) / ms
             self.observed += 1
-        self.fit.update(x, seconds * 1e3)
+        key = layout_key(grids)
+        if graphed:
+            old = self.replays.get(key)
+            self.replays[key] = ms if old is None else old + REPLAY_WEIGHT * (ms - old)
+        elif not self.graphed(grids):  # eager (not the forward that captured the layout)
+            self.fit.update(features(grids), ms)
+        for gone in [k for k in self.replays if not self.graphed(k)]:
+            del self.replays[gone]
 
     def coefficients(self) -> dict[str, float]:
         return {name: round(float(value), 4) for name, value in zip(NAMES, self.fit.theta)}
