@@ -395,3 +395,25 @@ def test_mixed_steps_launch_the_kernels_the_decode_graphs_compiled(tiny_model, m
         engine.step()
     assert {name: len(v) for name, v in variants.items()} == {"_decode_kernel": 1, "_merge_kernel": 1,
                                                               "_rope_store_kernel": 1}
+
+
+def test_the_encoders_warm_up_reaches_every_segment_tile_and_the_eager_forward(tiny_model):
+    """An encoder forwards ``warm_grids`` before it registers: images short enough for the one-tile segment
+    kernel at each of its tile lengths (16-128 patches, one Triton variant each), and one past the pieces'
+    graphs (the eager forward, whose first norm has no residual), within the batch limit; the tiny tower
+    runs them all (through its real layout and forward)."""
+    from services.encoder.vision import warm_grids, warm_up
+    from shared.model.config import ModelConfig
+    from shared.model.loader import load_vision_tower
+    from shared.model.vision_attention import SegmentAttention
+
+    def patches(batches):
+        return [sum(t * h * w for t, h, w in grids) for grids in batches]
+
+    sizes = patches(warm_grids(2, 8192, 16384))
+    tiles = {max(16, triton.next_power_of_2(n)) for n in sizes if n <= SegmentAttention.SHORT}
+    assert tiles == {16, 32, 64, 128} and max(sizes) > 8192 and all(n <= 16384 for n in sizes)
+    assert max(patches(warm_grids(2, 8192, 8192))) <= 8192  # past the graphs only within the batch limit
+    config = ModelConfig.from_checkpoint(tiny_model)
+    tower = load_vision_tower(tiny_model, config)
+    assert warm_up(tower, 512, 4096) == len(warm_grids(config.vision.merge_size, 512, 4096)) == 6
