@@ -122,6 +122,26 @@ async def test_with_nothing_listed_images_go_to_the_queue_group(nats_url):
         await nc.close()
 
 
+async def test_a_failed_encode_goes_to_another_listed_encoder_it_can_watch(nats_url):
+    """After a failure the image goes to the least loaded listed encoder not found gone (or failing it)
+    — its own subject, so its death is noticed within a second — and to the queue group only when no
+    other is listed: a queue group's job handed to a process that just died waits out the whole timeout."""
+    from shared.bus.directory import Instance
+
+    nc = await nats.connect(nats_url)
+    try:
+        directory = Directory(nc, "s")
+        router = EncoderRouter(nc, directory, Subjects("s"), margin=0)
+        directory.instances = [Instance("encoder", "encoder-a", data={"in_flight": 0}),
+                               Instance("encoder", "encoder-b", data={"in_flight": 3}),
+                               Instance("encoder", "encoder-c", data={"in_flight": 1, "draining": True})]
+        assert router.retarget(set()) == Target("s.encode.encoder-a", "encoder-a")  # least loaded, not draining
+        assert router.retarget({"encoder-a"}) == Target("s.encode.encoder-b", "encoder-b")
+        assert router.retarget({"encoder-a", "encoder-b"}) == Target("s.encode")
+    finally:
+        await nc.close()
+
+
 # -- a stack of two encoders whose processes the tests tell apart ------------------------------------------
 
 

@@ -95,12 +95,15 @@ def test_a_worker_killed_under_load_loses_nothing_and_is_restarted(up, want, kin
 @pytest.mark.parametrize("kind", ["encoder", "prefill"])
 def test_requests_that_find_no_worker_of_a_kind_wait_for_one_to_restart(up, reference, kind):
     """Every worker of a kind killed at once: the requests sent meanwhile wait for the supervisor to start
-    one again (``--worker-wait``), then are answered exactly. Images not seen before: no prefix cache holds
+    one again (``--worker-wait``), then are answered exactly, each retry sent where its loss is noticed. Images not seen before: no prefix cache holds
     them, so they need the encoders."""
     seed = {"encoder": 700, "prefill": 710}[kind]
     fresh = exact_answers(reference, [make_image(seed + i, 48 + 8 * i, 56) for i in range(4)], ahead=True)
     died = up.count("stack.worker_died")
+    started = time.monotonic()
     burst(up, fresh, 4, lambda: [os.kill(pid, signal.SIGKILL) for pid in up.pids(kind)], after=0)
+    # none of them waited out a 60 s encode or prefill timeout on a job handed to a process just killed
+    assert time.monotonic() - started < 40
     up.wait_for_workers(kind, 2)
     assert up.count("stack.worker_died") == died + 2
     up.wait_idle()

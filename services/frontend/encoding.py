@@ -1,9 +1,12 @@
 """A request's images → embedding handles: pixels published once on the frontend's data plane, one
 ``EncodeJob`` per image (or video clip: its sampled frames) to the encoder the router picks, all in parallel.
 
-A failed attempt — a server error, a timeout, the encoder gone — goes again to the queue group (NATS
-picks a live encoder), up to ``ENCODE_ATTEMPTS`` tries. No encoder listed (one restarting, the tier
-scaling up from zero): the request waits for one (``StackWorkers``), then it is a 503. The pixels stay
+A failed attempt — a server error, a timeout, the encoder gone — goes again to another listed encoder,
+watched as the first was, up to ``ENCODE_ATTEMPTS`` failures of a live encoder (one found gone is left
+out and costs no try); to the queue group only when none is listed (unwatched: a job NATS hands to a
+process that died a moment ago gets no answer until the encode timeout, as one request of four did when
+every encoder was killed at once). No encoder listed (one restarting, the tier scaling up from zero): the
+request waits for one (``StackWorkers``), then it is a 503. The pixels stay
 published until every image is encoded: an encode may be retried.
 """
 
@@ -27,7 +30,7 @@ from shared.messages.encode import EncodeJob, EncodeResult
 
 log = get_logger(__name__)
 
-ENCODE_ATTEMPTS = 3  # tries per image when an encoder fails or vanishes
+ENCODE_ATTEMPTS = 3  # tries per image that fail with their encoder alive (a server error, a timeout)
 
 
 class EncodeFanout:
@@ -74,8 +77,11 @@ class EncodeFanout:
                 self.plane.release(handle)
 
     async def _encode_one(self, job: EncodeJob, target: Target, until: float) -> EncodeResult:
-        gone: set[str] = set()
-        for attempt in range(1, ENCODE_ATTEMPTS + 1):
+        gone: set[str] = set()  # encoders found gone: never asked again
+        tried: set[str] = set()  # encoders that failed it while alive: others first
+        failures = 0  # attempts that failed with their encoder alive; one that finds it gone costs none (each
+        # encoder is found gone once, and the wait for another ends at ``until``)
+        while True:
             try:
                 with self.router.outstanding.sending(target.instance):
                     reply = await call_watched(self.nc, self.directory, target, pack(job),
@@ -91,9 +97,13 @@ class EncodeFanout:
                     gone |= {target.instance} if target.instance else {e.instance for e in
                                                                        self.directory.of(*ENCODER_KINDS)}
                     listed = await self.workers.encoder(until, exclude=gone) or bool(target.instance)
-                retry = err.status >= 500 and attempt < ENCODE_ATTEMPTS and listed
+                else:
+                    failures += 1
+                    tried |= {target.instance} - {""}
+                retry = err.status >= 500 and failures < ENCODE_ATTEMPTS and listed
                 log.warning("encode.failed", request_id=job.request_id, status=err.status, retry=retry)
                 if not retry:
                     raise ApiError(err.status, "image encoding failed: " + err.message) from None
-                target = Target(self.subjects.encode)
-        raise AssertionError("unreachable")
+                target = self.router.retarget(gone | tried)
+                if not target.instance:  # every live listed one failed it once: again, the least loaded
+                    target = self.router.retarget(gone)

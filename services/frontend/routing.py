@@ -99,6 +99,17 @@ class EncoderRouter:
         load = {e.instance: self.outstanding.load(e, "in_flight") for e in encoders}
         return [Target(self.subjects.encode_on(i), i) for i in assign(content_hashes, load, holders, self.margin)]
 
+    def retarget(self, avoid: set[str]) -> Target:
+        """Where a failed encode goes next: the least loaded listed encoder not in ``avoid`` (one whose
+        call can be watched: if it is gone too, the caller learns it within a second), or the queue
+        group when there is none (an encoder may serve before it is listed)."""
+        load = {e.instance: self.outstanding.load(e, "in_flight") for e in self.directory.of(*ENCODER_KINDS)
+                if e.instance not in avoid}
+        if not load:
+            return Target(self.subjects.encode)
+        least = min(load, key=lambda instance: (load[instance], instance))
+        return Target(self.subjects.encode_on(least), least)
+
     async def holders(self, content_hashes: list[str], encoders: list[Instance]) -> list[str | None]:
         """For each image, the live encoder the embedding index says holds it (None: unknown)."""
         fingerprints = sorted({e.metadata.get("cache_fingerprint", "") for e in encoders} - {""})
