@@ -52,8 +52,8 @@ async def test_roles_publish_only_on_their_subjects(secured):
         await decode.publish(f"{PREFIX}.stream.r1", b"allowed")
         await decode.publish("$SRV.PING.epd-prefill.prefill-0a1b2c3d4e5f", b"allowed")
         await decode.flush()
-        assert (await to_stream.next_msg(timeout=2)).data == b"allowed"
-        assert (await pinged.next_msg(timeout=2)).data == b"allowed"
+        assert (await to_stream.next_msg(timeout=10)).data == b"allowed"
+        assert (await pinged.next_msg(timeout=10)).data == b"allowed"
         for refused in (to_prefill, listed):
             with pytest.raises(asyncio.TimeoutError):
                 await refused.next_msg(timeout=0.5)
