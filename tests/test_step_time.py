@@ -5,13 +5,15 @@ budget on the tiny model against HF)."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
 from shared.engine.block_manager import BlockManager
 from shared.engine.warmup import trials
 from shared.engine.sampling import SamplingParams
-from shared.engine.scheduler import Plan, Scheduler
+from shared.engine.scheduler import BACKLOG_S, Plan, Scheduler
 from shared.engine.sequence import Sequence, Status
 from shared.engine.step_time import SCALES, StepShape, StepTimes
 
@@ -169,6 +171,25 @@ def test_steps_without_decode_rows_or_budget_use_the_token_budget():
         assert prompt_tokens(plan) == 1024 - rows and not plan.paced
     assert scheduler(THETA, 0.005, decoding=0).gap_budget_s() is None
     assert scheduler(THETA, 0.0, decoding=4).gap_budget_s() is None
+
+
+def test_a_prompt_waiting_past_the_backlog_bound_lifts_the_time_budget():
+    """A prompt late for any TTFT a user accepts gets steps sized by tokens (the budget costs throughput,
+    and at saturation the queue would only grow), waiting or partly prefilled; the budget comes back once
+    no prompt is that late."""
+    sched = scheduler(THETA, 0.005, decoding=4)
+    late = time.monotonic() - BACKLOG_S - 0.1
+    sched.waiting[0].arrival = late
+    plan = sched.schedule()
+    assert prompt_tokens(plan) == 1024 - 4 and not plan.paced and sched.gap_budget_s() is None
+
+    sched = scheduler(THETA, 0.005, decoding=4)
+    assert sched.schedule().paced  # its first chunk, cut to the budget; the rest is still to prefill
+    prompt = next(s for s in sched.running if not s.decoding)  # admitted: its chunks are planned again
+    prompt.arrival = late
+    assert prompt_tokens(sched.schedule()) == 1024 - 4
+    prompt.arrival = time.monotonic()
+    assert sched.schedule().paced and sched.gap_budget_s() is not None
 
 
 def test_feature_scales_keep_an_h200_step_near_one():

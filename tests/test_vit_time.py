@@ -11,6 +11,7 @@ import torch
 from services.encoder.batcher import VisionBatcher
 from services.encoder.forward_time import SCALES, TRIALS, ForwardTimes, calibrate, features, layout_key
 from shared.engine.loop import EngineLoop
+from shared.engine.scheduler import BACKLOG_S
 from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import Sequence
 from shared.engine.warmup import calibrate as calibrate_steps
@@ -113,11 +114,11 @@ def test_a_gap_with_no_time_left_forwards_one_image(model_parts):
 def test_the_aggregated_engine_thread_splits_vit_batches_while_sequences_decode(model_parts):
     """The engine loop with the ViT attached, as the aggregated worker runs it, a sequence decoding: with a
     time budget no step can meet, each gap between two steps forwards one image (three images, three
-    gaps, each followed by a step); without a budget the three go in one forward. The embeddings are
-    the same either way."""
+    gaps, each followed by a step); without a budget, or once an image a cut held back has waited past
+    the backlog bound, the three go in one forward. The embeddings are the same either way."""
     _, _, tower = model_parts
 
-    async def run(target_s: float) -> tuple[list[tuple[int, int]], list[torch.Tensor]]:
+    async def run(target_s: float, late: bool = False) -> tuple[list[tuple[int, int]], list[torch.Tensor]]:
         engine = make_engine(model_parts, target_itl_s=target_s)
         calibrate_steps(engine)
         params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -125,6 +126,8 @@ def test_the_aggregated_engine_thread_splits_vit_batches_while_sequences_decode(
         while not engine.scheduler.running or not engine.scheduler.running[0].decoding:
             engine.step()  # its prompt, in this thread before the loop starts
         batcher = VisionBatcher(tower, asyncio.get_running_loop(), max_images=8, max_patches=10_000)
+        if late:  # an image a cut held back has waited past the backlog bound
+            batcher.waited_s = lambda: BACKLOG_S + 1.0
         if target_s:
             batcher.forward_times = ForwardTimes()
             calibrate(tower, batcher.forward_times, 10_000)
@@ -144,7 +147,8 @@ def test_the_aggregated_engine_thread_splits_vit_batches_while_sequences_decode(
 
     paced, apart = asyncio.run(run(1e-6))
     plain, together = asyncio.run(run(0.0))
-    assert [n for n, _ in paced] == [1, 1, 1] and [n for n, _ in plain] == [3]
+    backlogged, _ = asyncio.run(run(1e-6, late=True))
+    assert [n for n, _ in paced] == [1, 1, 1] and [n for n, _ in plain] == [3] and [n for n, _ in backlogged] == [3]
     steps = [s for _, s in paced]
     assert steps[0] < steps[1] < steps[2]  # an engine step between every two forwards
     for x, y in zip(apart, together):

@@ -16,7 +16,8 @@ Who runs the forwards:
   whole request's first token, while the decode rows it delays lose one step's worth of time. While
   sequences decode, the engine's time budget bounds the gap instead (``step``'s ``budget_s``: the
   target less their predicted step), each batch cut to what the forward-time model predicts fits
-  (``forward_time``), one image at least. A
+  (``forward_time``), one image at least, unless an image it held back has waited past the engine's
+  backlog bound (``scheduler.BACKLOG_S``). A
   request's images come as one job each, a data-plane pull apart, so a gap that took only what was
   queued at its start left the rest of the request for the next gap, a whole engine step (up to 8,192
   tokens, ~230 ms) later. One batch per gap fell further behind (H200 run 1: 388 ms of queueing per
@@ -97,6 +98,10 @@ class VisionBatcher:
 
     def has_work(self) -> bool:
         return self.queued > 0
+
+    def waited_s(self) -> float:
+        """How long the image a gap's cut held back (the oldest queued) has waited; 0: none held."""
+        return time.monotonic() - self._held[0].queued_at if self._held else 0.0
 
     def start(self) -> None:
         """Run forwards in a thread of this batcher's own (an encoder process)."""

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 from shared.engine.engine import Engine, StepOutput
+from shared.engine.scheduler import BACKLOG_S
 from shared.aio import settle
 from shared.logging import get_logger
 
@@ -43,7 +44,8 @@ class EngineLoop:
 
     def attach(self, side) -> None:
         """Run ``side.step(budget_s)`` between engine steps whenever ``side.has_work()`` (``budget_s``:
-        seconds it may take, None: its own limit; it fails its own items, never the engine). ``side.wake``
+        seconds it may take, None: its own limit — also once ``side.waited_s()``, the wait of what a cut
+        held back, passes ``BACKLOG_S``; it fails its own items, never the engine). ``side.wake``
         is set to wake this thread when new side work arrives while the engine idles. Call before
         ``start``."""
         self._side = side
@@ -87,8 +89,10 @@ class EngineLoop:
             spent = 0.0  # the decoding sequences' next token waits for the side work too
             if self._has_side_work():
                 began = time.monotonic()
-                # while sequences decode, the side's forwards get what the time budget leaves of their next token
-                self._side.step(budget_s=self.engine.scheduler.gap_budget_s())
+                # while sequences decode, the side's forwards get what the time budget leaves of their next
+                # token, unless an image a cut held back is as late as a backlogged prompt
+                late = self._side.waited_s() > BACKLOG_S
+                self._side.step(budget_s=None if late else self.engine.scheduler.gap_budget_s())
                 spent = time.monotonic() - began
             if self.engine.has_work():
                 self._step(spent)

@@ -9,9 +9,14 @@ split, and continues in the next steps. While sequences decode, a step is also g
 worker's ViT): their next token waits for the whole step, so its prompt chunks are cut to what the
 step-time model (``shared.engine.step_time``) predicts fits — a token count would bound a step's
 time only for one mix of chunks, prefixes and decode rows. A step still takes a block's worth of prompt
-tokens, so prompts always advance; a step without decode rows uses the whole token budget. Without
-chunking, prompts are prefilled whole in steps of their own (prefill before decode; the first prompt
-of a step may exceed the budget).
+tokens, so prompts always advance; a step without decode rows uses the whole token budget. A backlog
+lifts the time budget: while a prompt has waited longer than ``BACKLOG_S`` (late for any TTFT a user
+would accept), steps are sized by tokens again. The budget costs prompt throughput (every step pays its
+decode rows and its own overhead), and at saturation that cost turns into queues that only grow: on one
+H100, image-heavy and mixed load past the 7B's saturation, a budget held to the end served 78–88 % of the
+requests a second of the same stack without it, at 2.1–5.9× its mean TTFT; with the bound, 96–97 % at
+1.6–1.7× (``docs/benchmarks.md``). Without chunking, prompts are prefilled whole in steps of their own
+(prefill before decode; the first prompt of a step may exceed the budget).
 
 Prompts are served shortest remaining first — a text prompt does not wait behind a prompt of eight
 images — except that one waiting longer than the priority window goes first, oldest first, so no prompt
@@ -40,6 +45,7 @@ from shared.engine.sequence import Sequence, Status
 from shared.engine.step_time import StepShape, StepTimes
 
 PRIORITY_WINDOW_S = 2.0  # a prompt passed over this long goes first (the priority window)
+BACKLOG_S = 2.0  # a prompt waiting this long: steps are sized by tokens, not time, until none is
 
 
 class PrefixUnavailable(Exception):
@@ -180,15 +186,21 @@ class Scheduler:
         step and the decoding sequences' next token still come within the target: the target less the
         predicted step of their rows alone. None: no sequence is decoding, or no time budget."""
         contexts = [len(seq) for seq in self.running if seq.decoding]
-        if not contexts or not self.pacing:
+        if not contexts or not self.pacing or self.backlogged():
             return None
         return max(0.0, self.target_s - self.step_times.predict(StepShape.of_decode(contexts)))
+
+    def backlogged(self) -> bool:
+        """A prompt (waiting, or partly prefilled) has waited longer than ``BACKLOG_S``."""
+        late = time.monotonic() - BACKLOG_S
+        return any(s.arrival < late for s in self.waiting) or any(
+            s.arrival < late for s in self.running if not s.decoding)
 
     def _prompt_budget(self, decode: StepShape, spent_s: float) -> _Budget:
         # a block's worth at least, so prompts advance even when decode rows fill the budget
         floor = self.blocks.block_size
         tokens = max(self.max_batched_tokens - decode.decode_rows, floor)
-        if not decode.decode_rows or not self.pacing:
+        if not decode.decode_rows or not self.pacing or self.backlogged():
             return _Budget(tokens, decode)
         return _Budget(tokens, decode, self.step_times, self.target_s - spent_s, floor)
 
