@@ -138,11 +138,14 @@ class UpStack:
             time.sleep(0.3)
 
     def wait_idle(self, timeout: float = 10) -> None:
-        """No sequence running and no KV block held on any language-model worker."""
+        """No sequence running and no KV block held on any language-model worker, and no embeddings held
+        at an encoder (every handle handed out was pulled or discarded)."""
         deadline = time.monotonic() + timeout
         while True:
             busy = [(labels, value) for labels, value in self.series("epd_service_stat")
-                    if value and labels.get("stat") in ("running", "kv_blocks_used", "reservations", "handoffs")]
+                    if value and (labels.get("stat") in ("running", "kv_blocks_used", "reservations", "handoffs")
+                                  or labels.get("stat") == "bytes_held"
+                                  and labels.get("instance", "").startswith("encoder"))]
             if not busy:
                 return
             if time.monotonic() >= deadline:

@@ -137,10 +137,10 @@ class Encoder:
         self.times.add("encode", time.monotonic() - started)
         return Embedding(tensor, grid)
 
-    def _publish(self, embedding: Embedding) -> TensorHandle:
+    def _publish(self, embedding: Embedding, lease: float | None = None) -> TensorHandle:
         """A new one-pull handle: the cache keeps the tensor, so every job gets its own handle to it."""
-        try:
-            return self.plane.publish(embedding.tensor, consumers=1, complete=True)  # the batcher synchronized
+        try:  # (the batcher synchronized)
+            return self.plane.publish(embedding.tensor, consumers=1, lease=lease, complete=True)
         except DataPlaneError as err:  # full: consumers are not pulling; refuse rather than grow
             raise ServiceError(503, f"encoder busy: {err.message}")
 
@@ -173,7 +173,10 @@ class Encoder:
         embedding = await self.embeddings.lend(fetch.key)
         if embedding is None:
             raise ServiceError(404, "this encoder does not hold that image")
-        return pack(EmbeddingLoan(embedding=self._publish(embedding), grid=embedding.grid))
+        # the borrower pulls within its own timeout of this answer, or never (it gave up, or died): a loan
+        # lapses then, so a draining encoder does not wait out a whole lease for it
+        loan = self._publish(embedding, lease=2 * PEER_FETCH_TIMEOUT_S)
+        return pack(EmbeddingLoan(embedding=loan, grid=embedding.grid))
 
     # -- 3. cancel --------------------------------------------------------------------------------
     def cancel(self, request_id: str) -> None:

@@ -182,6 +182,7 @@ class Pipeline:
                 if kind_of(target.instance) == "prefill":
                     await self.workers.decode(until)  # it hands the prompt on to one
                 cached = slots.inside(planned, route.cached_tokens, self.merge) if leave_out else set()
+                cached -= encoded.keys()  # encoded for a worker that went away: sent, or nobody pulls them
                 needed = [i for i in range(len(planned)) if i not in cached and not isinstance(images[i], ImageEmbeds)]
                 in_place = bool(needed) and self.intake.encodes_in_place(target)
                 await self._decode(generation, needed)
