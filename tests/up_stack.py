@@ -137,9 +137,10 @@ class UpStack:
             assert time.monotonic() < deadline, f"{kind}: {self.workers(kind)} listed, want {count}"
             time.sleep(0.3)
 
-    def wait_idle(self, timeout: float = 10) -> None:
+    def wait_idle(self, timeout: float = 15) -> None:
         """No sequence running and no KV block held on any language-model worker, and no embeddings held
-        at an encoder (every handle handed out was pulled or discarded)."""
+        at an encoder (every handle handed out was pulled or discarded; a loan to an encoder killed before
+        it pulled lapses in 10 s)."""
         deadline = time.monotonic() + timeout
         while True:
             busy = [(labels, value) for labels, value in self.series("epd_service_stat")
