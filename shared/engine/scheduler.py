@@ -45,7 +45,7 @@ from shared.engine.sequence import Sequence, Status
 from shared.engine.step_time import StepShape, StepTimes
 
 PRIORITY_WINDOW_S = 2.0  # a prompt passed over this long goes first (the priority window)
-BACKLOG_S = 2.0  # a prompt waiting this long: steps are sized by tokens, not time, until none is
+BACKLOG_S = PRIORITY_WINDOW_S  # a prompt waiting this long: steps are sized by tokens, not time, until none is
 
 
 class PrefixUnavailable(Exception):
@@ -191,9 +191,10 @@ class Scheduler:
         return max(0.0, self.target_s - self.step_times.predict(StepShape.of_decode(contexts)))
 
     def backlogged(self) -> bool:
-        """A prompt (waiting, or partly prefilled) has waited longer than ``BACKLOG_S``."""
+        """A prompt (waiting, or partly prefilled) has waited longer than ``BACKLOG_S`` (``waiting`` is in
+        arrival order: its first is the oldest)."""
         late = time.monotonic() - BACKLOG_S
-        return any(s.arrival < late for s in self.waiting) or any(
+        return bool(self.waiting) and self.waiting[0].arrival < late or any(
             s.arrival < late for s in self.running if not s.decoding)
 
     def _prompt_budget(self, decode: StepShape, spent_s: float) -> _Budget:
