@@ -301,7 +301,10 @@ class Floor:
 def rates_of(args, case: Case, floor: Floor | None) -> list[tuple[float | None, float]]:
     """[(fraction of capacity or None, rate)] of a workload's points."""
     if args.rates:
-        return [(None, float(r)) for r in args.rates.split(",")]
+        named = [r.split("=", 1) for r in args.rates.split(",") if "=" in r]
+        if not named:
+            return [(None, float(r)) for r in args.rates.split(",")]
+        return [(None, float(rate)) for name, rate in named if name == case.name]
     fractions = [float(f) for f in args.fractions.split(",")] if args.fractions else \
         QUICK_FRACTIONS.get(case.name, (0.5,)) if args.quick or args.tiny else FULL_FRACTIONS
     capacity = floor.capacity(case_workload(case, args.tiny)) if floor else NOMINAL_CAPACITY[case.name]
@@ -937,7 +940,8 @@ def parse_args(argv=None):
     parser.add_argument("--topologies", default="", help="comma-separated labels to run (default: all)")
     parser.add_argument("--workloads", default="", help="comma-separated workloads to run (default: all)")
     parser.add_argument("--fractions", default="", help="points as fractions of each workload's capacity, e.g. 0.5,0.8")
-    parser.add_argument("--rates", default="", help="absolute rates for every workload instead (req/s), e.g. 1,2")
+    parser.add_argument("--rates", default="", help="absolute rates instead (req/s): for every workload, e.g. 1,2; "
+                        "or per workload, e.g. image-heavy=0.86,mixed=4.4,mixed=3 (a workload not named is not run)")
     parser.add_argument("--seconds", type=float, default=8.0, help="seconds of arrivals per loaded point")
     parser.add_argument("--min-prompts", type=int, default=8, help="requests per loaded point at least")
     parser.add_argument("--unloaded", type=int, default=5, help="requests per class measured one at a time")
@@ -970,6 +974,11 @@ def parse_args(argv=None):
     if args.video_seconds and not VIDEO_SECONDS[0] <= args.video_seconds <= VIDEO_SECONDS[1]:
         parser.error(f"--video-seconds {args.video_seconds:g}: the issue's clips are {VIDEO_SECONDS[0]:g}-"
                      f"{VIDEO_SECONDS[1]:g} s long")
+    named = [r.split("=", 1)[0] for r in args.rates.split(",") if "=" in r]
+    if named and (unknown := set(named) - {c.name for c in workload_cases(VIDEO_SECONDS[0])}):
+        parser.error(f"--rates names unknown workload(s) {', '.join(sorted(unknown))}")
+    if named and len(named) < len(args.rates.split(",")):
+        parser.error("--rates: give every rate as workload=rate, or none")
     if args.transport == "auto":
         args.transport = "ucx" if not args.tiny and ucx_works() else "zmq"
     return args

@@ -99,7 +99,22 @@ async def run_load(settings: BenchSettings) -> dict:
         await generator.close()
     summary = summarize(results, duration)
     summary["errors"] = sorted({r.error for r in results if r.error})[:5]
+    summary["slowest"] = slowest(results, specs)
     return summary
+
+
+def slowest(results: list, specs: list, count: int = 3) -> list[dict]:
+    """The window's slowest first tokens, each with when it was sent and what it carried (an outlier's
+    cause is in the stack's log at that time)."""
+    seen: set[int] = set()
+    new = {}
+    for spec in specs:
+        new[spec.index] = sum(i not in seen for i in spec.image_ids)
+        seen.update(spec.image_ids)
+    done = sorted((r for r in results if r.ok), key=lambda r: r.ttft, reverse=True)[:count]
+    return [{"ttft_ms": round(r.ttft * 1e3, 1), "sent_at_s": round(r.sent_at, 3), "kind": r.kind,
+             "images": r.images, "new_images": new.get(r.index, 0), "prompt_tokens": r.prompt_tokens,
+             "cached_tokens": r.cached_tokens} for r in done]
 
 
 def gpu_memory() -> dict[int, int]:
@@ -205,7 +220,8 @@ async def smoke(args, layout: str, out: Path) -> list[dict]:
                             f"{failed} failed {windows[0]['errors'] + windows[1]['errors']}"))
         checks.append(check(layout, "first window p99 TTFT", ratio <= WINDOW_RATIO,
                             f"{p99[0]:.0f} / {p99[1]:.0f} ms = {ratio:.2f}x (ITL p99 "
-                            f"{windows[0]['itl_ms']['p99']:.0f} / {windows[1]['itl_ms']['p99']:.0f} ms)"))
+                            f"{windows[0]['itl_ms']['p99']:.0f} / {windows[1]['itl_ms']['p99']:.0f} ms); first window's "
+                            f"slowest {windows[0]['slowest']}"))
         # by the compile's own time: the burst fired at the first answer counts (a compile it reaches is one
         # a user's first requests wait for), however late its log line is read
         late = [c for c in stack.compiles if not since(c["timestamp"], answered_at) < 0]

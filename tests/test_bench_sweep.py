@@ -118,6 +118,22 @@ def test_overheads_fit_ignores_one_slow_request():
     assert lower_line([(1, 0.074), (2, 0.88)]) == (pytest.approx(0.074), 0.0)
 
 
+def test_rates_are_given_for_every_workload_or_per_workload():
+    from bench.epd_vs_aggregated import chosen_cases, parse_args, points
+
+    def rates(*argv):
+        args = parse_args(["--workloads", "image-heavy,mixed", *argv])
+        return [(p.case.name, p.rate) for p in points(args, chosen_cases(args), None)]
+
+    assert rates("--rates", "1,2") == [("image-heavy", 1), ("image-heavy", 2), ("mixed", 1), ("mixed", 2)]
+    assert rates("--rates", "mixed=4.4,image-heavy=0.86,mixed=3") == [("image-heavy", 0.86), ("mixed", 4.4),
+                                                                      ("mixed", 3)]
+    assert rates("--rates", "mixed=4.4") == [("mixed", 4.4)]  # a workload not named has no point
+    for wrong in ("imageheavy=1", "mixed=1,2"):
+        with pytest.raises(SystemExit):
+            parse_args(["--rates", wrong])
+
+
 # -- video-heavy: one clip a request ---------------------------------------------------------------------
 def test_video_heavy_is_a_workload_named_on_its_own():
     from bench.epd_vs_aggregated import case_workload, chosen_cases, parse_args, request_classes
