@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -280,6 +283,34 @@ def test_the_vision_batcher_prepares_a_forwards_images_of_one_size_together(mode
     assert all(t.is_inference() for t in together)  # the forward runs without autograd's bookkeeping
     for a, b in zip(alone, together):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_the_vision_thread_is_warmed_before_the_batcher_starts_serving(model_parts, monkeypatch):
+    """cuDNN's plans are the calling thread's: the warm-up runs in the thread that forwards, and ``start``
+    returns only after it (an encoder registers after ``start``)."""
+    import asyncio
+
+    from services.encoder.batcher import VisionBatcher
+
+    _, _, tower = model_parts
+    warmed: list[str] = []
+
+    def warm(self) -> int:
+        time.sleep(0.2)
+        warmed.append(threading.current_thread().name)
+        return 1
+
+    monkeypatch.setattr(VisionBatcher, "warm", warm)
+
+    async def run():
+        batcher = VisionBatcher(tower, asyncio.get_running_loop(), max_images=4, max_patches=10_000)
+        batcher.start()
+        try:
+            assert warmed == ["vision"]
+        finally:
+            await asyncio.to_thread(batcher.stop)
+
+    asyncio.run(run())
 
 
 def test_the_vision_batcher_mixes_requests_only_up_to_the_graphs_patches(model_parts):

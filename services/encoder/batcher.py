@@ -104,9 +104,12 @@ class VisionBatcher:
         return time.monotonic() - self._held[0].queued_at if self._held else 0.0
 
     def start(self) -> None:
-        """Run forwards in a thread of this batcher's own (an encoder process)."""
-        self._thread = threading.Thread(target=self._run, name="vision", daemon=True)
+        """Run forwards in a thread of this batcher's own (an encoder process); returns once that thread
+        is warmed (``warm``)."""
+        warmed = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(warmed,), name="vision", daemon=True)
         self._thread.start()
+        warmed.wait()
 
     def stop(self) -> None:
         if self._thread is not None:
@@ -149,7 +152,26 @@ class VisionBatcher:
         finally:
             self._seconds = None
 
-    def _run(self) -> None:
+    def warm(self) -> int:
+        """What the forwarding thread's libraries build on first use, built now, in that thread (call it
+        there): cuDNN's bidirectional attention, whose first plan compiles its kernel. Returns how many plans."""
+        if self.device.type != "cuda":
+            return 0
+        started = time.perf_counter()
+        config = self.tower.config
+        try:
+            plans = sdpa.warm_recurring(self.device, self.dtype, config.num_heads, config.head_dim)
+        except Exception:  # serving still works: its first promoted shape pays the plan
+            log.exception("vision.warm_failed")
+            return 0
+        log.info("vision.warmed_thread", attention_plans=plans, ms=round((time.perf_counter() - started) * 1e3))
+        return plans
+
+    def _run(self, warmed: threading.Event) -> None:
+        try:
+            self.warm()
+        finally:
+            warmed.set()
         while (batch := self._collect(block=True)) is not None:
             self._forward_and_settle(batch)
 

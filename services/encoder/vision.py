@@ -115,7 +115,7 @@ class VisionEncoder:
                                      prepare=self.on_device, sibling_wait_s=SIBLING_WAIT_S, pending=pending,
                                      mix_patches=graph_patches or None)
         if own_thread:
-            self.batcher.start()
+            await asyncio.to_thread(self.batcher.start)
             resources.push_async_callback(asyncio.to_thread, self.batcher.stop)
 
     def check_pixels(self, image: TensorHandle, video: VideoSampling | None) -> None:

@@ -88,6 +88,8 @@ class LanguageWorker:
         # the engine thread's own library state (cuDNN's attention plans), before any request; then the
         # serving's step shapes (the step-time model's first fit where it has a budget), on what was just warmed
         self.attention_plans = await self.loop.call(warm_thread)
+        if side is not None:  # the ViT's forwards run in this thread too
+            await self.loop.call(lambda _engine: side.warm())
         await self.loop.call(warm_steps)
         self.publisher = Publisher(nc)
         resources.push_async_callback(self.publisher.close)

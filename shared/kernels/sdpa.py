@@ -217,6 +217,22 @@ def recurring(q, k, v):
     return flash(q, k, v)
 
 
+def warm_recurring(device: torch.device, dtype: torch.dtype, heads: int, dim: int,
+                   lengths: tuple[int, ...] = (1024, 8192)) -> int:
+    """Plan cuDNN's bidirectional attention once per length in ``lengths``, in this thread, laid out as a
+    ViT batch's attention is: the first plan of that kernel variant compiles it (0.6-0.9 s), which
+    ``recurring``'s first promoted shape otherwise paid in a request's forward. Counts toward no shape's
+    sightings. Returns how many plans (0: cuDNN not usable here)."""
+    q = torch.zeros(1, heads, 1, dim, device=device, dtype=dtype)
+    if not _half(q) or not usable("cudnn", device, dtype, heads, heads, dim):
+        return 0
+    for rows in lengths:
+        q = torch.zeros(1, rows, heads, dim, device=device, dtype=dtype).transpose(1, 2)
+        _cudnn(q, q, q, False)
+    torch.cuda.synchronize(device)
+    return len(lengths)
+
+
 def warm(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, dim: int, up_to: int) -> int:
     """Plan ``causal``'s every bucket up to ``up_to`` tokens in this thread (its plans are this thread's);
     returns how many."""
