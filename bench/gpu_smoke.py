@@ -9,8 +9,9 @@ For each layout (``aggregated``; ``joined``: colocated E/PD, the default; ``spli
 2. A client polls ``/v1/models`` every 0.1 s and fires a burst (text and image requests) the moment it
    answers: every one must succeed.
 3. Two windows of Poisson mixed traffic (a chat app's: 40 % text, 60 % one or two images, 30 % of images
-   repeated): the first window's p99 TTFT within 1.3× of the second's says nothing compiles or plans
-   while serving; Triton compiles logged after the API answered are counted too (none expected).
+   repeated), the same arrival times and request shapes in both, other images and text in the second (no
+   cache hit across them): the first window's p99 TTFT within 1.3× of the second's says nothing compiles
+   or plans while serving; Triton compiles logged after the API answered are counted too (none expected).
 4. The GPU memory each process took (its own ``service.ready`` line, and nvidia-smi where it answers).
 5. SIGINT to the whole process group (Ctrl-C): the launcher exits 0, every service logged
    ``service.stopped``, nothing aborted, no process of the group is left.
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -41,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tools.bench.environment import hardware, versions  # noqa: E402
+from tools.bench.dataset import build_requests  # noqa: E402
 from tools.bench.metrics import summarize  # noqa: E402
 from tools.bench.runner import LoadGenerator, arrival_times, prepare  # noqa: E402
 from tools.bench.settings import BenchSettings  # noqa: E402
@@ -88,8 +91,12 @@ def load(base: str, args, count: int, rate: float, seed: int) -> BenchSettings:
                          repeat_ratio=0.3, timeout=args.request_timeout)
 
 
-async def run_load(settings: BenchSettings) -> dict:
+async def run_load(settings: BenchSettings, content_seed: int | None = None) -> dict:
+    """``settings``' requests at their arrival times; ``content_seed``: the same arrivals and shapes (text or
+    images, how many, which repeat), with images and text drawn from this seed instead."""
     pool, _, specs = prepare(settings)
+    if content_seed is not None and content_seed != settings.seed:
+        specs = recontent(settings, pool, specs, content_seed)
     generator = LoadGenerator(settings)
     try:
         await generator.resolve_model()
@@ -101,6 +108,14 @@ async def run_load(settings: BenchSettings) -> dict:
     summary["errors"] = sorted({r.error for r in results if r.error})[:5]
     summary["slowest"] = slowest(results, specs)
     return summary
+
+
+def recontent(settings: BenchSettings, pool, specs: list, seed: int) -> list:
+    """``specs`` with their text, and ``pool`` with its images, drawn from ``seed``: the same shapes."""
+    texts, _ = build_requests(settings, len(specs), seed)
+    pool.seed = seed
+    pool.generate(len(pool.urls))
+    return [replace(spec, prompt=text.prompt) for spec, text in zip(specs, texts)]
 
 
 def slowest(results: list, specs: list, count: int = 3) -> list[dict]:
@@ -211,8 +226,8 @@ async def smoke(args, layout: str, out: Path) -> list[dict]:
         checks.append(check(layout, "burst at first answer", burst["failed"] == 0,
                             f"{burst['completed']}/{args.burst} ok, TTFT p99 {burst['ttft_ms']['p99']:.0f} ms "
                             f"{burst['errors']}"))
-        windows = [await run_load(load(base, args, int(args.rate * args.window), args.rate, seed=2 + w))
-                   for w in range(2)]
+        windows = [await run_load(load(base, args, int(args.rate * args.window), args.rate, seed=2),
+                                  content_seed=2 + w) for w in range(2)]
         p99 = [w["ttft_ms"]["p99"] for w in windows]
         failed = sum(w["failed"] for w in windows)
         ratio = p99[0] / p99[1] if p99[1] else float("inf")

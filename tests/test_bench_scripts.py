@@ -181,6 +181,24 @@ def test_itl_target_tiny_measures_both_stacks_and_the_models_error(tmp_path):
 
 
 # -- bench/gpu_smoke.py ------------------------------------------------------------------------------------
+def test_gpu_smoke_windows_share_arrivals_and_shapes_not_content():
+    """The smoke run's two windows: one arrival process and one set of request shapes (their p99s then
+    differ by what warmed up, not by the draw), other images and text (nothing cached across them)."""
+    from bench.gpu_smoke import recontent
+    from tools.bench.runner import prepare
+    from tools.bench.settings import BenchSettings
+
+    settings = BenchSettings(num_prompts=30, request_rate=4, warmup=0, seed=2, input_len=16, output_len=4,
+                             image_count=2, random_image_count=True, image_resolution="64x48", text_ratio=0.4,
+                             repeat_ratio=0.3)
+    pool, _, specs = prepare(settings)
+    first = list(pool.urls)
+    again = recontent(settings, pool, specs, seed=3)
+    assert [(s.kind, s.image_ids, s.output_len) for s in again] == [(s.kind, s.image_ids, s.output_len) for s in specs]
+    assert not {s.prompt for s in again} & {s.prompt for s in specs}
+    assert len(pool.urls) == len(first) and not set(pool.urls) & set(first)
+
+
 @pytest.mark.timeout(300)
 def test_gpu_smoke_tiny_passes_the_users_path(tmp_path):
     """The user's path on the built-in model: `epd up` with default flags, a burst the moment /v1/models
