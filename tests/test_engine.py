@@ -287,28 +287,40 @@ def test_the_vision_batcher_prepares_a_forwards_images_of_one_size_together(mode
 
 def test_the_vision_thread_is_warmed_before_the_batcher_starts_serving(model_parts, monkeypatch):
     """cuDNN's plans are the calling thread's: the warm-up runs in the thread that forwards, and ``start``
-    returns only after it (an encoder registers after ``start``)."""
+    returns only after it (an encoder registers after ``start``). That thread's log lines, and the engine
+    thread's, name the service as the event loop's do."""
     import asyncio
 
+    import structlog
+
     from services.encoder.batcher import VisionBatcher
+    from shared.engine.loop import EngineLoop
 
     _, _, tower = model_parts
-    warmed: list[str] = []
+    warmed: list[tuple[str, dict]] = []
 
     def warm(self) -> int:
         time.sleep(0.2)
-        warmed.append(threading.current_thread().name)
+        warmed.append((threading.current_thread().name, structlog.contextvars.get_contextvars()))
         return 1
 
     monkeypatch.setattr(VisionBatcher, "warm", warm)
 
     async def run():
+        structlog.contextvars.bind_contextvars(service="epd-test")
         batcher = VisionBatcher(tower, asyncio.get_running_loop(), max_images=4, max_patches=10_000)
         batcher.start()
         try:
-            assert warmed == ["vision"]
+            assert warmed == [("vision", {"service": "epd-test"})]
         finally:
             await asyncio.to_thread(batcher.stop)
+        loop = EngineLoop(make_engine(model_parts), lambda outputs: None, lambda ids, message: None,
+                          asyncio.get_running_loop())
+        loop.start()
+        try:
+            assert await loop.call(lambda engine: structlog.contextvars.get_contextvars()) == {"service": "epd-test"}
+        finally:
+            await asyncio.to_thread(loop.stop)
 
     asyncio.run(run())
 

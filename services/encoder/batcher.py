@@ -31,6 +31,7 @@ Who runs the forwards:
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import queue
 import threading
 import time
@@ -107,7 +108,8 @@ class VisionBatcher:
         """Run forwards in a thread of this batcher's own (an encoder process); returns once that thread
         is warmed (``warm``)."""
         warmed = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(warmed,), name="vision", daemon=True)
+        self._thread = threading.Thread(target=contextvars.copy_context().run, args=(self._run, warmed),
+                                        name="vision", daemon=True)  # its log lines name the service too
         self._thread.start()
         warmed.wait()
 

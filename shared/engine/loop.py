@@ -12,6 +12,7 @@ runs at once): the aggregated worker's prompts encoded in place enter the engine
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import queue
 import threading
 import time
@@ -38,7 +39,9 @@ class EngineLoop:
         self.loop = loop
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = False
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        # the creator's context (the service's name that every log line carries) in the thread too
+        self._thread = threading.Thread(target=contextvars.copy_context().run, args=(self._run,), name="engine",
+                                        daemon=True)
         self._side = None  # has_work() / step(): other device work run between engine steps
         self.steps = 0
 
