@@ -4,6 +4,7 @@ layouts, its model, its CLI). The bench scripts run end to end in test_bench_swe
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -371,7 +372,7 @@ def test_simulation_schedules_as_the_code_and_one_request_costs_its_floor():
     from services.encoder.batcher import MAX_BATCH_IMAGES, STEP_BUDGET_S
     from services.encoder.settings import EncoderSettings
     from services.encoder.vision import GRAPH_PATCHES
-    from shared.engine.scheduler import PRIORITY_WINDOW_S
+    from shared.engine.scheduler import BACKLOG_S, PRIORITY_WINDOW_S
     from tools.plan import simulate as sim
 
     assert sim.STEP_BUDGET_S == STEP_BUDGET_S
@@ -379,6 +380,7 @@ def test_simulation_schedules_as_the_code_and_one_request_costs_its_floor():
     assert sim.MAX_BATCH_PATCHES == EncoderSettings.model_fields["max_batch_patches"].default
     assert sim.MIX_PATCHES == GRAPH_PATCHES
     assert sim.PRIORITY_WINDOW_S == PRIORITY_WINDOW_S
+    assert sim.BACKLOG_S == BACKLOG_S
     planner = Planner(h200_like(), 5.0, 3584 * 2)
     t = traffic(DYNAMO, 1e-3)
     alone = [Arrival(0.0, 10, 4), Arrival(100.0, 0, 4)]
@@ -388,6 +390,26 @@ def test_simulation_schedules_as_the_code_and_one_request_costs_its_floor():
     assert ttft == pytest.approx([planner.floor(t, 10) + planner.transfer(10), planner.floor(t, 0)], rel=1e-3)
     with pytest.raises(ValueError):
         simulate(planner, Layout("colocated", 1, "split", True), t, alone)
+
+
+def test_simulation_lifts_the_time_budget_for_a_backlog(monkeypatch):
+    """As the engine does (``Scheduler.backlogged``): a burst of prompts behind decoding sequences is paced
+    to the target until one has waited past ``BACKLOG_S``; then steps are sized by tokens, and the burst
+    drains sooner than under a budget held whatever the queue."""
+    from tools.plan import simulate as sim
+
+    planner = Planner(h200_like(), 5.0, 3584 * 2)
+    images = [Arrival(0.0, 0, 4000)] + [Arrival(0.05 + 0.001 * i, 10, 64) for i in range(120)]
+    texts = [Arrival(0.0, 0, 4000)] + [Arrival(0.05 + 0.001 * i, 0, 64) for i in range(60)]
+    long_texts = traffic(Workload(image_count=10, image_resolution="448x448", input_len=4096, output_len=64), 1.0)
+    for layout, t, burst in ((Layout("aggregated", 1), traffic(DYNAMO, 1.0), images),  # the ViT's gaps too
+                             (Layout("colocated", 1, "joined", True), long_texts, texts)):  # the engine alone
+        lifted = simulate(planner, layout, t, burst)
+        monkeypatch.setattr(sim, "BACKLOG_S", math.inf)
+        held = simulate(planner, layout, t, burst)
+        monkeypatch.undo()
+        assert max(held) > sim.BACKLOG_S  # a backlog to lift
+        assert statistics.mean(lifted) < statistics.mean(held)
 
 
 def test_plan_mps_clients_share_what_the_pair_gets_done():

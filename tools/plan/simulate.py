@@ -8,12 +8,12 @@ step t(B) and the rows a step carries):
 - an engine step (``Scheduler``): every decoding sequence's row first, then prompt chunks (those that have
   waited longer than the priority window oldest first, the rest fewest tokens left first) until
   ``step_tokens``, and while sequences decode until the step's predicted time reaches ``target_itl_s``
-  less the ViT gap before it (a block at least); a step with chunks takes their share of their prompts'
-  prefill plus the rows, a decode-only step t(B);
+  less the ViT gap before it (a block at least), unless a prompt has waited past ``BACKLOG_S``; a step
+  with chunks takes their share of their prompts' prefill plus the rows, a decode-only step t(B);
 - aggregated (``EngineLoop`` with ``VisionBatcher.step``): before a step, when images are queued, a
   gap: batches of what is queued (and arrives meanwhile) until none is, or ``STEP_BUDGET_S`` of ViT
   time is spent — while sequences decode, what ``target_itl_s`` leaves after their step, each forward
-  cut to fit (one image at least). The prompts whose images a gap finished join the next step: encoded in place, they
+  cut to fit (one image at least), unless a prompt or a queued image has waited past ``BACKLOG_S``. The prompts whose images a gap finished join the next step: encoded in place, they
   are in the engine by then. Two older ways are kept to replay the runs that had them: through the
   frontend (``handback="frontend"``), they miss the step that starts at once; with the removed
   hand-off (``"handoff"``), a decode-only step first, then they join;
@@ -39,6 +39,7 @@ MAX_BATCH_IMAGES = 32
 MAX_BATCH_PATCHES = 65536
 MIX_PATCHES = 8192  # a GPU forward takes another request's images up to the graphs' patches (VisionBatcher._fits)
 PRIORITY_WINDOW_S = 2.0
+BACKLOG_S = PRIORITY_WINDOW_S  # a prompt (or a held image) this late: steps and gaps unpaced until none is
 PATCHES_PER_TOKEN = 4  # a 2 × 2 merge: an image of k placeholder tokens is 4k patches
 
 
@@ -126,10 +127,14 @@ class _Engine:
     def has_work(self) -> bool:
         return bool(self.prompts or self.decoding)
 
-    def gap_budget(self) -> float | None:
+    def backlogged(self, now: float) -> bool:
+        """A prompt in the engine has waited longer than ``BACKLOG_S`` (``Scheduler.backlogged``)."""
+        return any(now - r.ready > BACKLOG_S for r in self.prompts)
+
+    def gap_budget(self, now: float) -> float | None:
         """What the time target leaves the ViT before the next step while sequences decode
-        (``Scheduler.gap_budget_s``); None: nothing decodes, or no target."""
-        if not self.decoding or not self.planner.target_itl_s:
+        (``Scheduler.gap_budget_s``); None: nothing decodes, no target, or a backlog."""
+        if not self.decoding or not self.planner.target_itl_s or self.backlogged(now):
             return None
         return max(0.0, self.planner.target_itl_s - self.step_s(len(self.decoding)) * self.slow_decode)
 
@@ -137,7 +142,8 @@ class _Engine:
         """``gap``: seconds the ViT took right before it (the decode rows waited for it too)."""
         rows = len(self.decoding)
         rows_s = self.planner.decode_rows(self.t, rows) * self.slow_decode
-        seconds = self.planner.target_itl_s - gap - rows_s if rows and self.planner.target_itl_s else math.inf
+        paced = rows and self.planner.target_itl_s and not self.backlogged(now)
+        seconds = self.planner.target_itl_s - gap - rows_s if paced else math.inf
         chunks = [] if decode_only else self._chunks(now, self.planner.step_tokens - rows, seconds)
         if chunks:
             now += sum(self._token_s(r) * take for r, take in chunks) + rows_s
@@ -234,7 +240,8 @@ def _run(engine: _Engine, requests: list[_Request], vision: _Vision | None = Non
         gap = 0.0
         if vision and vision.ready(now):
             began = now
-            now, finished = vision.gap(now, engine.gap_budget())
+            late = now - vision.queue[0][0] > BACKLOG_S  # an image a cut held back (``VisionBatcher.waited_s``)
+            now, finished = vision.gap(now, None if late else engine.gap_budget(now))
             gap = now - began
             for r in finished:
                 r.ready = now
