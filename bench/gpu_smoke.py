@@ -20,6 +20,9 @@ For each layout (``aggregated``; ``joined``: colocated E/PD, the default; ``spli
     python bench/gpu_smoke.py --model qwen2.5-vl-7b --out /tmp/smoke
     python bench/gpu_smoke.py --model qwen3-vl-30b-a3b --layouts joined,split --warm-restart joined
     python bench/gpu_smoke.py --tiny --layouts joined      # CPU, the built-in model (tests/test_bench_scripts.py)
+
+``--tiny`` reports the window ratio without judging it: four requests a window, their TTFTs tens of ms on a
+shared CPU, measure the machine's noise (37 / 26 ms once), not a warm-up.
 """
 
 from __future__ import annotations
@@ -171,8 +174,9 @@ def log_events(path: Path) -> list[dict]:
     return events
 
 
-def check(layout: str, name: str, ok: bool, detail: str) -> dict:
-    print(f"[{layout}] {name:<22} {'PASS' if ok else 'FAIL'}  {detail}", flush=True)
+def check(layout: str, name: str, ok: bool | None, detail: str) -> dict:
+    """One check's line; ``ok`` None: reported, not judged (printed INFO, never a failure)."""
+    print(f"[{layout}] {name:<22} {({True: 'PASS', False: 'FAIL', None: 'INFO'})[ok]}  {detail}", flush=True)
     return {"layout": layout, "check": name, "ok": ok, "detail": detail}
 
 
@@ -233,7 +237,7 @@ async def smoke(args, layout: str, out: Path) -> list[dict]:
         ratio = p99[0] / p99[1] if p99[1] else float("inf")
         checks.append(check(layout, "traffic", failed == 0, f"{sum(w['completed'] for w in windows)} ok, "
                             f"{failed} failed {windows[0]['errors'] + windows[1]['errors']}"))
-        checks.append(check(layout, "first window p99 TTFT", ratio <= WINDOW_RATIO,
+        checks.append(check(layout, "first window p99 TTFT", None if args.tiny else ratio <= WINDOW_RATIO,
                             f"{p99[0]:.0f} / {p99[1]:.0f} ms = {ratio:.2f}x (ITL p99 "
                             f"{windows[0]['itl_ms']['p99']:.0f} / {windows[1]['itl_ms']['p99']:.0f} ms); first window's "
                             f"slowest {windows[0]['slowest']}"))
@@ -246,7 +250,7 @@ async def smoke(args, layout: str, out: Path) -> list[dict]:
                                                 f"({c['specialization'] or ''})" for c in late}))[:1200]))
         memory = gpu_memory()
         took = {e["kind"]: e["gpu_mib"] for e in log_events(log) if e.get("event") == "service.ready" and "gpu_mib" in e}
-        checks.append(check(layout, "gpu memory", True, f"logged {took}; nvidia-smi {sorted(memory.values())} MiB"))
+        checks.append(check(layout, "gpu memory", None, f"logged {took}; nvidia-smi {sorted(memory.values())} MiB"))
     finally:
         status, left = interrupt(stack, args.stop_timeout)
     events = log_events(log)
@@ -303,8 +307,9 @@ def main() -> int:
     (out / "results.json").write_text(json.dumps({"model": args.model or "tiny", "hardware": hardware(),
                                                   "versions": versions(), "args": vars(args),
                                                   "checks": checks}, indent=1))
-    failed = [c for c in checks if not c["ok"]]
-    print(f"# {len(checks) - len(failed)}/{len(checks)} checks passed", flush=True)
+    failed = [c for c in checks if c["ok"] is False]
+    judged = [c for c in checks if c["ok"] is not None]
+    print(f"# {len(judged) - len(failed)}/{len(judged)} checks passed", flush=True)
     return 1 if failed else 0
 
 

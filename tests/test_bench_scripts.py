@@ -208,5 +208,10 @@ def test_gpu_smoke_tiny_passes_the_users_path(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     checks = {c["check"]: c for c in json.loads((tmp_path / "results.json").read_text())["checks"]}
     assert {"burst at first answer", "traffic", "compiles after ready", "ctrl-c"} <= set(checks)
-    assert all(c["ok"] for c in checks.values())
+    assert all(c["ok"] for c in checks.values() if c["ok"] is not None)
+    # timings are reported, never judged here: the window ratio on a shared CPU is the machine's noise
+    reported = {name for name, c in checks.items() if c["ok"] is None}
+    assert reported == {"first window p99 TTFT", "gpu memory"}
+    assert "x (ITL p99" in checks["first window p99 TTFT"]["detail"]
+    assert "INFO" in done.stdout and "# 5/5 checks passed" in done.stdout
     assert "4/4 ok" in checks["burst at first answer"]["detail"]

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import chat_messages, endpoint_data, make_image, service_stats
+from tests.support import chat_messages, endpoint_data, make_image, service_stats, settled
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -397,10 +397,10 @@ async def nats_refuses_anonymous_and_keeps_the_client_role_off_work(stack: Compo
     watcher = await nats.connect(stack.nats_url, allow_reconnect=False, **stack.credentials("admin"))
     try:
         watched = [await watcher.subscribe(subject) for subject in work]
-        await watcher.flush()
+        await settled(watcher)
         for subject in work:
             await caller.publish(subject, b"{}")
-        await caller.flush()
+        await settled(caller)
         await asyncio.sleep(1)
         assert [s.subject for s in watched if s.pending_msgs] == []
         assert sorted(v for v in violations if "permissions violation for publish" in v.lower()) == sorted(

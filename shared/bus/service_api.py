@@ -175,8 +175,9 @@ class Registration:
         self.endpoints.append(endpoint)
 
     async def announce(self) -> None:
-        """Answer the service API from now on (after every endpoint is subscribed: listed means served)."""
-        await self.nc.flush()
+        """Answer the service API from now on. Listed means served: the server reads one connection's commands
+        in order, so it has every endpoint's SUB before the ``$SRV`` ones that list us. (A flush is no barrier
+        here: nats-py writes its PING ahead of commands still pending.)"""
         handlers = {"PING": self._ping, "INFO": self._info, "STATS": self._stats}
         for verb, handler in handlers.items():
             for subject in (f"$SRV.{verb}", f"$SRV.{verb}.{self.name}", f"$SRV.{verb}.{self.name}.{self.instance}"):
