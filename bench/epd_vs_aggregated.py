@@ -41,6 +41,11 @@ The run:
    fixed costs calibrated from its own unloaded TTFT (measured minus the model's no-load TTFT, per
    request class); the plan's pick is its lowest predicted TTFT. Video points have no prediction
    (`epd plan` models images, not clips).
+   `--saturate 0.9`: per topology, each workload's points are fractions of the rate that stack sustains,
+   measured on it first: a burst of requests sent at once (`--saturation-requests`; by default ~40 s of
+   the floor capacity), its completions counted from the first one to the last request's first token (until
+   then a request still waited for its prefill, so the stack ran full) over that window's length.
+   `--saturation-from` takes an earlier run's measured rates instead (the same rates for a setting on and off).
 5. results.md (a table per workload, floor and unloaded rows beside the loaded ones; the plan against
    the measurements; the issue's targets measured/target/met), results.json, latency_vs_rate.png —
    rewritten after every topology, so a run cut short keeps what it measured.
@@ -56,6 +61,8 @@ the two with `--report-from` (no GPU needed; it also re-predicts with today's pl
     python bench/epd_vs_aggregated.py --report-from A/results.json B/results.json --out merged/
     python bench/epd_vs_aggregated.py --tiny --out /tmp/smoke            # CPU: the same path, tiny model
     python bench/epd_vs_aggregated.py --workloads video-heavy --video-seconds 10 --out V   # clips
+    python bench/epd_vs_aggregated.py --saturate 0.9 --stack-env EPD_TARGET_ITL_MS=0 --out off  # at 90 % of each
+    python bench/epd_vs_aggregated.py --saturate 0.9 --saturation-from off/results.json --out on  # stack's saturation
 """
 
 from __future__ import annotations
@@ -299,13 +306,17 @@ class Floor:
 
 
 def rates_of(args, case: Case, floor: Floor | None) -> list[tuple[float | None, float]]:
-    """[(fraction of capacity or None, rate)] of a workload's points."""
+    """[(fraction of capacity or None, rate)] of a workload's points (--saturate: the floor capacity's
+    fractions stand in until each stack's saturation is measured)."""
+    if args.saturate:
+        capacity = floor.capacity(case_workload(case, args.tiny)) if floor else NOMINAL_CAPACITY[case.name]
+        return [(f, round_rate(f * capacity)) for f in fractions_of(args.saturate)]
     if args.rates:
         named = [r.split("=", 1) for r in args.rates.split(",") if "=" in r]
         if not named:
             return [(None, float(r)) for r in args.rates.split(",")]
         return [(None, float(rate)) for name, rate in named if name == case.name]
-    fractions = [float(f) for f in args.fractions.split(",")] if args.fractions else \
+    fractions = fractions_of(args.fractions) if args.fractions else \
         QUICK_FRACTIONS.get(case.name, (0.5,)) if args.quick or args.tiny else FULL_FRACTIONS
     capacity = floor.capacity(case_workload(case, args.tiny)) if floor else NOMINAL_CAPACITY[case.name]
     return [(f, round_rate(f * capacity * max(1, args.gpus))) for f in fractions]
@@ -313,6 +324,46 @@ def rates_of(args, case: Case, floor: Floor | None) -> list[tuple[float | None, 
 
 def round_rate(rate: float) -> float:
     return float(f"{rate:.2g}")
+
+
+def fractions_of(text: str) -> list[float]:
+    return [float(f) for f in text.split(",") if f.strip()]
+
+
+BURST_TIMEOUT_S = 300.0  # a saturation burst's last request waits for every one before it
+SATURATION_SECONDS = 40.0  # a burst's default size: this many seconds of the workload's floor capacity
+SATURATION_REQUESTS = (48, 240)  # ... within these bounds, under the frontend's 256 in flight (more get 429)
+TINY_SATURATION_REQUESTS = 24
+
+
+def saturation_requests(args, case: Case, floor: Floor | None) -> int:
+    """Requests in a workload's saturation burst: ``--saturation-requests``, else ~40 s of its floor capacity."""
+    if args.saturation_requests:
+        return args.saturation_requests
+    if args.tiny:
+        return TINY_SATURATION_REQUESTS
+    capacity = floor.capacity(case_workload(case, args.tiny)) if floor else NOMINAL_CAPACITY[case.name]
+    low, high = SATURATION_REQUESTS
+    return max(low, min(high, round(capacity * SATURATION_SECONDS)))
+
+
+def steady_rate(requests: list[dict]) -> dict:
+    """What a stack sustained in a burst of requests sent at once: the completions that came while some
+    request still waited for its first token (the stack ran full, each finished request replaced at once),
+    counted from the first completion: their number over the time from it to the last of them. ``rate``
+    None, with the reason, when fewer than two came (the burst fit in the stack's batch)."""
+    done = [r for r in requests if r["ok"]]
+    out = {"requests": len(requests), "failed": len(requests) - len(done), "rate": None}
+    if not done:
+        return {**out, "why": "no request of the burst succeeded"}
+    ends = sorted(r["sent_at"] + r["e2e"] for r in done)
+    start, last_first = ends[0], max(r["sent_at"] + r["ttft"] for r in done)
+    inside = [t for t in ends if start < t <= last_first]
+    out.update(window_s=round(inside[-1] - start, 3) if inside else 0.0, completions=len(inside))
+    if len(inside) < 2:
+        return {**out, "why": f"{len(inside)} completion(s) while requests still waited: the burst fit in the "
+                              "stack's batch (give --saturation-requests more)"}
+    return {**out, "rate": len(inside) / (inside[-1] - start)}
 
 
 # Capacities (req/s, one H200) estimated from BASELINES.md's costs, only for --dry-run without --floor
@@ -359,8 +410,9 @@ def stack_env(args) -> dict[str, str]:
 class Point:
     case: Case
     fraction: float | None
-    rate: float
+    rate: float  # saturation: the floor's estimate until the stack's own saturation is measured
     seed: int
+    saturation: bool = False  # fraction is of the saturation measured on each stack (--saturate)
 
 
 class TopologyRun:
@@ -371,6 +423,7 @@ class TopologyRun:
         self.meter = StackMeter(stack)
         self.timings: dict[str, float] = {}
         self.errors: list[str] = []
+        self.saturation: dict[str, dict] = {}  # workload → what steady_rate measured on this stack (or was given)
 
     async def run(self, classes: list[RequestClass], points: list[Point]) -> tuple[list[dict], list[dict]]:
         await self.meter.start()
@@ -392,6 +445,11 @@ class TopologyRun:
                   f"(stages {stages(record['stages_ms'])})", flush=True)
         runs = []
         for point in points:
+            if point.saturation:
+                rate = await self.saturated(point.case)
+                if rate is None:
+                    continue
+                point = replace(point, rate=round_rate(point.fraction * rate))
             started = time.monotonic()
             prompts = 3 if self.args.tiny else max(self.args.min_prompts, min(150, round(point.rate * self.args.seconds)))
             try:
@@ -401,18 +459,52 @@ class TopologyRun:
                 self.errors.append(f"{point.case.name} @ {point.rate:g}: {type(err).__name__}: {err}"[:500])
                 print(f"  {self.errors[-1]}", flush=True)
                 continue
-            record.update(workload=point.case.name, topology=self.topology.label, fraction=point.fraction)
+            record.update(workload=point.case.name, topology=self.topology.label, fraction=point.fraction,
+                          of_saturation=point.saturation)
             self.timings[f"{point.case.name} @ {point.rate:g}"] = time.monotonic() - started
             runs.append(record)
             print(row_text(record), flush=True)
         return unloaded, runs
 
-    def _settings(self, w: dict, seed: int, prompts: int, rate: float, tokens: int | None = None) -> BenchSettings:
-        """A point: Poisson arrivals at ``rate``, or (inf) one request at a time, ``tokens`` out if given."""
+    async def saturated(self, case: Case) -> float | None:
+        """The rate this stack sustains on ``case``: given (--saturation-from), or measured once with a burst
+        (``steady_rate``); None, with the point's error, when it could not be measured."""
+        if case.name not in self.saturation:
+            given = self.args.saturation_given.get((case.name, self.topology.label))
+            if given is not None:
+                self.saturation[case.name] = given
+            elif self.args.saturation_from:  # measuring here would give other rates than the run compared with
+                self.saturation[case.name] = {"rate": None, "why": f"--saturation-from {self.args.saturation_from} "
+                                              f"measured no saturation of {case.name} on {self.topology.label}"}
+            else:
+                started = time.monotonic()
+                prompts = self.args.saturation_n[case.name]
+                settings = self._settings(case_workload(case, self.args.tiny), self.args.seed + 50_000 + len(
+                    self.saturation), prompts, math.inf, burst=True)
+                try:
+                    burst = await self.meter.measure(settings, details=False)
+                    self.saturation[case.name] = steady_rate(burst["requests"])
+                except Exception as err:
+                    self.saturation[case.name] = {"requests": prompts, "rate": None,
+                                                  "why": f"{type(err).__name__}: {err}"[:500]}
+                self.timings[f"{case.name} saturation"] = time.monotonic() - started
+            found = self.saturation[case.name]
+            print(f"  {case.name} saturation: " + (f"{found['rate']:.3g} req/s ({found['completions']} completions "
+                  f"in {found['window_s']:.1f} s of {found['requests']} sent at once)" if found["rate"] else
+                  f"not measured: {found.get('why')}"), flush=True)
+            if found["rate"] is None:
+                self.errors.append(f"{case.name}: no saturation, so no point: {found.get('why')}"[:500])
+        return self.saturation[case.name]["rate"]
+
+    def _settings(self, w: dict, seed: int, prompts: int, rate: float, tokens: int | None = None,
+                  burst: bool = False) -> BenchSettings:
+        """A point: Poisson arrivals at ``rate``, or (inf) one request at a time, ``tokens`` out if given;
+        ``burst``: every request at once (a saturation burst: the last waits for all before it)."""
         workload = dict(w) if tokens is None else {**w, "output_len": tokens}
         return BenchSettings(base_url=self.meter.stack.api, label=self.topology.label, num_prompts=prompts,
-                             request_rate=rate, max_concurrency=1 if math.isinf(rate) else 0, seed=seed, warmup=0,
-                             tokenizer=self.tokenizer, timeout=self.args.request_timeout,
+                             request_rate=rate, max_concurrency=0 if burst else 1 if math.isinf(rate) else 0,
+                             seed=seed, warmup=0, tokenizer=self.tokenizer,
+                             timeout=max(self.args.request_timeout, BURST_TIMEOUT_S) if burst else self.args.request_timeout,
                              goodput=f"ttft:{SLO.ttft_ms:g},itl:{SLO.itl_ms:g}", **workload)
 
 
@@ -462,6 +554,8 @@ def sweep(args, chosen: list[Topology], classes: list[RequestClass], todo: list[
             unloaded += u
             runs += r
             info["timings_s"] = measured.timings
+            if measured.saturation:
+                info["saturation"] = measured.saturation
             if measured.errors:
                 info["point_errors"] = measured.errors
         except Exception as err:  # one topology failing must not cost the others their GPU time
@@ -691,7 +785,8 @@ def report(meta: dict, floor: Floor, runs: list[dict], unloaded: list[dict], pla
              f"{SLO.itl_ms:g} ms. ITL p99: over the pooled gaps of a point. Floor: a request's media decode + ViT "
              "forward + prefill, each measured alone in-process (means over the point's own requests); "
              f"unloaded: one request at a time on the warm stack ({UNLOADED_TOKENS} tokens out). Rates: "
-             "fractions of the workload's floor capacity (one GPU doing nothing but its compute).", ""]
+             + ("fractions of the rate each stack sustained (## Saturation)." if any(r.get("of_saturation") for r in runs)
+                else "fractions of the workload's floor capacity (one GPU doing nothing but its compute)."), ""]
     for info in stacks:
         if "error" in info:
             lines.append(f"**{info['topology']} did not run**: {info['error'].splitlines()[0]}")
@@ -702,6 +797,7 @@ def report(meta: dict, floor: Floor, runs: list[dict], unloaded: list[dict], pla
                          + (": no GPU here)" if tiny else ")"))
     lines.append(f"Transport: {meta.get('transport', '?')}; stacks: " + "; ".join(
         f"{info['topology']} up in {info.get('start_s', 0):.0f} s" for info in stacks if "start_s" in info))
+    lines += saturation_table(stacks)
     lines += ["", "## Floor", "", "| shape | prompt tokens | media (ms) | ViT (ms) | prefill (ms) | floor (ms) |",
               "|---|---|---|---|---|---|"]
     for r in floor.data["shapes"]:
@@ -713,8 +809,9 @@ def report(meta: dict, floor: Floor, runs: list[dict], unloaded: list[dict], pla
             continue
         w = case_workload(case, tiny)
         expected = floor.expected(w)
-        rates = ", ".join(f"{rate:g}" + (f" ({fraction:.0%})" if fraction else "") for rate, fraction in
-                          sorted({(r["request_rate"], r.get("fraction")) for r in mine}))
+        rates = ", ".join(f"{rate:g}" + (f" ({fraction:.0%}{' of saturation' if sat else ''})" if fraction else "")
+                          for rate, fraction, sat in sorted({(r["request_rate"], r.get("fraction"),
+                                                              bool(r.get("of_saturation"))) for r in mine}))
         lines += ["", f"## {case.name}: {describe(w)}", "",
                   f"Floor over the workload's requests: media {expected['media_ms']:.0f} + ViT {expected['vit_ms']:.0f} "
                   f"+ prefill {expected['prefill_ms']:.0f} = **{expected['floor_ms']:.0f} ms**; capacity "
@@ -744,6 +841,23 @@ def report(meta: dict, floor: Floor, runs: list[dict], unloaded: list[dict], pla
     lines += [f"| {g['target']} | {g['measured']} | {g['target_value']} | {'yes' if g['met'] else 'no'} |" for g in goals]
     return "\n".join(lines) + "\n"
 
+
+
+def saturation_table(stacks: list[dict]) -> list[str]:
+    """results.md's rates each stack sustained (``--saturate``), measured or given."""
+    found = [(name, info["topology"], sat) for info in stacks for name, sat in info.get("saturation", {}).items()]
+    if not found:
+        return []
+    lines = ["", "## Saturation", "", "Each stack's own: a burst of requests sent at once, its completions from the "
+             "first to the last request's first token (the stack ran full) over that window.", "",
+             "| workload | topology | sustained (req/s) | completions in window (s) | burst: sent, failed | from |",
+             "|---|---|---|---|---|---|"]
+    for name, topology, sat in found:
+        rate = f"{sat['rate']:.3g}" if sat.get("rate") else f"not measured: {sat.get('why', '?')}"
+        window = f"{sat['completions']} in {sat['window_s']:.1f}" if "window_s" in sat else "-"
+        burst = f"{sat['requests']}, {sat.get('failed', 0)}" if "requests" in sat else "-"
+        lines.append(f"| {name} | {topology} | {rate} | {window} | {burst} | {sat.get('from', 'measured')} |")
+    return lines
 
 
 def describe(w: dict) -> str:
@@ -808,7 +922,7 @@ def points(args, cases: list[Case], floor: Floor | None) -> list[Point]:
     out = []
     for case in cases:
         for fraction, rate in rates_of(args, case, floor):
-            out.append(Point(case, fraction, rate, args.seed + 100 * len(out)))
+            out.append(Point(case, fraction, rate, args.seed + 100 * len(out), saturation=bool(args.saturate)))
     return out
 
 
@@ -830,6 +944,10 @@ def estimate(args, chosen: list[Topology], classes: list[RequestClass], todo: li
         w = case_workload(p.case, False)
         prompts = max(args.min_prompts, min(150, round(p.rate * args.seconds)))
         loaded += prompts / p.rate + w["output_len"] * 0.010 + 1.0 + prompts * clip_s(w)[1]
+    if args.saturate and not args.saturation_from:  # a burst: its requests at the floor capacity, the last decode
+        for case in {p.case.name: p.case for p in todo}.values():
+            w = case_workload(case, False)
+            loaded += saturation_requests(args, case, None) / NOMINAL_CAPACITY[case.name] + w["output_len"] * 0.010
     per_stack = 30 + 8 + unloaded + loaded  # start (7B, dummy weights; measured ~30 s) + stop + measuring
     # the floor: load the 7B once, capture graphs, time every shape; a clip: made, decoded 4 times, 4 ViT
     # forwards, 3 prefills
@@ -844,8 +962,14 @@ def dry_run(args, chosen, classes, todo, floor: Floor | None) -> int:
     print(f"rates from {'the floor file' if floor else 'nominal H200 capacities (the real run sets them from the floor)'}")
     for p in todo:
         prompts = 3 if args.tiny else max(args.min_prompts, min(150, round(p.rate * args.seconds)))
-        print(f"  point {p.case.name:12} {p.rate:6g} req/s" + (f" ({p.fraction:.0%} of capacity)" if p.fraction else "")
-              + f", {prompts} requests, seed {p.seed}")
+        print(f"  point {p.case.name:12} {p.rate:6g} req/s" + (
+            f" ({p.fraction:.0%} of the saturation measured on each stack; the floor capacity's here)" if p.saturation
+            else f" ({p.fraction:.0%} of capacity)" if p.fraction else "") + f", {prompts} requests, seed {p.seed}")
+    if args.saturate:
+        source = f"given by {args.saturation_from}" if args.saturation_from else "measured on each stack, a burst of"
+        print("saturation " + source + ("" if args.saturation_from else ": " + "; ".join(
+            f"{case.name} {saturation_requests(args, case, floor)} requests" for case in
+            {p.case.name: p.case for p in todo}.values())))
     print(f"unloaded classes (one request at a time; {WARM_UPS} warm-up requests per resolution first): "
           + "; ".join(c.key for c in classes))
     for t in chosen:
@@ -942,6 +1066,15 @@ def parse_args(argv=None):
     parser.add_argument("--fractions", default="", help="points as fractions of each workload's capacity, e.g. 0.5,0.8")
     parser.add_argument("--rates", default="", help="absolute rates instead (req/s): for every workload, e.g. 1,2; "
                         "or per workload, e.g. image-heavy=0.86,mixed=4.4,mixed=3 (a workload not named is not run)")
+    parser.add_argument("--saturate", default="", metavar="FRACTIONS",
+                        help="points as fractions of the rate each stack sustains, measured on it first with a "
+                             "burst, e.g. 0.9 (instead of --fractions/--rates)")
+    parser.add_argument("--saturation-requests", type=int, default=0,
+                        help="requests of a saturation burst (0: ~%g s of the workload's floor capacity, %d-%d)"
+                             % (SATURATION_SECONDS, *SATURATION_REQUESTS))
+    parser.add_argument("--saturation-from", default="", metavar="RESULTS_JSON",
+                        help="with --saturate: the rates an earlier run measured (per workload and topology) "
+                             "instead of measuring them, e.g. the same rates with a setting on and off")
     parser.add_argument("--seconds", type=float, default=8.0, help="seconds of arrivals per loaded point")
     parser.add_argument("--min-prompts", type=int, default=8, help="requests per loaded point at least")
     parser.add_argument("--unloaded", type=int, default=5, help="requests per class measured one at a time")
@@ -979,9 +1112,37 @@ def parse_args(argv=None):
         parser.error(f"--rates names unknown workload(s) {', '.join(sorted(unknown))}")
     if named and len(named) < len(args.rates.split(",")):
         parser.error("--rates: give every rate as workload=rate, or none")
+    if args.saturate:
+        if args.rates or args.fractions or args.quick:
+            parser.error("--saturate sets the points: leave out --rates, --fractions and --quick")
+        try:
+            wrong = [f for f in fractions_of(args.saturate) if not 0 < f <= 1.5]
+        except ValueError:
+            wrong = [args.saturate]
+        if wrong or not fractions_of(args.saturate):
+            parser.error(f"--saturate {args.saturate}: fractions of the saturation, each in (0, 1.5], e.g. 0.9")
+    elif args.saturation_from:
+        parser.error("--saturation-from goes with --saturate (the fractions of those rates)")
+    if args.saturation_requests and not 8 <= args.saturation_requests <= 256:
+        parser.error("--saturation-requests: 8-256 (the burst must outlast the stack's batch, and the frontend "
+                     "answers more than 256 in flight with 429)")
+    args.saturation_given = saturation_given(args.saturation_from) if args.saturation_from else {}
     if args.transport == "auto":
         args.transport = "ucx" if not args.tiny and ucx_works() else "zmq"
     return args
+
+
+def saturation_given(path: str) -> dict[tuple[str, str], dict]:
+    """(workload, topology) → the saturation an earlier run measured (``--saturation-from``)."""
+    try:
+        stacks = read_results(path)["stacks"]
+    except (OSError, ValueError, KeyError) as err:
+        raise SystemExit(f"--saturation-from {path}: not a results.json of this script ({err})")
+    given = {(name, info["topology"]): {**found, "from": path} for info in stacks
+             for name, found in info.get("saturation", {}).items() if found.get("rate")}
+    if not given:
+        raise SystemExit(f"--saturation-from {path}: it measured no saturation (run it with --saturate)")
+    return given
 
 
 def ucx_works() -> bool:
@@ -1020,6 +1181,7 @@ def main(argv=None) -> int:
             stack.stop()
         raise
     todo = points(args, cases, floor)
+    args.saturation_n = {case.name: saturation_requests(args, case, floor) for case in cases}
     meta = {"hardware": hardware(), "host": host(), "versions": versions(), "command": sys.argv,
             "transport": args.transport}
 

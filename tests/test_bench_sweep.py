@@ -134,6 +134,66 @@ def test_rates_are_given_for_every_workload_or_per_workload():
             parse_args(["--rates", wrong])
 
 
+
+# -- --saturate: points as fractions of what each stack sustains ----------------------------------------
+def test_a_burst_counts_completions_while_requests_still_waited():
+    from bench.epd_vs_aggregated import steady_rate
+
+    def request(first: float, end: float, ok: bool = True) -> dict:
+        return {"ok": ok, "sent_at": 0.0, "ttft": first, "e2e": end}
+
+    # one a second: finishes at 1, 2, 3 before the last request's first token at 3.5, then 4, 5, 6 drain
+    burst = [request(0.2, 1), request(0.3, 2), request(1.1, 3), request(2.1, 4), request(3.1, 5), request(3.5, 6)]
+    found = steady_rate(burst + [request(0, 0, ok=False)])
+    assert found == {"requests": 7, "failed": 1, "rate": 1.0, "window_s": 2.0, "completions": 2}
+    # every request prefilled before the first one finished: the burst never queued, no rate
+    one_batch = steady_rate([request(0.2, 1), request(0.3, 1.5), request(0.4, 2)])
+    assert one_batch["rate"] is None and "fit in the stack's batch" in one_batch["why"]
+    assert steady_rate([request(0, 0, ok=False)])["rate"] is None
+
+
+def test_saturate_takes_the_place_of_other_rates():
+    from bench.epd_vs_aggregated import chosen_cases, parse_args, points
+
+    args = parse_args(["--saturate", "0.5,0.9", "--workloads", "mixed"])
+    assert [(p.fraction, p.saturation) for p in points(args, chosen_cases(args), None)] == [(0.5, True), (0.9, True)]
+    for wrong in (["--saturate", "0.9", "--rates", "1"], ["--saturate", "0.9", "--quick"], ["--saturate", "x"],
+                  ["--saturate", "0"], ["--saturation-from", "results.json"],
+                  ["--saturate", "0.9", "--saturation-requests", "2"]):
+        with pytest.raises(SystemExit):
+            parse_args(wrong)
+
+
+@pytest.fixture(scope="module")
+def saturated_runs(tmp_path_factory) -> tuple[Path, Path, subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    out = tmp_path_factory.mktemp("saturate")
+    common = ("--tiny", "--workloads", "mixed", "--topologies", "aggregated")
+    measured = eva(*common, "--saturate", "0.9", "--out", str(out / "measured"))
+    given = eva(*common, "--saturate", "0.5", "--saturation-from", str(out / "measured" / "results.json"),
+                "--out", str(out / "given"))
+    return out / "measured", out / "given", measured, given
+
+
+@pytest.mark.timeout(600)
+def test_saturate_measures_each_stack_then_loads_it_at_its_fractions(saturated_runs):
+    measured, given, first, second = saturated_runs
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    results = json.loads((measured / "results.json").read_text())
+    sat = results["stacks"][0]["saturation"]["mixed"]
+    assert sat["requests"] == 24 and sat["failed"] == 0 and sat["rate"] > 0 and sat["completions"] >= 2
+    [run] = results["runs"]
+    assert run["of_saturation"] and run["fraction"] == 0.9 and run["request_rate"] == float(f"{0.9 * sat['rate']:.2g}")
+    markdown = (measured / "results.md").read_text()
+    assert "## Saturation" in markdown and f"| mixed | aggregated | {sat['rate']:.3g} |" in markdown
+    assert "(90% of saturation)" in markdown
+    # the same rates from the first run, not measured again
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    again = json.loads((given / "results.json").read_text())
+    assert again["stacks"][0]["saturation"]["mixed"] == {**sat, "from": str(measured / "results.json")}
+    assert [r["request_rate"] for r in again["runs"]] == [float(f"{0.5 * sat['rate']:.2g}")]
+    assert "saturation:" not in second.stdout.split("## aggregated")[0]  # no burst was sent
+
+
 # -- video-heavy: one clip a request ---------------------------------------------------------------------
 def test_video_heavy_is_a_workload_named_on_its_own():
     from bench.epd_vs_aggregated import case_workload, chosen_cases, parse_args, request_classes
