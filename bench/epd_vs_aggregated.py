@@ -425,7 +425,10 @@ class TopologyRun:
         self.errors: list[str] = []
         self.saturation: dict[str, dict] = {}  # workload → what steady_rate measured on this stack (or was given)
 
-    async def run(self, classes: list[RequestClass], points: list[Point]) -> tuple[list[dict], list[dict]]:
+    async def run(self, classes: list[RequestClass], points: list[Point],
+                  measured=lambda unloaded, runs: None) -> tuple[list[dict], list[dict]]:
+        """The unloaded classes, then the points; ``measured(unloaded, runs)`` after each loaded point (so that
+        a run cut short mid-stack keeps what it measured)."""
         await self.meter.start()
         unloaded, warm = [], set()
         for number, cls in enumerate(classes):
@@ -464,6 +467,7 @@ class TopologyRun:
             self.timings[f"{point.case.name} @ {point.rate:g}"] = time.monotonic() - started
             runs.append(record)
             print(row_text(record), flush=True)
+            measured(unloaded, runs)
         return unloaded, runs
 
     async def saturated(self, case: Case) -> float | None:
@@ -528,7 +532,7 @@ def stack_log(args, topology: Topology) -> Path | None:
 def sweep(args, chosen: list[Topology], classes: list[RequestClass], todo: list[Point], tokenizer: str,
           checkpoint, started: dict[str, tuple[StackProcess, float]] | None = None) -> tuple[list, list, list]:
     """Each topology's stack started once, measured, stopped, and ``checkpoint(unloaded, runs, stacks)``
-    called after each (so a run cut short keeps what it measured). With ``--deadline``, a topology is not
+    called after each of its loaded points and after it (so a run cut short keeps what it measured). With ``--deadline``, a topology is not
     started when the previous one's time would take the run past it. ``started``: stacks already
     starting (tiny: ``start_stacks``); those are stopped in the background."""
     unloaded, runs, stacks_info = [], [], []
@@ -550,12 +554,18 @@ def sweep(args, chosen: list[Topology], classes: list[RequestClass], todo: list[
             print(f"\n## {topology.label}: {api} (mps={stack.ready_event.get('mps')}, "
                   f"up in {info['start_s']:.0f} s)", flush=True)
             measured = TopologyRun(args, topology, stack, tokenizer)
-            u, r = asyncio.run(measured.run(classes, todo))
+
+            def keep(u: list[dict], r: list[dict], final: bool = False) -> None:
+                info["timings_s"] = measured.timings
+                if measured.saturation:
+                    info["saturation"] = measured.saturation
+                if not final:  # mid-stack: what it measured so far, should the run be cut short
+                    checkpoint(unloaded + u, runs + r, stacks_info)
+
+            u, r = asyncio.run(measured.run(classes, todo, keep))
             unloaded += u
             runs += r
-            info["timings_s"] = measured.timings
-            if measured.saturation:
-                info["saturation"] = measured.saturation
+            keep(u, r, final=True)
             if measured.errors:
                 info["point_errors"] = measured.errors
         except Exception as err:  # one topology failing must not cost the others their GPU time

@@ -165,32 +165,61 @@ def test_saturate_takes_the_place_of_other_rates():
 
 
 @pytest.fixture(scope="module")
-def saturated_runs(tmp_path_factory) -> tuple[Path, Path, subprocess.CompletedProcess, subprocess.CompletedProcess]:
+def saturated_runs(tmp_path_factory) -> tuple[Path, Path, subprocess.CompletedProcess, subprocess.CompletedProcess,
+                                               set[int]]:
+    """A run measuring the saturation, its results.json watched while it runs; a run given its rates."""
+    import time
+
     out = tmp_path_factory.mktemp("saturate")
-    common = ("--tiny", "--workloads", "mixed", "--topologies", "aggregated")
-    measured = eva(*common, "--saturate", "0.9", "--out", str(out / "measured"))
+    common = ("--tiny", "--workloads", "mixed,dynamo-mix", "--topologies", "aggregated")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_") or k == "EPD_CACHE_DIR"}
+    argv = [sys.executable, "bench/epd_vs_aggregated.py", *common, "--saturate", "0.9", "--out", str(out / "measured")]
+    seen = set()  # how many loaded points results.json held, each time it was read while the stack ran
+    stdout, stderr = out / "measured.out", out / "measured.err"
+    with open(stdout, "w") as o, open(stderr, "w") as e:
+        child = subprocess.Popen(argv, cwd=Path(__file__).parents[1], env=env, stdout=o, stderr=e, text=True)
+        deadline = time.monotonic() + 500
+        while child.poll() is None and time.monotonic() < deadline:
+            try:
+                written = json.loads((out / "measured" / "results.json").read_text())
+                if "total_s" not in written["stacks"][0]:
+                    seen.add(len(written["runs"]))
+            except (OSError, ValueError, KeyError, IndexError):
+                pass  # not written yet, or being written
+            time.sleep(0.02)
+        if child.poll() is None:  # past the deadline
+            child.kill()
+        child.wait()
+    measured = subprocess.CompletedProcess(argv, child.returncode, stdout.read_text(), stderr.read_text())
     given = eva(*common, "--saturate", "0.5", "--saturation-from", str(out / "measured" / "results.json"),
                 "--out", str(out / "given"))
-    return out / "measured", out / "given", measured, given
+    return out / "measured", out / "given", measured, given, seen
 
 
 @pytest.mark.timeout(600)
 def test_saturate_measures_each_stack_then_loads_it_at_its_fractions(saturated_runs):
-    measured, given, first, second = saturated_runs
+    measured, given, first, second, seen = saturated_runs
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     results = json.loads((measured / "results.json").read_text())
-    sat = results["stacks"][0]["saturation"]["mixed"]
-    assert sat["requests"] == 24 and sat["failed"] == 0 and sat["rate"] > 0 and sat["completions"] >= 2
-    [run] = results["runs"]
-    assert run["of_saturation"] and run["fraction"] == 0.9 and run["request_rate"] == float(f"{0.9 * sat['rate']:.2g}")
+    found = results["stacks"][0]["saturation"]
+    assert set(found) == {"mixed", "dynamo-mix"}
+    for name, sat in found.items():
+        assert sat["requests"] == 24 and sat["failed"] == 0 and sat["rate"] > 0 and sat["completions"] >= 2
+        [run] = [r for r in results["runs"] if r["workload"] == name]
+        assert run["of_saturation"] and run["fraction"] == 0.9
+        assert run["request_rate"] == float(f"{0.9 * sat['rate']:.2g}")
     markdown = (measured / "results.md").read_text()
-    assert "## Saturation" in markdown and f"| mixed | aggregated | {sat['rate']:.3g} |" in markdown
+    assert "## Saturation" in markdown and f"| mixed | aggregated | {found['mixed']['rate']:.3g} |" in markdown
     assert "(90% of saturation)" in markdown
+    # written after each loaded point, not only once the stack was done: a run cut short keeps its points
+    assert 1 in seen, seen
     # the same rates from the first run, not measured again
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     again = json.loads((given / "results.json").read_text())
-    assert again["stacks"][0]["saturation"]["mixed"] == {**sat, "from": str(measured / "results.json")}
-    assert [r["request_rate"] for r in again["runs"]] == [float(f"{0.5 * sat['rate']:.2g}")]
+    assert again["stacks"][0]["saturation"] == {name: {**sat, "from": str(measured / "results.json")}
+                                                for name, sat in found.items()}
+    assert sorted(r["request_rate"] for r in again["runs"]) == sorted(
+        float(f"{0.5 * sat['rate']:.2g}") for sat in found.values())
     assert "saturation:" not in second.stdout.split("## aggregated")[0]  # no burst was sent
 
 
