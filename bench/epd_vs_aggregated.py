@@ -43,12 +43,12 @@ The run:
    (`epd plan` models images, not clips).
    `--saturate 0.9`: per topology, each workload's points are fractions of the rate that stack sustains,
    measured on it first: a burst of requests sent at once (`--saturation-requests`; by default ~40 s of
-   the floor capacity), its completions counted from the first one to the last request's first token (until
-   then a request still waited for its prefill, so the stack ran full) over that window's length.
+   the floor capacity), its completions while some request still waited for its first token (the stack
+   ran full) over the time from the first of them to the last.
    `--saturation-from` takes an earlier run's measured rates instead (the same rates for a setting on and off).
 5. results.md (a table per workload, floor and unloaded rows beside the loaded ones; the plan against
    the measurements; the issue's targets measured/target/met), results.json, latency_vs_rate.png —
-   rewritten after every topology, so a run cut short keeps what it measured.
+   rewritten after every loaded point, so a run cut short keeps what it measured.
 
 Every topology on one GPU takes longer than one 10-minute call (`--dry-run` estimates it and proposes a
 split): run some topologies, then the rest with `--floor` from the first run (the same rates), and merge
@@ -532,8 +532,8 @@ def stack_log(args, topology: Topology) -> Path | None:
 def sweep(args, chosen: list[Topology], classes: list[RequestClass], todo: list[Point], tokenizer: str,
           checkpoint, started: dict[str, tuple[StackProcess, float]] | None = None) -> tuple[list, list, list]:
     """Each topology's stack started once, measured, stopped, and ``checkpoint(unloaded, runs, stacks)``
-    called after each of its loaded points and after it (so a run cut short keeps what it measured). With ``--deadline``, a topology is not
-    started when the previous one's time would take the run past it. ``started``: stacks already
+    called after each of its loaded points and after it (so a run cut short keeps what it measured). With
+    ``--deadline``, a topology is not started when the previous one's time would take the run past it. ``started``: stacks already
     starting (tiny: ``start_stacks``); those are stopped in the background."""
     unloaded, runs, stacks_info = [], [], []
     env = stack_env(args)
@@ -858,8 +858,9 @@ def saturation_table(stacks: list[dict]) -> list[str]:
     found = [(name, info["topology"], sat) for info in stacks for name, sat in info.get("saturation", {}).items()]
     if not found:
         return []
-    lines = ["", "## Saturation", "", "Each stack's own: a burst of requests sent at once, its completions from the "
-             "first to the last request's first token (the stack ran full) over that window.", "",
+    lines = ["", "## Saturation", "", "Each stack's own: a burst of requests sent at once, its completions while "
+             "some request still waited for its first token (the stack ran full), over the time from the first "
+             "of them to the last.", "",
              "| workload | topology | sustained (req/s) | completions in window (s) | burst: sent, failed | from |",
              "|---|---|---|---|---|---|"]
     for name, topology, sat in found:
