@@ -30,7 +30,7 @@ import pytest
 from launcher.stack import Stack
 from launcher.natsserver import nats_server_binary
 from launcher.processes import die_with_parent
-from tests.support import chat_messages, make_image
+from tests.support import chat_messages, make_image, settled
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -165,7 +165,7 @@ async def serve_one_request(stack: Stack, prefix: str, base_url: str, text: str,
             pass  # not MessagePack (service API JSON): no handles
 
     await nc.subscribe(f"{prefix}.>", cb=record)
-    await nc.flush()
+    await settled(nc)
     client = OpenAI(base_url=base_url, api_key="test", max_retries=0)
     response = await asyncio.to_thread(lambda: client.chat.completions.create(
         model=client.models.list().data[0].id, messages=chat_messages(text, images), max_tokens=MAX_TOKENS,
