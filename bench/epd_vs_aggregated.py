@@ -477,9 +477,6 @@ class TopologyRun:
             given = self.args.saturation_given.get((case.name, self.topology.label))
             if given is not None:
                 self.saturation[case.name] = given
-            elif self.args.saturation_from:  # measuring here would give other rates than the run compared with
-                self.saturation[case.name] = {"rate": None, "why": f"--saturation-from {self.args.saturation_from} "
-                                              f"measured no saturation of {case.name} on {self.topology.label}"}
             else:
                 started = time.monotonic()
                 prompts = self.args.saturation_n[case.name]
@@ -1171,6 +1168,10 @@ def main(argv=None) -> int:
         return report_from(args, out)
     args.gpus = (0 if args.tiny else visible_gpus()) if args.gpus < 0 else args.gpus
     cases, chosen = chosen_cases(args), chosen_topologies(args)
+    if args.saturation_from and (missing := [f"{c.name} on {t.label}" for t in chosen for c in cases
+                                             if (c.name, t.label) not in args.saturation_given]):
+        raise SystemExit(f"--saturation-from {args.saturation_from} measured no saturation of {', '.join(missing)}: "
+                         "run those with --saturate alone, or leave them out")
     classes = request_classes(cases, args.tiny)
     floor = None
     if args.floor:  # a floor.json, or an earlier run's results.json (its floor)

@@ -164,6 +164,22 @@ def test_saturate_takes_the_place_of_other_rates():
             parse_args(wrong)
 
 
+def test_saturation_from_must_cover_every_point(tmp_path):
+    from bench.epd_vs_aggregated import main
+
+    earlier = tmp_path / "results.json"
+    earlier.write_text(json.dumps({"stacks": [{"topology": "aggregated", "saturation": {
+        "mixed": {"requests": 24, "failed": 0, "rate": 5.0, "window_s": 2.0, "completions": 10}}}]}))
+    argv = ["--tiny", "--dry-run", "--saturate", "0.9", "--saturation-from", str(earlier), "--topologies",
+            "aggregated", "--out", str(tmp_path)]
+    assert main([*argv, "--workloads", "mixed"]) == 0
+    with pytest.raises(SystemExit, match="measured no saturation of dynamo-mix on aggregated"):
+        main([*argv, "--workloads", "mixed,dynamo-mix"])
+    earlier.write_text(json.dumps({"stacks": [{"topology": "aggregated"}]}))
+    with pytest.raises(SystemExit, match="it measured no saturation"):
+        main([*argv, "--workloads", "mixed"])
+
+
 @pytest.fixture(scope="module")
 def saturated_runs(tmp_path_factory) -> tuple[Path, Path, subprocess.CompletedProcess, subprocess.CompletedProcess,
                                                set[int]]:
