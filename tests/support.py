@@ -284,7 +284,6 @@ def dumps(obj) -> str:
     return json.dumps(obj, sort_keys=True)
 
 
-
 async def settled(nc) -> None:
     """Returns once the server has read every command ``nc`` wrote before the call (a SUB, a PUB). One
     ``flush()`` is no such barrier for another connection: nats-py writes its PING ahead of commands still
