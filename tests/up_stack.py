@@ -36,6 +36,14 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
+def parent(pid: int) -> int:
+    """``pid``'s parent (0 once it is gone)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
