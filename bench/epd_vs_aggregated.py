@@ -309,7 +309,7 @@ def rates_of(args, case: Case, floor: Floor | None) -> list[tuple[float | None, 
     """[(fraction of capacity or None, rate)] of a workload's points (--saturate: the floor capacity's
     fractions stand in until each stack's saturation is measured)."""
     if args.saturate:
-        capacity = floor.capacity(case_workload(case, args.tiny)) if floor else NOMINAL_CAPACITY[case.name]
+        capacity = capacity_of(args, case, floor)
         return [(f, round_rate(f * capacity)) for f in fractions_of(args.saturate)]
     if args.rates:
         named = [r.split("=", 1) for r in args.rates.split(",") if "=" in r]
@@ -318,8 +318,13 @@ def rates_of(args, case: Case, floor: Floor | None) -> list[tuple[float | None, 
         return [(None, float(rate)) for name, rate in named if name == case.name]
     fractions = fractions_of(args.fractions) if args.fractions else \
         QUICK_FRACTIONS.get(case.name, (0.5,)) if args.quick or args.tiny else FULL_FRACTIONS
-    capacity = floor.capacity(case_workload(case, args.tiny)) if floor else NOMINAL_CAPACITY[case.name]
+    capacity = capacity_of(args, case, floor)
     return [(f, round_rate(f * capacity * max(1, args.gpus))) for f in fractions]
+
+
+def capacity_of(args, case: Case, floor: Floor | None) -> float:
+    """A workload's floor capacity (req/s, one GPU); without a floor, the nominal H200 guess (--dry-run)."""
+    return floor.capacity(case_workload(case, args.tiny)) if floor else NOMINAL_CAPACITY[case.name]
 
 
 def round_rate(rate: float) -> float:
@@ -343,7 +348,7 @@ def saturation_requests(args, case: Case, floor: Floor | None) -> int:
         return args.saturation_requests
     if args.tiny:
         return TINY_SATURATION_REQUESTS
-    capacity = floor.capacity(case_workload(case, args.tiny)) if floor else NOMINAL_CAPACITY[case.name]
+    capacity = capacity_of(args, case, floor)
     low, high = SATURATION_REQUESTS
     return max(low, min(high, round(capacity * SATURATION_SECONDS)))
 
@@ -509,7 +514,7 @@ class TopologyRun:
         return BenchSettings(base_url=self.meter.stack.api, label=self.topology.label, num_prompts=prompts,
                              request_rate=rate, max_concurrency=0 if burst else 1 if math.isinf(rate) else 0,
                              seed=seed, warmup=0, tokenizer=self.tokenizer,
-                             timeout=max(self.args.request_timeout, BURST_TIMEOUT_S) if burst else self.args.request_timeout,
+                             timeout=max(self.args.request_timeout, BURST_TIMEOUT_S if burst else 0),
                              goodput=f"ttft:{SLO.ttft_ms:g},itl:{SLO.itl_ms:g}", **workload)
 
 
@@ -534,8 +539,8 @@ def sweep(args, chosen: list[Topology], classes: list[RequestClass], todo: list[
           checkpoint, started: dict[str, tuple[StackProcess, float]] | None = None) -> tuple[list, list, list]:
     """Each topology's stack started once, measured, stopped, and ``checkpoint(unloaded, runs, stacks)``
     called after each of its loaded points and after it (so a run cut short keeps what it measured). With
-    ``--deadline``, a topology is not started when the previous one's time would take the run past it. ``started``: stacks already
-    starting (tiny: ``start_stacks``); those are stopped in the background."""
+    ``--deadline``, a topology is not started when the previous one's time would take the run past it.
+    ``started``: stacks already starting (tiny: ``start_stacks``); those are stopped in the background."""
     unloaded, runs, stacks_info = [], [], []
     env = stack_env(args)
     started = dict(started or {})
@@ -796,7 +801,8 @@ def report(meta: dict, floor: Floor, runs: list[dict], unloaded: list[dict], pla
              f"{SLO.itl_ms:g} ms. ITL p99: over the pooled gaps of a point. Floor: a request's media decode + ViT "
              "forward + prefill, each measured alone in-process (means over the point's own requests); "
              f"unloaded: one request at a time on the warm stack ({UNLOADED_TOKENS} tokens out). Rates: "
-             + ("fractions of the rate each stack sustained (## Saturation)." if any(r.get("of_saturation") for r in runs)
+             + ("fractions of the rate each stack sustained (## Saturation)."
+                if any(r.get("of_saturation") for r in runs)
                 else "fractions of the workload's floor capacity (one GPU doing nothing but its compute)."), ""]
     for info in stacks:
         if "error" in info:
@@ -946,7 +952,8 @@ def clip_s(w: dict) -> tuple[float, float]:
     return 2.5 * scale, 4.0 / 8 * scale
 
 
-def estimate(args, chosen: list[Topology], classes: list[RequestClass], todo: list[Point]) -> dict[str, float]:
+def estimate(args, chosen: list[Topology], classes: list[RequestClass], todo: list[Point],
+             floor: Floor | None = None) -> dict[str, float]:
     """Seconds each part should take on one H200 (from BASELINES.md-like costs): for --dry-run."""
     warm_ups = {warm_shape(c.workload): c.workload for c in classes}
     requests = [(c.workload, args.unloaded) for c in classes] + [(w, WARM_UPS) for w in warm_ups.values()]
@@ -958,8 +965,8 @@ def estimate(args, chosen: list[Topology], classes: list[RequestClass], todo: li
         loaded += prompts / p.rate + w["output_len"] * 0.010 + 1.0 + prompts * clip_s(w)[1]
     if args.saturate and not args.saturation_from:  # a burst: its requests at the floor capacity, the last decode
         for case in {p.case.name: p.case for p in todo}.values():
-            w = case_workload(case, False)
-            loaded += saturation_requests(args, case, None) / NOMINAL_CAPACITY[case.name] + w["output_len"] * 0.010
+            last_decode = case_workload(case, False)["output_len"] * 0.010
+            loaded += saturation_requests(args, case, floor) / capacity_of(args, case, floor) + last_decode
     per_stack = 30 + 8 + unloaded + loaded  # start (7B, dummy weights; measured ~30 s) + stop + measuring
     # the floor: load the 7B once, capture graphs, time every shape; a clip: made, decoded 4 times, 4 ViT
     # forwards, 3 prefills
@@ -988,7 +995,7 @@ def dry_run(args, chosen, classes, todo, floor: Floor | None) -> int:
         settings = "".join(f"{name}={value} " for name, value in args.stack_env)
         print(f"stack {t.label:12} {settings}python -m launcher.cli up --port 0 {' '.join(t.args)}")
     if not args.tiny:
-        times = estimate(args, chosen, classes, todo)
+        times = estimate(args, chosen, classes, todo, floor)
         print(f"estimated: floor ~{times['floor']:.0f} s, ~{times['per topology']:.0f} s per topology, "
               f"total ~{times['total'] / 60:.1f} min")
         fit = max(1, int((540 - times["floor"]) // times["per topology"]))  # topologies per 10-minute call

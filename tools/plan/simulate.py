@@ -13,10 +13,11 @@ step t(B) and the rows a step carries):
 - aggregated (``EngineLoop`` with ``VisionBatcher.step``): before a step, when images are queued, a
   gap: batches of what is queued (and arrives meanwhile) until none is, or ``STEP_BUDGET_S`` of ViT
   time is spent — while sequences decode, what ``target_itl_s`` leaves after their step, each forward
-  cut to fit (one image at least), unless a prompt or a queued image has waited past ``BACKLOG_S``. The prompts whose images a gap finished join the next step: encoded in place, they
-  are in the engine by then. Two older ways are kept to replay the runs that had them: through the
-  frontend (``handback="frontend"``), they miss the step that starts at once; with the removed
-  hand-off (``"handoff"``), a decode-only step first, then they join;
+  cut to fit (one image at least), unless a prompt or a queued image has waited past ``BACKLOG_S``. The
+  prompts whose images a gap finished join the next step: encoded in place, they are in the engine by
+  then. Two older ways are kept to replay the runs that had them: through the frontend
+  (``handback="frontend"``), they miss the step that starts at once; with the removed hand-off
+  (``"handoff"``), a decode-only step first, then they join;
 - E/PD (an encoder beside a joined worker): the encoder forwards everything queued at a time, a
   request's images together (the sibling wait); a prompt reaches the worker after its embeddings'
   transfer. The processes slow each other by the model's solved factors (``Prediction.busy``).
