@@ -17,7 +17,7 @@ import httpx
 import nats
 import pytest
 
-from tests.support import chat_messages, make_image
+from tests.support import chat_messages, make_image, settled
 from tests.up_stack import UpStack
 
 TOKENS = 40
@@ -243,8 +243,7 @@ def test_the_client_role_reads_only_its_own(up):
         try:
             for subject in ("_INBOX.>", "_INBOX.epd.frontend.>", "epd.stream.>", "$SRV.>"):
                 await nc.subscribe(subject)
-            await nc.flush()
-            await asyncio.sleep(0.3)
+            await settled(nc)  # the server has read the SUBs: its refusals are on the way
             for api in ("$JS.API.STREAM.NAMES", "$JS.API.STREAM.DELETE.KV_EPD_EMBEDDINGS_epd",
                         "$JS.API.STREAM.PURGE.EPD_RESULTS_epd"):
                 with pytest.raises(Exception):  # refused: the request never reaches JetStream
