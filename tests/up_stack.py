@@ -116,7 +116,10 @@ class UpStack:
         return sum(1 for e in self.events if e.get("event") == name)
 
     def pids(self, kind: str) -> list[int]:
-        return sorted(p for p in descendants(self.process.pid) if f"-m services.{kind}" in cmdline(p) and alive(p))
+        """The live workers of one kind; a child a worker forked and has not exec'd yet carries its command
+        line, so a match whose parent also matches is not counted."""
+        found = {p for p in descendants(self.process.pid) if f"-m services.{kind}" in cmdline(p) and alive(p)}
+        return sorted(p for p in found if parent(p) not in found)
 
     def signal(self, kind: str, sig: int, index: int = 0) -> int:
         pid = self.pids(kind)[index]
