@@ -136,25 +136,26 @@ def test_rates_are_given_for_every_workload_or_per_workload():
 
 
 # -- --saturate: points as fractions of what each stack sustains ----------------------------------------
-def test_a_burst_counts_completions_while_requests_still_waited():
-    from bench.epd_vs_aggregated import steady_rate
+def test_a_burst_reads_the_requests_done_over_its_makespan():
+    from bench.epd_vs_aggregated import burst_rate
 
-    def request(first: float, end: float, ok: bool = True) -> dict:
-        return {"ok": ok, "sent_at": 0.0, "ttft": first, "e2e": end}
+    def request(first: float, end: float, ok: bool = True, sent: float = 0.0) -> dict:
+        return {"ok": ok, "sent_at": sent, "ttft": first - sent, "e2e": end - sent}
 
-    # one a second: finishes at 1, 2, 3 before the last request's first token at 3.5, then 4, 5, 6 drain
-    burst = [request(0.2, 1), request(0.3, 2), request(1.1, 3), request(2.1, 4), request(3.1, 5), request(3.5, 6)]
-    found = steady_rate(burst + [request(0, 0, ok=False)])
-    assert found == {"requests": 7, "failed": 1, "rate": 1.0, "window_s": 2.0, "completions": 2}
+    # sent at 1.0 (times below are absolute): prefills one a second, each decodes two seconds; the failed
+    # request counts as sent, not as done
+    burst = [request(1.0 + i, 3.0 + i, sent=1.0) for i in range(1, 7)] + [request(1.0, 1.0, ok=False, sent=1.0)]
+    assert burst_rate(burst) == {"requests": 7, "failed": 1, "rate": 0.75, "makespan_s": 8.0, "tail_s": 2.0}
+    # sequences that decode together finish together (the H100's image-heavy burst): the completions while
+    # a request still waited came within 0.5 s (~100 req/s); over the makespan each request counts once
+    together = [request(0.5 * i, 30.0 + 0.01 * i) for i in range(1, 61)] + [request(30.5, 31.0)]
+    assert burst_rate(together)["rate"] == 61 / 31.0
     # every request prefilled before the first one finished: the burst never queued, no rate
-    one_batch = steady_rate([request(0.2, 1), request(0.3, 1.5), request(0.4, 2)])
+    one_batch = burst_rate([request(0.2, 1), request(0.3, 1.5), request(0.4, 2)])
     assert one_batch["rate"] is None and "fit in the stack's batch" in one_batch["why"]
-    # a fast few finished while one prompt waited, the rest after: 2 of 9 is no steady state
-    few = [request(0.1, 0.2), request(0.1, 0.25), request(0.1, 0.3), request(0.5, 3), *[request(0.2, 5)] * 5]
-    assert steady_rate(few) == {"requests": 9, "failed": 0, "rate": None, "window_s": 0.1, "completions": 2,
-                                "why": "2 of 9 completed while requests still waited: the burst mostly fit in the "
-                                       "stack's batch (give --saturation-requests more)"}
-    assert steady_rate([request(0, 0, ok=False)])["rate"] is None
+    assert one_batch["makespan_s"] == 2.0
+    assert burst_rate([request(0, 0, ok=False)]) == {"requests": 1, "failed": 1, "rate": None,
+                                                     "why": "no request of the burst succeeded"}
 
 
 def test_saturate_takes_the_place_of_other_rates():
@@ -174,7 +175,7 @@ def test_saturation_from_must_cover_every_point(tmp_path):
 
     earlier = tmp_path / "results.json"
     earlier.write_text(json.dumps({"stacks": [{"topology": "aggregated", "saturation": {
-        "mixed": {"requests": 24, "failed": 0, "rate": 5.0, "window_s": 2.0, "completions": 10}}}]}))
+        "mixed": {"requests": 24, "failed": 0, "rate": 5.0, "makespan_s": 4.8, "tail_s": 0.3}}}]}))
     argv = ["--tiny", "--dry-run", "--saturate", "0.9", "--saturation-from", str(earlier), "--topologies",
             "aggregated", "--out", str(tmp_path)]
     assert main([*argv, "--workloads", "mixed"]) == 0
@@ -225,7 +226,8 @@ def test_saturate_measures_each_stack_then_loads_it_at_its_fractions(saturated_r
     found = results["stacks"][0]["saturation"]
     assert set(found) == {"mixed", "dynamo-mix"}
     for name, sat in found.items():
-        assert sat["requests"] == 48 and sat["failed"] == 0 and sat["rate"] > 0 and sat["completions"] >= 16
+        assert sat["requests"] == 48 and sat["failed"] == 0 and sat["rate"] > 0
+        assert sat["makespan_s"] > sat["tail_s"] >= 0 and sat["rate"] == pytest.approx(48 / sat["makespan_s"], rel=0.01)
         [run] = [r for r in results["runs"] if r["workload"] == name]
         assert run["of_saturation"] and run["fraction"] == 0.9
         assert run["request_rate"] == float(f"{0.9 * sat['rate']:.2g}")
