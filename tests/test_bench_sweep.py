@@ -79,6 +79,26 @@ def test_tiny_sweep_writes_the_report(tiny_sweep, tmp_path):
     again = eva("--report-from", str(out / "results.json"), "--out", str(tmp_path))  # no stack: CPU only
     assert again.returncode == 0, again.stderr[-2000:]
     assert (tmp_path / "results.md").read_text().split("## Floor")[1] == markdown.split("## Floor")[1]
+    from tools.bench.tables import HEADER
+
+    header, columns = HEADER.split("\n")[0], HEADER.split("\n")[0].count("|")
+    tables = [part.split("\n\n")[0].split("\n")[1:] for part in markdown.split(header + "\n")[1:]]
+    rows = [line for table in tables for line in table]  # each workload's: the rule, unloaded and loaded rows
+    assert len(tables) == 6 and len(rows) > 6 * 4 and all(line.count("|") == columns for line in rows)
+
+
+def test_a_row_shows_tpot_p99_and_the_step_time_model_error():
+    from tools.bench.tables import HEADER, row_text
+
+    summary = {"ttft_ms": {"mean": 200.0, "p99": 400.0}, "itl_ms": {"p99": 95.0},
+               "tpot_ms": {"mean": 21.04, "p99": 29.46}, "request_throughput": 4.0, "goodput": 3.5, "failed": 0}
+    counts = {"step_time_error_total": 9.0, "step_time_error_count": 60, "steps_timed": 64, "steps_paced": 40}
+    row = row_text({"topology": "aggregated", "request_rate": 4.0, "summary": summary, "encoder_ms": counts})
+    cells = [cell.strip() for cell in row.split("|")[1:-1]]
+    assert len(cells) == HEADER.split("\n")[0].count("|") - 1
+    assert cells[7] == "21.0 / 29.5" and cells[12] == "15.0% (40 / 64)"
+    budget_off = row_text({"topology": "aggregated", "request_rate": 4.0, "summary": summary, "encoder_ms": {}})
+    assert budget_off.split("|")[13].strip() == "-"
 
 
 def test_dry_run_lists_the_stacks_and_points():

@@ -22,9 +22,20 @@ def ms(value) -> str:
 
 
 HEADER = ("| topology | offered req/s | achieved | TTFT mean / p99 (ms) | × floor | text / image TTFT (ms) "
-          "| ITL p99 (ms) | TPOT mean (ms) | goodput (req/s) | failed / resumed | media / encode / to first token (ms) "
-          "| ViT queue / forward, pull / job (ms per image) | predicted TTFT (ms, error) |\n"
-          + "|---" * 13 + "|")
+          "| ITL p99 (ms) | TPOT mean / p99 (ms) | goodput (req/s) | failed / resumed "
+          "| media / encode / to first token (ms) | ViT queue / forward, pull / job (ms per image) "
+          "| step-time error (steps cut / timed) | predicted TTFT (ms, error) |\n" + "|---" * 14 + "|")
+
+
+def step_model(counts: dict) -> str:
+    """The language workers' step-time model over a point (``scrape.STEP_COUNTS``, as ``encoder_ms`` holds
+    them): its mean |predicted − observed| ÷ observed over the steps it sized, and the steps the time budget
+    cut of those timed; ``-`` where it timed none (the budget off)."""
+    timed = counts.get("step_time_error_count", 0)
+    if not timed:
+        return "-"
+    return (f"{counts['step_time_error_total'] / timed:.1%} "
+            f"({counts.get('steps_paced', 0):.0f} / {counts.get('steps_timed', 0):.0f})")
 
 
 def row_text(run: dict) -> str:
@@ -40,14 +51,15 @@ def row_text(run: dict) -> str:
     rate = "unloaded" if run.get("request_rate") is None else f"{run['request_rate']:g}"
     achieved = "-" if run.get("request_rate") is None else f"{s['request_throughput']:.2f}"
     goodput = "-" if run.get("request_rate") is None else f"{s['goodput']:.2f}"
+    tpot = s["tpot_ms"]
     itl, tpot = ("-", "-") if run.get("request_rate") is None else \
-        (f"{s['itl_ms']['p99']:.0f}", f"{s['tpot_ms']['mean']:.1f}")  # unloaded: a few tokens only
+        (f"{s['itl_ms']['p99']:.0f}", f"{tpot['mean']:.1f} / {tpot['p99']:.1f}")  # unloaded: a few tokens only
     return (f"| {run['topology']} | {rate} | {achieved} | {s['ttft_ms']['mean']:.0f} / {s['ttft_ms']['p99']:.0f} "
             f"| {times} | {kinds} | {itl} | {tpot} | {goodput} "
             f"| {s['failed']} / {run.get('resumed', 0)} | {stages(run.get('stages_ms', {}))} "
             f"| {stages(run.get('encoder_ms', {}), ('vit_queue', 'vit_forward'))}, "
             f"{stages(run.get('encoder_ms', {}), ('job_pull', 'job_encode'))} "
-            f"| {ms(predicted) if predicted is not None else '-'}{error} |")
+            f"| {step_model(run.get('encoder_ms', {}))} | {ms(predicted) if predicted is not None else '-'}{error} |")
 
 
 def ordered_labels(labels) -> list[str]:
