@@ -16,7 +16,7 @@ import pytest
 
 from tools.bench.client import RequestResult
 from tools.bench.dataset import build_requests
-from tools.bench.metrics import Slo, request_itl_p99, summarize
+from tools.bench.metrics import Slo, request_itl_p99, summarize, ttft_trend
 from tools.bench.scrape import parse, stage_means
 from tools.plan.costs import Costs
 from tools.plan.layouts import Layout, bench_layouts, layouts
@@ -257,6 +257,18 @@ def test_itl_slo_holds_each_request_to_its_own_p99_gap():
     assert summary["itl_ms"]["p99"] < 300  # pooled over every gap of the run: the stalls are rare
     assert summary["request_itl_p99_ms"]["p50"] == pytest.approx(10.0)
     assert summarize([steady, stalled], 1.0)["good"] == 2  # no SLO set: every finished request is good
+
+
+def test_ttft_trend_reads_a_growing_queue():
+    def sent(at: float, ttft: float) -> RequestResult:
+        return RequestResult(0, "text", 0, ok=True, sent_at=at, ttft=ttft, e2e=ttft + 0.1)
+
+    # offered 2x what the server sustains (one a second, sent every half second): rho - 1 = 1
+    growing = [sent(0.5 * i, 0.2 + 0.5 * i) for i in range(20)]
+    assert summarize(growing, 10.0)["ttft_trend"] == pytest.approx(1.0)
+    assert ttft_trend([sent(0.5 * i, 0.2 + 0.01 * (i % 3)) for i in range(20)]) == pytest.approx(0.0, abs=0.01)
+    assert ttft_trend(growing[:2]) is None  # too few
+    assert ttft_trend([sent(0.001 * i, 0.2 + i) for i in range(20)]) is None  # a burst: no arrivals to read
 
 
 def test_stage_means_from_the_frontends_metrics():

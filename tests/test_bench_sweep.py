@@ -87,18 +87,19 @@ def test_tiny_sweep_writes_the_report(tiny_sweep, tmp_path):
     assert len(tables) == 6 and len(rows) > 6 * 4 and all(line.count("|") == columns for line in rows)
 
 
-def test_a_row_shows_tpot_p99_and_the_step_time_model_error():
+def test_a_row_shows_the_ttft_trend_tpot_p99_and_the_step_time_model_error():
     from tools.bench.tables import HEADER, row_text
 
     summary = {"ttft_ms": {"mean": 200.0, "p99": 400.0}, "itl_ms": {"p99": 95.0},
-               "tpot_ms": {"mean": 21.04, "p99": 29.46}, "request_throughput": 4.0, "goodput": 3.5, "failed": 0}
+               "tpot_ms": {"mean": 21.04, "p99": 29.46}, "request_throughput": 4.0, "goodput": 3.5, "failed": 0,
+               "ttft_trend": 0.0912}
     counts = {"step_time_error_total": 9.0, "step_time_error_count": 60, "steps_timed": 64, "steps_paced": 40}
     row = row_text({"topology": "aggregated", "request_rate": 4.0, "summary": summary, "encoder_ms": counts})
     cells = [cell.strip() for cell in row.split("|")[1:-1]]
     assert len(cells) == HEADER.split("\n")[0].count("|") - 1
-    assert cells[7] == "21.0 / 29.5" and cells[12] == "15.0% (40 / 64)"
+    assert cells[4] == "+0.09" and cells[8] == "21.0 / 29.5" and cells[13] == "15.0% (40 / 64)"
     budget_off = row_text({"topology": "aggregated", "request_rate": 4.0, "summary": summary, "encoder_ms": {}})
-    assert budget_off.split("|")[13].strip() == "-"
+    assert budget_off.split("|")[14].strip() == "-"
 
 
 def test_dry_run_lists_the_stacks_and_points():

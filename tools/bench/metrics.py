@@ -48,6 +48,21 @@ def distribution(values_s: list[float]) -> dict[str, float]:
     return {"mean": float(ms.mean()), **{f"p{p}": float(np.percentile(ms, p)) for p in PERCENTILES}}
 
 
+def ttft_trend(done: list[RequestResult]) -> float | None:
+    """Whether a run's queue grew: the least-squares slope of its requests' TTFT against their send times,
+    seconds of TTFT per second of arrivals. About 0 where the server keeps up; offered ρ times what it
+    sustains, the request sent at t gets its first token near ρ·t, so the slope nears ρ − 1 (0.1 at 1.1×,
+    1 at 2×), and the rate it sustains is the offered one ÷ (1 + slope). It reads the run's
+    own requests, so it does not hang on one draw's mean beside another's. None under three requests or
+    when they were sent within a second (a burst)."""
+    if len(done) < 3:
+        return None
+    sent = np.array([r.sent_at for r in done])
+    if np.ptp(sent) < 1.0:
+        return None
+    return float(np.polyfit(sent, np.array([r.ttft for r in done]), 1)[0])
+
+
 def summarize(results: list[RequestResult], duration: float, slo: Slo = Slo()) -> dict:
     """Everything ``epd bench`` reports about ``results`` over a run of ``duration`` seconds."""
     done = [r for r in results if r.ok]
@@ -69,6 +84,7 @@ def summarize(results: list[RequestResult], duration: float, slo: Slo = Slo()) -
         "prompt_tokens": prompt,
         "completion_tokens": output,
         "ttft_ms": distribution([r.ttft for r in done]),
+        "ttft_trend": ttft_trend(done),
         "tpot_ms": distribution([r.tpot for r in done if r.completion_tokens > 1]),
         "itl_ms": distribution([gap for r in done for gap in r.itl]),
         "request_itl_p99_ms": distribution([request_itl_p99(r) for r in done if r.itl]),

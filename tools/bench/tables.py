@@ -21,10 +21,10 @@ def ms(value) -> str:
     return f"{value:.0f}" if value is not None and math.isfinite(value) else "unstable"
 
 
-HEADER = ("| topology | offered req/s | achieved | TTFT mean / p99 (ms) | × floor | text / image TTFT (ms) "
-          "| ITL p99 (ms) | TPOT mean / p99 (ms) | goodput (req/s) | failed / resumed "
+HEADER = ("| topology | offered req/s | achieved | TTFT mean / p99 (ms) | TTFT trend (s/s) | × floor "
+          "| text / image TTFT (ms) | ITL p99 (ms) | TPOT mean / p99 (ms) | goodput (req/s) | failed / resumed "
           "| media / encode / to first token (ms) | ViT queue / forward, pull / job (ms per image) "
-          "| step-time error (steps cut / timed) | predicted TTFT (ms, error) |\n" + "|---" * 14 + "|")
+          "| step-time error (steps cut / timed) | predicted TTFT (ms, error) |\n" + "|---" * 15 + "|")
 
 
 def step_model(counts: dict) -> str:
@@ -51,11 +51,12 @@ def row_text(run: dict) -> str:
     rate = "unloaded" if run.get("request_rate") is None else f"{run['request_rate']:g}"
     achieved = "-" if run.get("request_rate") is None else f"{s['request_throughput']:.2f}"
     goodput = "-" if run.get("request_rate") is None else f"{s['goodput']:.2f}"
+    trend = "-" if run.get("request_rate") is None or s.get("ttft_trend") is None else f"{s['ttft_trend']:+.2f}"
     tpot = s["tpot_ms"]
     itl, tpot = ("-", "-") if run.get("request_rate") is None else \
         (f"{s['itl_ms']['p99']:.0f}", f"{tpot['mean']:.1f} / {tpot['p99']:.1f}")  # unloaded: a few tokens only
     return (f"| {run['topology']} | {rate} | {achieved} | {s['ttft_ms']['mean']:.0f} / {s['ttft_ms']['p99']:.0f} "
-            f"| {times} | {kinds} | {itl} | {tpot} | {goodput} "
+            f"| {trend} | {times} | {kinds} | {itl} | {tpot} | {goodput} "
             f"| {s['failed']} / {run.get('resumed', 0)} | {stages(run.get('stages_ms', {}))} "
             f"| {stages(run.get('encoder_ms', {}), ('vit_queue', 'vit_forward'))}, "
             f"{stages(run.get('encoder_ms', {}), ('job_pull', 'job_encode'))} "
