@@ -353,14 +353,15 @@ def saturation_requests(args, case: Case, floor: Floor | None) -> int:
 
 def burst_rate(requests: list[dict]) -> dict:
     """What a stack sustains, from a burst of requests sent at once: those it completed over the time from the
-    send to the last completion (``makespan_s``). All their work falls inside it, and the stack ran full but
-    for the drain after the last first token (``tail_s``: the last requests decoding), so the rate errs low
-    by at most that share. A window inside the burst errs high instead, by work done ahead of it: counting
-    the completions that came while requests still waited read 3.6 req/s image-heavy on an H100 (7B, budget
-    off), where 90 % of it (3.2 req/s) left the stack 15 s of mean TTFT behind and ~1.4 held; its ViT had
-    encoded the waiting requests' images ahead, and thirty sequences decoding together finished together.
-    ``rate`` None, with the reason, when every request had its first token before the first finished: the
-    burst fit in the stack's batch, and a larger one would read more."""
+    send to the last completion (``makespan_s``). All their work falls inside it, and the stack ran full but for
+    the drain after the last first token (``tail_s``: the last requests decoding), so the rate errs low, by that
+    share and a little more (on an H100 the TTFT trend at 1.1× of it put it a few to ~10 % low, likely as a
+    burst holds more sequences decoding at once than a stack at its rate). A window inside the burst errs high instead, by
+    work done ahead of it: counting the completions that came while requests still waited read 3.6 req/s
+    image-heavy on an H100 (7B, budget off), where 90 % of it (3.2 req/s) left the stack 15 s of mean TTFT
+    behind and ~1.4 held; its ViT had encoded the waiting requests' images ahead, and thirty sequences decoding
+    together finished together. ``rate`` None, with the reason, when every request had its first token before
+    the first finished: the burst fit in the stack's batch, and a larger one would read more."""
     done = [r for r in requests if r["ok"]]
     out = {"requests": len(requests), "failed": len(requests) - len(done), "rate": None}
     if not done:
@@ -868,7 +869,7 @@ def saturation_table(stacks: list[dict]) -> list[str]:
         return []
     lines = ["", "## Saturation", "", "Each stack's own: a burst of requests sent at once, those completed over "
              "the time from the send to the last completion; the stack ran full but for the tail after the last "
-             "first token, so the rate errs low by at most the tail's share.", "",
+             "first token, so the rate errs low (by the tail's share and a little more).", "",
              "| workload | topology | sustained (req/s) | done in (s) | tail (s) | burst: sent, failed | from |",
              "|---|---|---|---|---|---|---|"]
     for name, topology, sat in found:

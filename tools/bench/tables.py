@@ -52,9 +52,9 @@ def row_text(run: dict) -> str:
     achieved = "-" if run.get("request_rate") is None else f"{s['request_throughput']:.2f}"
     goodput = "-" if run.get("request_rate") is None else f"{s['goodput']:.2f}"
     trend = "-" if run.get("request_rate") is None or s.get("ttft_trend") is None else f"{s['ttft_trend']:+.2f}"
-    tpot = s["tpot_ms"]
+    per_token = s["tpot_ms"]
     itl, tpot = ("-", "-") if run.get("request_rate") is None else \
-        (f"{s['itl_ms']['p99']:.0f}", f"{tpot['mean']:.1f} / {tpot['p99']:.1f}")  # unloaded: a few tokens only
+        (f"{s['itl_ms']['p99']:.0f}", f"{per_token['mean']:.1f} / {per_token['p99']:.1f}")  # unloaded: few tokens
     return (f"| {run['topology']} | {rate} | {achieved} | {s['ttft_ms']['mean']:.0f} / {s['ttft_ms']['p99']:.0f} "
             f"| {trend} | {times} | {kinds} | {itl} | {tpot} | {goodput} "
             f"| {s['failed']} / {run.get('resumed', 0)} | {stages(run.get('stages_ms', {}))} "
