@@ -356,9 +356,9 @@ def burst_rate(requests: list[dict]) -> dict:
     send to the last completion (``makespan_s``). All their work falls inside it, and the stack ran full but for
     the drain after the last first token (``tail_s``: the last requests decoding), so the rate errs low, by that
     share and a little more (on an H100 the TTFT trend at 1.1× of it put it a few to ~10 % low, likely as a
-    burst holds more sequences decoding at once than a stack at its rate). A window inside the burst errs high instead, by
-    work done ahead of it: counting the completions that came while requests still waited read 3.6 req/s
-    image-heavy on an H100 (7B, budget off), where 90 % of it (3.2 req/s) left the stack 15 s of mean TTFT
+    burst holds more sequences decoding at once than a stack at its rate). A window inside the burst errs high
+    instead, by work done ahead of it: counting the completions that came while requests still waited read 3.6
+    req/s image-heavy on an H100 (7B, budget off), where 90 % of it (3.2 req/s) left the stack 15 s of mean TTFT
     behind and ~1.4 held; its ViT had encoded the waiting requests' images ahead, and thirty sequences decoding
     together finished together. ``rate`` None, with the reason, when every request had its first token before
     the first finished: the burst fit in the stack's batch, and a larger one would read more."""
