@@ -404,24 +404,32 @@ def test_simulation_schedules_as_the_code_and_one_request_costs_its_floor():
         simulate(planner, Layout("colocated", 1, "split", True), t, alone)
 
 
-def test_simulation_lifts_the_time_budget_for_a_backlog(monkeypatch):
-    """As the engine does (``Scheduler.backlogged``): a burst of prompts behind decoding sequences is paced
-    to the target until one has waited past ``BACKLOG_S``; then steps are sized by tokens, and the burst
-    drains sooner than under a budget held whatever the queue."""
+def test_simulation_yields_the_time_budget_to_a_queue(monkeypatch):
+    """As the engine does (``Scheduler.yields``): a burst of prompts behind 16 decoding sequences gets
+    steps sized by tokens while budgeted ones would delay it by more than the target (its images queued
+    for the aggregated worker's ViT count too), and drains sooner than under a budget held whatever the
+    queue, or one held until a prompt has waited past ``BACKLOG_S``."""
     from tools.plan import simulate as sim
 
     planner = Planner(h200_like(), 5.0, 3584 * 2)
-    images = [Arrival(0.0, 0, 4000)] + [Arrival(0.05 + 0.001 * i, 10, 64) for i in range(120)]
-    texts = [Arrival(0.0, 0, 4000)] + [Arrival(0.05 + 0.001 * i, 0, 64) for i in range(60)]
+    decoding = [Arrival(0.0001 * i, 0, 4000) for i in range(16)]
+    images = decoding + [Arrival(0.5 + 0.001 * i, 10, 64) for i in range(120)]
+    texts = decoding + [Arrival(0.5 + 0.001 * i, 0, 64) for i in range(60)]
     long_texts = traffic(Workload(image_count=10, image_resolution="448x448", input_len=4096, output_len=64), 1.0)
+
+    def late(engine, now):
+        return any(now - r.ready > sim.BACKLOG_S for r in engine.prompts)
+
     for layout, t, burst in ((Layout("aggregated", 1), traffic(DYNAMO, 1.0), images),  # the ViT's gaps too
                              (Layout("colocated", 1, "joined", True), long_texts, texts)):  # the engine alone
-        lifted = simulate(planner, layout, t, burst)
+        yielded = simulate(planner, layout, t, burst)[16:]
+        monkeypatch.setattr(sim._Engine, "yields", late)
+        lifted = simulate(planner, layout, t, burst)[16:]
         monkeypatch.setattr(sim, "BACKLOG_S", math.inf)
-        held = simulate(planner, layout, t, burst)
+        held = simulate(planner, layout, t, burst)[16:]
         monkeypatch.undo()
         assert max(held) > sim.BACKLOG_S  # a backlog to lift
-        assert statistics.mean(lifted) < statistics.mean(held)
+        assert statistics.mean(yielded) < statistics.mean(lifted) < statistics.mean(held)
 
 
 def test_plan_mps_clients_share_what_the_pair_gets_done():

@@ -136,8 +136,9 @@ def exact(theta: np.ndarray) -> StepTimes:
     return times
 
 
-def scheduler(theta: np.ndarray, target_s: float, decoding: int) -> Scheduler:
-    """1,024 tokens a step, ``decoding`` sequences past their 100-token prompts, one 3,000-token prompt waiting."""
+def scheduler(theta: np.ndarray, target_s: float, decoding: int, prompts: tuple[int, ...] = (600,)) -> Scheduler:
+    """1,024 tokens a step, ``decoding`` sequences past their 100-token prompts, prompts of ``prompts``
+    tokens waiting."""
     blocks = BlockManager(2048, 16)
     sched = Scheduler(blocks, 256, 1024, swapper=None, step_times=exact(theta), target_s=target_s)
     params = SamplingParams(temperature=0, max_tokens=100)
@@ -145,7 +146,8 @@ def scheduler(theta: np.ndarray, target_s: float, decoding: int) -> Scheduler:
         seq = Sequence(f"d{i}", [1] * 101, 100, params, status=Status.RUNNING, num_computed=100)
         blocks.allocate(seq, 101)
         sched.add_running(seq)
-    sched.add_waiting(Sequence("p", [2] * 3000, 3000, params))
+    for i, tokens in enumerate(prompts):
+        sched.add_waiting(Sequence(f"p{i}", [2] * tokens, tokens, params))
     return sched
 
 
@@ -156,42 +158,60 @@ def prompt_tokens(plan: Plan) -> int:
 def test_steps_with_decode_rows_take_what_the_target_leaves():
     """4 rows: 2.04 ms predicted before prompts; a 5 ms target leaves room for 296 prompt tokens, 96
     once 2 ms of the gap went to other work (the aggregated ViT); a target below the rows' own cost
-    still gives the prompt a block."""
+    would give the prompt a block a step, and yields (last test below)."""
     plan = scheduler(THETA, 0.005, decoding=4).schedule()  # (the fit's ridge may cost the last token)
     assert plan.kind == "prefill" and prompt_tokens(plan) in (295, 296) and plan.paced
     assert plan.shape.decode_rows == 4 and plan.shape.prompt_tokens == prompt_tokens(plan)
     assert prompt_tokens(scheduler(THETA, 0.005, decoding=4).schedule(spent_s=0.002)) in (95, 96)
-    assert prompt_tokens(scheduler(THETA, 0.001, decoding=4).schedule()) == 16
+    assert prompt_tokens(scheduler(THETA, 0.001, decoding=4).schedule()) == 600
     assert scheduler(THETA, 0.005, decoding=4).gap_budget_s() == pytest.approx(0.00296, rel=1e-3)
 
 
 def test_steps_without_decode_rows_or_budget_use_the_token_budget():
-    for sched, rows in ((scheduler(THETA, 0.005, decoding=0), 0), (scheduler(THETA, 0.0, decoding=4), 4)):
+    for sched, rows in ((scheduler(THETA, 0.005, decoding=0, prompts=(3000,)), 0),
+                        (scheduler(THETA, 0.0, decoding=4, prompts=(3000,)), 4)):
         plan = sched.schedule()
         assert prompt_tokens(plan) == 1024 - rows and not plan.paced
     assert scheduler(THETA, 0.005, decoding=0).gap_budget_s() is None
     assert scheduler(THETA, 0.0, decoding=4).gap_budget_s() is None
 
 
+def test_the_budget_yields_to_a_queue_it_would_delay_by_more_than_a_target_step():
+    """4 rows and the 5 ms target: a budgeted step takes 296 prompt tokens where a token-sized one takes
+    1,020, and every step pays the rows' 2.04 ms. Draining 600 queued tokens so costs 2.04 × (600/296 −
+    600/1,020) = 2.9 ms more: the budget holds. 1,200 (two prompts) cost 5.9 ms, 3,000 (one) 14.7 ms,
+    more than the 5 ms step: steps are sized by tokens, and the ViT's gap is not cut either."""
+    assert scheduler(THETA, 0.005, decoding=4, prompts=(600,)).schedule().paced
+    for prompts in ((600, 600), (3000,)):
+        sched = scheduler(THETA, 0.005, decoding=4, prompts=prompts)
+        assert sched.yields() and sched.gap_budget_s() is None
+        plan = sched.schedule()
+        assert prompt_tokens(plan) == 1024 - 4 and not plan.paced
+    sched = scheduler(THETA, 0.005, decoding=4, prompts=(600, 900))
+    assert sched.yields()  # 1,500 tokens: 7.3 ms more
+    for chunk in sched.schedule().chunks[4:]:  # computed: the first prompt, 420 tokens of the second
+        chunk.seq.num_computed = chunk.end
+    assert not sched.yields() and sched.schedule().paced  # 480 left beside 5 rows, 2.4 ms: the budget again
+
+
 def test_a_prompt_waiting_past_the_backlog_bound_lifts_the_time_budget():
-    """A prompt late for any TTFT a user accepts gets steps sized by tokens (the budget costs throughput,
-    and at saturation the queue would only grow), waiting or partly prefilled; the budget comes back once
-    no prompt is that late."""
+    """A prompt late for any TTFT a user accepts gets steps sized by tokens, however short the queue
+    (the step-time model may have been wrong about it), waiting or partly prefilled; the budget comes back
+    once no prompt is that late."""
     sched = scheduler(THETA, 0.005, decoding=4)
     late = time.monotonic() - BACKLOG_S - 0.1
     sched.waiting[0].arrival = late
     plan = sched.schedule()
-    assert prompt_tokens(plan) == 1024 - 4 and not plan.paced and sched.gap_budget_s() is None
+    assert prompt_tokens(plan) == 600 and not plan.paced and sched.gap_budget_s() is None
 
-    sched = scheduler(THETA, 0.005, decoding=4)
+    sched = scheduler(THETA, 0.005, decoding=4, prompts=(1000,))
     assert sched.schedule().paced  # its first chunk, cut to the budget; the rest is still to prefill
     prompt = next(s for s in sched.running if not s.decoding)  # admitted: its chunks are planned again
     prompt.arrival = late
-    assert prompt_tokens(sched.schedule()) == 1024 - 4
-    prompt.arrival = time.monotonic()
-    assert sched.schedule().paced and sched.gap_budget_s() is not None
-
-
+    assert prompt_tokens(sched.schedule()) == 1000
+    prompt.num_computed = 1000  # computed: it decodes now
+    sched.add_waiting(Sequence("q", [3] * 300, 300, SamplingParams(temperature=0, max_tokens=4)))
+    assert sched.schedule().paced and sched.gap_budget_s() is not None  # none late: the budget again
 def test_feature_scales_keep_an_h200_step_near_one():
     """The scaling that keeps the fit conditioned: a full 8,192-token step's features are O(1-100)."""
     x = StepShape.of_decode([2048] * 64).with_chunk(0, 8192).features()

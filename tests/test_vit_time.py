@@ -100,10 +100,14 @@ def test_a_gap_with_no_time_left_forwards_one_image(model_parts):
         forward = batcher._forward
         batcher._forward = lambda batch: sizes.append(len(batch)) or forward(batch)
         jobs = [batcher.encode(patches(tower, i), GRID) for i in range(3)]
+        tokens = 96 // tower.config.merge_size ** 2  # an image's language-model tokens
+        assert batcher.queued_tokens() == 3 * tokens  # what the scheduler's budget counts on their way
         await asyncio.to_thread(batcher.step, budget_s)
         left = batcher.queued
+        assert batcher.queued_tokens() == left * tokens
         await asyncio.to_thread(batcher.step, None)  # the next gaps, no budget: the rest
         await asyncio.gather(*jobs)
+        assert batcher.queued_tokens() == 0
         return sizes, left
 
     assert asyncio.run(gap(0.0)) == ([1, 2], 2)
@@ -113,13 +117,17 @@ def test_a_gap_with_no_time_left_forwards_one_image(model_parts):
 
 def test_the_aggregated_engine_thread_splits_vit_batches_while_sequences_decode(model_parts):
     """The engine loop with the ViT attached, as the aggregated worker runs it, a sequence decoding: with a
-    time budget no step can meet, each gap between two steps forwards one image (three images, three
-    gaps, each followed by a step); without a budget, or once an image a cut held back has waited past
-    the backlog bound, the three go in one forward. The embeddings are the same either way."""
+    time budget no step can meet, held (it would yield to the images' tokens: the cuts are what is tested),
+    each gap between two steps forwards one image (three images, three gaps, each followed by a step);
+    without a budget, once an image a cut held back has waited past the backlog bound, or with the budget
+    yielding to what is queued, the three go in one forward. The embeddings are the same either way."""
     _, _, tower = model_parts
 
-    async def run(target_s: float, late: bool = False) -> tuple[list[tuple[int, int]], list[torch.Tensor]]:
+    async def run(target_s: float, late: bool = False,
+                  held: bool = True) -> tuple[list[tuple[int, int]], list[torch.Tensor]]:
         engine = make_engine(model_parts, target_itl_s=target_s)
+        if held:
+            engine.scheduler.yields = lambda: False
         calibrate_steps(engine)
         params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
         engine.add_prompt(Sequence("talking", list(range(3, 40)), 37, params))
@@ -148,7 +156,9 @@ def test_the_aggregated_engine_thread_splits_vit_batches_while_sequences_decode(
     paced, apart = asyncio.run(run(1e-6))
     plain, together = asyncio.run(run(0.0))
     backlogged, _ = asyncio.run(run(1e-6, late=True))
+    yielded, _ = asyncio.run(run(1e-6, held=False))
     assert [n for n, _ in paced] == [1, 1, 1] and [n for n, _ in plain] == [3] and [n for n, _ in backlogged] == [3]
+    assert [n for n, _ in yielded] == [3]
     steps = [s for _, s in paced]
     assert steps[0] < steps[1] < steps[2]  # an engine step between every two forwards
     for x, y in zip(apart, together):

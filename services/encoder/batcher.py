@@ -16,9 +16,9 @@ Who runs the forwards:
   whole request's first token, while the decode rows it delays lose one step's worth of time. While
   sequences decode, the engine's time budget bounds the gap instead (``step``'s ``budget_s``: the
   target less their predicted step), each batch cut to what the forward-time model predicts fits
-  (``forward_time``), one image at least, unless an image it held back has waited past the engine's
-  backlog bound (``scheduler.BACKLOG_S``). A
-  request's images come as one job each, a data-plane pull apart, so a gap that took only what was
+  (``forward_time``), one image at least, unless the budget yields (``Scheduler.yields``: the images
+  queued count as prompt tokens on their way, ``queued_tokens``) or an image it held back has waited
+  past ``scheduler.BACKLOG_S``. A request's images come as one job each, a data-plane pull apart, so a gap that took only what was
   queued at its start left the rest of the request for the next gap, a whole engine step (up to 8,192
   tokens, ~230 ms) later. One batch per gap fell further behind (H200 run 1: 388 ms of queueing per
   image at 0.8 req/s, image-heavy); everything queued at the gap's start, 418 ms (run 2). The gap's
@@ -79,6 +79,9 @@ class VisionBatcher:
         self.dtype = next(tower.parameters()).dtype
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._held: list[QueuedImage] = []  # taken from the queue, not yet forwarded: they start the next batch
+        # language-model tokens of the images queued, and of those forwarded: each counter has one writer
+        # (the event loop's ``encode``, the forwarding thread), so their difference reads safely anywhere
+        self._tokens_in = self._tokens_out = 0
         self._thread: threading.Thread | None = None
         self.wake: Callable[[], None] = lambda: None  # the engine loop's, once attached to one
         self.forward_times: ForwardTimes | None = None  # the forward-time model (aggregated, with a time budget)
@@ -99,6 +102,11 @@ class VisionBatcher:
 
     def has_work(self) -> bool:
         return self.queued > 0
+
+    def queued_tokens(self) -> int:
+        """Language-model tokens of the images waiting for a forward: prompt tokens on their way to the
+        engine (the aggregated worker's scheduler counts them, ``Scheduler.upstream``)."""
+        return max(0, self._tokens_in - self._tokens_out)
 
     def waited_s(self) -> float:
         """How long the image a gap's cut held back (the oldest queued) has waited; 0: none held."""
@@ -131,6 +139,7 @@ class VisionBatcher:
         if source.is_cuda:  # the forward's stream reads it only after what made it
             ready = torch.cuda.Event()
             ready.record()
+        self._tokens_in += grid_tokens(grid, self.tower.config.merge_size)
         self._queue.put(QueuedImage(source, grid, future, prepare or self.prepare, group, on_done, ready=ready))
         self.wake()
         return future
@@ -180,6 +189,7 @@ class VisionBatcher:
     # -- a forward, waited for ----------------------------------------------------------------------------
     def _forward_and_settle(self, batch: list[QueuedImage]) -> None:
         started = time.monotonic()
+        self._tokens_out += sum(grid_tokens(item.grid, self.tower.config.merge_size) for item in batch)
         for item in batch:
             self.times.add("queue", started - item.queued_at)
         timed = self.device.type == "cuda"

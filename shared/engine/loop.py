@@ -49,10 +49,12 @@ class EngineLoop:
         """Run ``side.step(budget_s)`` between engine steps whenever ``side.has_work()`` (``budget_s``:
         seconds it may take, None: its own limit — also once ``side.waited_s()``, the wait of what a cut
         held back, passes ``BACKLOG_S``; it fails its own items, never the engine). ``side.wake``
-        is set to wake this thread when new side work arrives while the engine idles. Call before
-        ``start``."""
+        is set to wake this thread when new side work arrives while the engine idles, and
+        ``side.queued_tokens()`` is what the scheduler's budget counts as prompt tokens on their way
+        (``Scheduler.upstream``). Call before ``start``."""
         self._side = side
         side.wake = self.wake
+        self.engine.scheduler.upstream = side.queued_tokens
 
     def wake(self) -> None:
         """Any thread: end the engine thread's idle wait now."""
@@ -93,7 +95,7 @@ class EngineLoop:
             if self._has_side_work():
                 began = time.monotonic()
                 # while sequences decode, the side's forwards get what the time budget leaves of their next
-                # token, unless an image a cut held back is as late as a backlogged prompt
+                # token, unless the budget yields or an image a cut held back is as late as a late prompt
                 late = self._side.waited_s() > BACKLOG_S
                 self._side.step(budget_s=None if late else self.engine.scheduler.gap_budget_s())
                 spent = time.monotonic() - began

@@ -9,13 +9,14 @@ split, and continues in the next steps. While sequences decode, a step is also g
 worker's ViT): their next token waits for the whole step, so its prompt chunks are cut to what the
 step-time model (``shared.engine.step_time``) predicts fits — a token count would bound a step's
 time only for one mix of chunks, prefixes and decode rows. A step still takes a block's worth of prompt
-tokens, so prompts always advance; a step without decode rows uses the whole token budget. A backlog
-lifts the time budget: while a prompt has waited longer than ``BACKLOG_S`` (late for any TTFT a user
-would accept), steps are sized by tokens again. The budget costs prompt throughput (every step pays its
-decode rows and its own overhead), and at saturation that cost turns into queues that only grow: on one
-H100, image-heavy and mixed load past the 7B's saturation, a budget held to the end served 78–88 % of the
-requests a second of the same stack without it, at 2.1–5.9× its mean TTFT; with the bound, 96–97 % at
-1.6–1.7× (``docs/benchmarks.md``). Without chunking, prompts are prefilled whole in steps of their own
+tokens, so prompts always advance; a step without decode rows uses the whole token budget. The budget
+costs prompt throughput — every step pays its decode rows and its own launch, and a budgeted step takes
+fewer prompt tokens — so it yields to the queue: steps are sized by tokens again while holding it would
+give the last prompt this worker holds its first token more than one target step later, or while a prompt
+has waited longer than ``BACKLOG_S`` (``Scheduler.yields``). On one H100 at ~90 % of the 7B's saturation
+(image-heavy, mixed) that keeps mean TTFT at 0.96–1.08× the budget-off stack's, where the 2 s bound alone
+cost 1.56–1.67×; a chat app's short prompts at 12 req/s keep the budget, ITL p99 54–59 against 80–102 ms
+(``docs/benchmarks.md``). Without chunking, prompts are prefilled whole in steps of their own
 (prefill before decode; the first prompt of a step may exceed the budget).
 
 Prompts are served shortest remaining first — a text prompt does not wait behind a prompt of eight
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shared.engine.block_manager import BlockManager, blocks_for
@@ -117,6 +119,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.swapped: deque[Sequence] = deque()
+        # prompt tokens this worker holds that are not queued here yet: the aggregated worker's images
+        # waiting for its ViT (``EngineLoop.attach``); the budget yields to them too
+        self.upstream: Callable[[], int] = lambda: 0
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.swapped)
@@ -184,24 +189,40 @@ class Scheduler:
     def gap_budget_s(self) -> float | None:
         """Seconds other work of the engine thread (the aggregated worker's ViT) may take before the next
         step and the decoding sequences' next token still come within the target: the target less the
-        predicted step of their rows alone. None: no sequence is decoding, or no time budget."""
+        predicted step of their rows alone. None: no sequence is decoding, or no time budget, or it yields."""
         contexts = [len(seq) for seq in self.running if seq.decoding]
-        if not contexts or not self.pacing or self.backlogged():
+        if not contexts or not self.pacing or self.yields():
             return None
         return max(0.0, self.target_s - self.step_times.predict(StepShape.of_decode(contexts)))
 
-    def backlogged(self) -> bool:
-        """A prompt (waiting, or partly prefilled) has waited longer than ``BACKLOG_S`` (``waiting`` is in
-        arrival order: its first is the oldest)."""
+    def yields(self) -> bool:
+        """The time budget gives way to the prompts this worker holds (partly prefilled, waiting, and the
+        aggregated worker's images still in its ViT queue, ``upstream``): budgeted steps would give the last
+        of them its first token later than steps sized by tokens, by more than one target step, or one has
+        waited longer than ``BACKLOG_S`` already (``waiting`` is in arrival order: its first is the
+        oldest). Every step pays the decode rows' part (their rows, the step's launch and weight reads),
+        and a budgeted step takes fewer prompt tokens, so draining ``Q`` tokens pays that part
+        ``Q/budgeted − Q/full`` times more."""
+        prompts = [s for s in self.running if not s.decoding]
         late = time.monotonic() - BACKLOG_S
-        return bool(self.waiting) and self.waiting[0].arrival < late or any(
-            s.arrival < late for s in self.running if not s.decoding)
+        if self.waiting and self.waiting[0].arrival < late or any(s.arrival < late for s in prompts):
+            return True
+        prompts += self.waiting
+        queued = sum(s.num_uncomputed for s in prompts) + self.upstream()
+        if not queued:
+            return False
+        rows = StepShape.of_decode([len(seq) for seq in self.running if seq.decoding])
+        floor = self.blocks.block_size
+        full = max(self.max_batched_tokens - rows.decode_rows, floor)
+        start = prompts[0].num_computed if prompts else 0
+        budgeted = max(self.step_times.chunk_tokens(rows, start, full, self.target_s), floor)
+        return self.step_times.predict(rows) * queued * (1 / budgeted - 1 / full) > self.target_s
 
     def _prompt_budget(self, decode: StepShape, spent_s: float) -> _Budget:
         # a block's worth at least, so prompts advance even when decode rows fill the budget
         floor = self.blocks.block_size
         tokens = max(self.max_batched_tokens - decode.decode_rows, floor)
-        if not decode.decode_rows or not self.pacing or self.backlogged():
+        if not decode.decode_rows or not self.pacing or self.yields():
             return _Budget(tokens, decode)
         return _Budget(tokens, decode, self.step_times, self.target_s - spent_s, floor)
 

@@ -35,7 +35,8 @@ class EngineSettings(GpuMemory, CudaGraphs, ModelLength, CommonSettings):
         "to what a model of step time predicts fits; the model is measured on this device at start and "
         "corrected after every step. Lower: smoother streams, prompts take more steps (more time to first "
         "token under load); steps without decode rows still use --max-batched-tokens, and so does every step "
-        "while a prompt has waited over 2 s (a backlog: the budget would cost throughput). Workers that prefill and "
+        "while holding the budget would delay the first token of the prompts queued by more than one such step, "
+        "or one has waited over 2 s (the budget costs prompt throughput). Workers that prefill and "
         "decode (aggregated, E/PD) only: a split prefill or decode worker's steps never carry both. 0: no "
         "time budget, steps are sized by --max-batched-tokens alone"))
     chunked_prefill: bool = Field(True, description="split prompts longer than the step budget into chunks, decode "

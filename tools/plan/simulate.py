@@ -8,12 +8,13 @@ step t(B) and the rows a step carries):
 - an engine step (``Scheduler``): every decoding sequence's row first, then prompt chunks (those that have
   waited longer than the priority window oldest first, the rest fewest tokens left first) until
   ``step_tokens``, and while sequences decode until the step's predicted time reaches ``target_itl_s``
-  less the ViT gap before it (a block at least), unless a prompt has waited past ``BACKLOG_S``; a step
+  less the ViT gap before it (a block at least), unless the budget yields (a prompt has waited past
+  ``BACKLOG_S``, or budgeted steps would delay the prompts' last first token by more than the target); a step
   with chunks takes their share of their prompts' prefill plus the rows, a decode-only step t(B);
 - aggregated (``EngineLoop`` with ``VisionBatcher.step``): before a step, when images are queued, a
   gap: batches of what is queued (and arrives meanwhile) until none is, or ``STEP_BUDGET_S`` of ViT
   time is spent — while sequences decode, what ``target_itl_s`` leaves after their step, each forward
-  cut to fit (one image at least), unless a prompt or a queued image has waited past ``BACKLOG_S``. The
+  cut to fit (one image at least), unless the budget yields or a queued image has waited past ``BACKLOG_S``. The
   prompts whose images a gap finished join the next step: encoded in place, they are in the engine by
   then. Two older ways are kept to replay the runs that had them: through the frontend
   (``handback="frontend"``), they miss the step that starts at once; with the removed hand-off
@@ -26,6 +27,7 @@ Left out: the prompt's trip through the frontend (calibration carries it), KV ro
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 from dataclasses import dataclass, field
@@ -124,18 +126,32 @@ class _Engine:
         self.slow_prefill, self.slow_decode = prefill_slowdown, decode_slowdown
         self.prompts: list[_Request] = []
         self.decoding: list[_Request] = []
+        self.upstream = lambda now: 0  # prompt tokens in the ViT's queue (aggregated: ``Scheduler.upstream``)
 
     def has_work(self) -> bool:
         return bool(self.prompts or self.decoding)
 
-    def backlogged(self, now: float) -> bool:
-        """A prompt in the engine has waited longer than ``BACKLOG_S`` (``Scheduler.backlogged``)."""
-        return any(now - r.ready > BACKLOG_S for r in self.prompts)
+    def yields(self, now: float) -> bool:
+        """The time budget gives way to the prompts in the engine (``Scheduler.yields``): one has waited
+        longer than ``BACKLOG_S``, or budgeted steps would delay the last of them by more than the target
+        (each pays the rows' time, and takes fewer prompt tokens than the token budget)."""
+        if any(now - r.ready > BACKLOG_S for r in self.prompts):
+            return True
+        queued = sum(r.left for r in self.prompts) + self.upstream(now)
+        if not queued or not self.decoding or not self.planner.target_itl_s:
+            return False
+        rows = len(self.decoding)
+        rows_s = self.planner.decode_rows(self.t, rows) * self.slow_decode
+        token_s = self.planner.prefill(self.t, max(self.t.counts, default=0)) / self.planner.costs.prompt_tokens(
+            self.t.input_len, max(self.t.counts, default=0)) * self.slow_prefill
+        full = max(self.planner.step_tokens - rows, BLOCK_TOKENS)
+        budgeted = min(full, max(BLOCK_TOKENS, (self.planner.target_itl_s - rows_s) / token_s))
+        return rows_s * queued * (1 / budgeted - 1 / full) > self.planner.target_itl_s
 
     def gap_budget(self, now: float) -> float | None:
         """What the time target leaves the ViT before the next step while sequences decode
-        (``Scheduler.gap_budget_s``); None: nothing decodes, no target, or a backlog."""
-        if not self.decoding or not self.planner.target_itl_s or self.backlogged(now):
+        (``Scheduler.gap_budget_s``); None: nothing decodes, no target, or the budget yields."""
+        if not self.decoding or not self.planner.target_itl_s or self.yields(now):
             return None
         return max(0.0, self.planner.target_itl_s - self.step_s(len(self.decoding)) * self.slow_decode)
 
@@ -143,7 +159,7 @@ class _Engine:
         """``gap``: seconds the ViT took right before it (the decode rows waited for it too)."""
         rows = len(self.decoding)
         rows_s = self.planner.decode_rows(self.t, rows) * self.slow_decode
-        paced = rows and self.planner.target_itl_s and not self.backlogged(now)
+        paced = rows and self.planner.target_itl_s and not self.yields(now)
         seconds = self.planner.target_itl_s - gap - rows_s if paced else math.inf
         chunks = [] if decode_only else self._chunks(now, self.planner.step_tokens - rows, seconds)
         if chunks:
@@ -198,7 +214,10 @@ def simulate(planner: Planner, layout: Layout, t: Traffic, arrivals: list[Arriva
         vision = _Vision(planner, planner.costs.image_tokens * PATCHES_PER_TOKEN)
         vision.queue = sorted(((r.arrival.at + planner.media(r.arrival.images), r) for r in requests
                                for _ in range(r.arrival.images)), key=lambda item: item[0])
-        _run(_Engine(planner, t), requests, vision, handback)
+        engine = _Engine(planner, t)
+        engine.upstream = lambda now: planner.costs.image_tokens * bisect.bisect_right(
+            vision.queue, now, key=lambda item: item[0])  # the images queued by now
+        _run(engine, requests, vision, handback)
     elif layout.pd == "joined" and layout.lm_gpus == 1 and layout.encoders == 1:
         busy = planner.predict(layout, t).busy
         requests = _requests(planner, t, arrivals)
