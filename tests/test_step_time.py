@@ -212,6 +212,8 @@ def test_a_prompt_waiting_past_the_backlog_bound_lifts_the_time_budget():
     prompt.num_computed = 1000  # computed: it decodes now
     sched.add_waiting(Sequence("q", [3] * 300, 300, SamplingParams(temperature=0, max_tokens=4)))
     assert sched.schedule().paced and sched.gap_budget_s() is not None  # none late: the budget again
+
+
 def test_feature_scales_keep_an_h200_step_near_one():
     """The scaling that keeps the fit conditioned: a full 8,192-token step's features are O(1-100)."""
     x = StepShape.of_decode([2048] * 64).with_chunk(0, 8192).features()

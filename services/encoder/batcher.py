@@ -18,10 +18,11 @@ Who runs the forwards:
   target less their predicted step), each batch cut to what the forward-time model predicts fits
   (``forward_time``), one image at least, unless the budget yields (``Scheduler.yields``: the images
   queued count as prompt tokens on their way, ``queued_tokens``) or an image it held back has waited
-  past ``scheduler.BACKLOG_S``. A request's images come as one job each, a data-plane pull apart, so a gap that took only what was
-  queued at its start left the rest of the request for the next gap, a whole engine step (up to 8,192
-  tokens, ~230 ms) later. One batch per gap fell further behind (H200 run 1: 388 ms of queueing per
-  image at 0.8 req/s, image-heavy); everything queued at the gap's start, 418 ms (run 2). The gap's
+  past ``scheduler.BACKLOG_S``. A request's images come as one job each, a data-plane pull apart, so a
+  gap that took only what was queued at its start left the rest of the request for the next gap, a
+  whole engine step (up to 8,192 tokens, ~230 ms) later. One batch per gap fell further behind (H200
+  run 1: 388 ms of queueing per image at 0.8 req/s, image-heavy); everything queued at the gap's start,
+  418 ms (run 2). The gap's
   batch also waits up to ``sibling_wait_s`` for its requests' images still being pulled, as the
   vision thread's does: with the engine idle, ten 448² images otherwise went in three or four
   launch-bound forwards as they landed (unloaded, 23 ms of queueing per image and 33 ms per forward
