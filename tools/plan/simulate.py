@@ -127,6 +127,9 @@ class _Engine:
         self.prompts: list[_Request] = []
         self.decoding: list[_Request] = []
         self.upstream = lambda now: 0  # prompt tokens in the ViT's queue (aggregated: ``Scheduler.upstream``)
+        # a prompt token's prefill at the workload's mean (``Planner.prompt_room`` sizes budgeted steps by it)
+        self.mean_token_s = t.mean(lambda n: planner.prefill(t, n)) / t.mean(
+            lambda n: planner.costs.prompt_tokens(t.input_len, n)) * prefill_slowdown
 
     def has_work(self) -> bool:
         return bool(self.prompts or self.decoding)
@@ -142,8 +145,7 @@ class _Engine:
             return False
         rows = len(self.decoding)
         rows_s = self.planner.decode_rows(self.t, rows) * self.slow_decode
-        token_s = self.planner.prefill(self.t, max(self.t.counts, default=0)) / self.planner.costs.prompt_tokens(
-            self.t.input_len, max(self.t.counts, default=0)) * self.slow_prefill
+        token_s = self._token_s(self.prompts[0]) if self.prompts else self.mean_token_s
         full = max(self.planner.step_tokens - rows, BLOCK_TOKENS)
         budgeted = min(full, max(BLOCK_TOKENS, (self.planner.target_itl_s - rows_s) / token_s))
         return rows_s * queued * (1 / budgeted - 1 / full) > self.planner.target_itl_s
