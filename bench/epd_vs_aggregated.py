@@ -1101,7 +1101,8 @@ def parse_args(argv=None):
     parser.add_argument("--unloaded", type=int, default=5, help="requests per class measured one at a time")
     parser.add_argument("--request-timeout", type=float, default=60.0, help="seconds one request may take (a "
                         "collapsed point must not eat the GPU time of the rest)")
-    parser.add_argument("--kv-cache-mb", type=int, default=20480, help="KV pool of every LM process (MiB)")
+    parser.add_argument("--kv-cache-mb", type=int, default=0, help="KV pool of every LM process (MiB; 0: sized "
+                        "from each process's share of the GPU, as a user's stack is)")
     parser.add_argument("--max-batched-tokens", type=int, default=0,
                         help="every LM worker's step budget (EPD_MAX_BATCHED_TOKENS; 0: the engine's default)")
     parser.add_argument("--stack-env", action="append", default=[], metavar="EPD_NAME=VALUE", type=stack_setting,
@@ -1111,7 +1112,7 @@ def parse_args(argv=None):
                         help="keep every stack's log lines, one file per topology in DIR")
     parser.add_argument("--model", default="qwen2.5-vl-7b", choices=sorted(PRESETS),
                         help="the preset every stack serves with dummy weights (qwen3-vl-30b-a3b: the MoE model the "
-                             "references run EPD on; give it a smaller --kv-cache-mb on one GPU)")
+                             "references run EPD on)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--deadline", type=float, default=0, help="seconds: start no topology that would end the "
                                                                   "run past this (judged by the previous one's time)")

@@ -9,7 +9,9 @@ room). Several processes on one GPU therefore need shares that add up, not 0.9 e
    from the model's own classes on the meta device: exact, nothing is allocated; remembered in the cache
    directory, so a warm start plans without importing torch), and working room for
    its largest step (a language worker: ``--max-batched-tokens`` tokens eager; an encoder: a ViT forward of
-   ``--max-batch-patches``);
+   ``--max-batch-patches``); where ``--kv-cache-mb`` sets every language worker's KV pool, that pool too
+   (it takes it whatever its share says: left out, the 7B split on one H100 with 20 GiB pools left its
+   encoder 4 GiB, and every image request failed out of memory at its first ViT batch, 2026-12-06);
 2. what is left is *room*: each encoder takes a tenth of it (at most 12 GiB: its embedding cache and the
    embeddings it holds until they are pulled, ``EPD_ENCODER_CACHE_MB`` / ``EPD_DATA_MAX_MB``, shrunk to
    fit), the language side the rest for its KV pools — split a third to prefill, two thirds to decode
@@ -73,7 +75,8 @@ class MemoryPlan:
 
         engine, encoder = EngineSettings(), EncoderSettings()
         limits = SimpleNamespace(max_batch_patches=encoder.max_batch_patches, max_num_seqs=engine.max_num_seqs,
-                                 max_batched_tokens=engine.max_batched_tokens, max_model_len=engine.max_model_len)
+                                 max_batched_tokens=engine.max_batched_tokens, max_model_len=engine.max_model_len,
+                                 kv_cache_mb=engine.kv_cache_mb)
         model = ModelConfig.from_checkpoint(path)
         envs, longest = plan(settings.placements_at_most(), model, limits, settings.gpu_memory_utilization)
         # a context the user set stays (a pool too small for it is the engine's one-line error)
@@ -109,6 +112,7 @@ class Needs:
 
     fixed: int
     kv_per_token: int = 0  # language kinds: KV bytes of one token
+    kv_set: int = 0  # language kinds: the KV pool --kv-cache-mb gives every one whatever its share (in ``fixed``)
 
 
 def gpu_totals() -> dict[str, int]:
@@ -145,7 +149,8 @@ def process_needs(kind: str, model, settings, dtype_bytes: int = 2) -> Needs:
         fixed += step_work_bytes(model.text, settings.max_batched_tokens or 8192, settings.max_num_seqs, dtype_bytes)
         if kind == "prefill":
             fixed += PREFILL_STORE
-        return Needs(fixed, kv_bytes_per_token(model.text, dtype_bytes))
+        kv_set = settings.kv_cache_mb * MIB
+        return Needs(fixed + kv_set, kv_bytes_per_token(model.text, dtype_bytes), kv_set)
     return Needs(fixed)
 
 
@@ -198,11 +203,14 @@ def plan_gpu(total: int, utilization: float, kinds: list[str], needs: dict[str, 
     room = budget - fixed
     if room <= 0:
         listing = ", ".join(f"{k} {needs[k].fixed / GIB:.1f}" for k in kinds)
+        kv_set = max(needs[k].kv_set for k in kinds)
+        kv = f"with --kv-cache-mb {kv_set // MIB} each" if kv_set else "before any KV cache"
+        lower = "lower --kv-cache-mb (0: each pool sized from its share), " if kv_set else ""
         raise MemoryPlanError(
-            f"the processes placed on one GPU need {fixed / GIB:.1f} GiB before any KV cache ({listing} GiB) but "
+            f"the processes placed on one GPU need {fixed / GIB:.1f} GiB {kv} ({listing} GiB) but "
             f"--gpu-memory-utilization {utilization:g} gives the stack {budget / GIB:.1f} GiB of its "
-            f"{total / GIB:.1f}: raise it, start fewer processes on that GPU (--encoders, --pd joined), or give "
-            f"kinds GPUs of their own (--topology disaggregated)")
+            f"{total / GIB:.1f}: {lower}raise it, start fewer processes on that GPU (--encoders, --pd joined), or "
+            f"give kinds GPUs of their own (--topology disaggregated)")
     encoders = [i for i, k in enumerate(kinds) if k == "encoder"]
     language = [i for i, k in enumerate(kinds) if k in LANGUAGE_KINDS]
     encoder_room = room // max(len(encoders), 1)
@@ -280,7 +288,9 @@ def plan(placements: list[Placement], model, settings, utilization: float,
             if shared:  # alone, a process takes the stack's share itself; its context is planned all the same
                 envs[(kinds[position], gpu)] = share["env"]
             if "kv" in share:
-                tokens = int((share["kv"] - graphs) * CONTEXT_MARGIN) // per_token // 256 * 256
+                kv_set = needs[kinds[position]].kv_set  # a pool of that size exactly (shared/engine/builder.py)
+                kv = kv_set or int((share["kv"] - graphs) * CONTEXT_MARGIN)
+                tokens = kv // per_token // 256 * 256
                 longest = min(longest, tokens) if longest else tokens
     return envs, longest
 

@@ -23,7 +23,8 @@ from shared.model.presets import materialize_preset
 from shared.model.tiny import write_tiny_checkpoint
 
 H200 = 143771 << 20
-DEFAULTS = SimpleNamespace(max_batch_patches=65536, max_batched_tokens=0, max_num_seqs=256, max_model_len=0)
+DEFAULTS = SimpleNamespace(max_batch_patches=65536, max_batched_tokens=0, max_num_seqs=256, max_model_len=0,
+                           kv_cache_mb=0)
 
 
 def layout(*kinds: str) -> list[Placement]:
@@ -115,3 +116,20 @@ def test_the_lowered_context_fits_the_pools_the_workers_sized():
     shares = {envs[(kind, "0")]["EPD_GPU_MEMORY_UTILIZATION"] for kind in ("prefill", "decode")}
     assert shares == {"0.4254"}  # the shares those workers had
     assert 0 < longest <= 491 * 16
+
+
+def test_a_kv_pool_set_for_every_worker_is_part_of_what_they_need():
+    """``--kv-cache-mb`` gives every language worker that pool whatever its share: the 7B split on one H100
+    with 20 GiB pools (2026-12-06) left its encoder 4 GiB, and every image request failed out of memory at the
+    encoder's first batch. Planned, that stack is refused at start with what to change; a pool that fits is
+    kept, and the context is lowered to what the set pool holds."""
+    model = ModelConfig.from_checkpoint(materialize_preset("qwen2.5-vl-7b"))
+    h100, split = {"0": 81559 << 20}, layout("encoder", "prefill", "decode")
+    plan(split, model, DEFAULTS, 0.9, h100)  # pools sized from the shares fit
+    pools = SimpleNamespace(**{**vars(DEFAULTS), "kv_cache_mb": 20480})
+    with pytest.raises(MemoryPlanError, match=r"with --kv-cache-mb 20480 each .* lower --kv-cache-mb"):
+        plan(split, model, pools, 0.9, h100)
+    small = SimpleNamespace(**{**vars(DEFAULTS), "kv_cache_mb": 1024})
+    _, longest = plan(split, model, small, 0.9, h100)
+    assert 0 < longest <= (1024 << 20) // process_needs("decode", model, small).kv_per_token
+    assert process_needs("decode", model, small).fixed - process_needs("decode", model, DEFAULTS).fixed == 1024 << 20
