@@ -12,7 +12,9 @@ W = λ·E[S²] / 2(1 − ρ). Layouts:
 - aggregated: one engine thread is one server. Between two engine steps it runs a ViT batch of the
   images waiting, then a step of the running batch's decode rows and C prompt tokens at most, prompt
   chunks shortest remaining first: C is what ``step_tokens`` leaves after the rows and, with a time
-  target, what ``target_itl_s`` leaves after them at the workload's mean prefill time a token. A request is followed from its images'
+  target, what ``target_itl_s`` leaves after them at the workload's mean prefill time a token, unless the
+  budget yields to the prompt tokens in the thread (a class's own and, by Little's law, those of the
+  requests in the thread meanwhile; ``Planner.yields``). A request is followed from its images'
   arrival to its first token, each request class n on its own (P'_n: its prompt's steps, each with the
   decode rows in it; c_n its last step). What goes before it: every ViT batch and every prompt no
   longer than P'_n, b_m = v_m + P'_m·[P'_m ≤ P'_n], of load ρ_b; what cuts in at step boundaries once
@@ -339,13 +341,26 @@ class Planner:
         decoding = max(0.0, decode_busy(batch) - rho_work)  # share of time a pure decode step runs
         tokens = {n: self.costs.prompt_tokens(t.input_len, n) for _, n in classes}
         room = self.prompt_room(batch, rows, t.mean(lambda n: prompt[n]) / t.mean(lambda n: tokens[n]))
-        steps = {n: [c + rows for c in self.chunks(t, n, prompt[n], room)] for _, n in classes}
-        thread = EngineThread(rate, classes, vit, steps, decoding * step(batch) / 2)
-        if thread.load(lambda n: vit[n] + thread.own(n)) >= 1:
+        full = max(self.step_tokens - batch, BLOCK_TOKENS)
+
+        def solve(queued: float):
+            rooms = {n: full if self.yields(rows, tokens[n] + queued, room, full) else room for n in tokens}
+            steps = {n: [c + rows for c in self.chunks(t, n, prompt[n], rooms[n])] for _, n in classes}
+            thread = EngineThread(rate, classes, vit, steps, decoding * step(batch) / 2)
+            if thread.load(lambda n: vit[n] + thread.own(n)) >= 1:
+                return None
+            last_tokens = {n: tokens[n] - (len(steps[n]) - 1) * rooms[n] for n in tokens}
+            fill = {n: max(0.0, rooms[n] - last_tokens[n]) for n in tokens}
+            return thread.filled(thread.stages(), tokens, fill)
+
+        # the budget yields to the prompt tokens the thread holds (``Scheduler.yields``): a prompt's own, and
+        # those of the requests in the thread meanwhile (images queued for the ViT too), by Little's law from
+        # the waits of a first solution
+        ttft = solve(0.0)
+        if ttft is not None and room < full:
+            ttft = solve(rate * t.mean(lambda n: tokens[n] * sum(ttft[n])))
+        if ttft is None:
             return None
-        last_tokens = {n: tokens[n] - (len(thread.steps[n]) - 1) * room for n in tokens}
-        rooms = {n: max(0.0, room - last_tokens[n]) for n in tokens}
-        ttft = thread.filled(thread.stages(), tokens, rooms)
         return ttft, tpot, {"vit+prefill": rho_work, "vit": rho_vit, "decode": decoding}
 
     def decode_rows(self, t: Traffic, batch: float) -> float:
@@ -362,6 +377,12 @@ class Planner:
         if not self.target_itl_s or batch < 1:
             return tokens
         return min(tokens, max(BLOCK_TOKENS, (self.target_itl_s - rows_s) / token_s))
+
+    def yields(self, rows_s: float, queued: float, room: float, full: float) -> bool:
+        """The time budget gives way (``Scheduler.yields``): steps of ``room`` prompt tokens beside decode rows
+        of ``rows_s`` would give the last of ``queued`` prompt tokens its first token more than one target
+        step later than steps of ``full`` tokens."""
+        return room < full and rows_s * queued * (1 / room - 1 / full) > self.target_itl_s
 
     def chunks(self, t: Traffic, n: int, seconds: float, room: float) -> list[float]:
         """A prompt's steps (seconds each): ``room`` prompt tokens at most, its time split by tokens."""
