@@ -382,7 +382,7 @@ class Planner:
         """The time budget gives way (``Scheduler.yields``): steps of ``room`` prompt tokens beside decode rows
         of ``rows_s`` would give the last of ``queued`` prompt tokens its first token more than one target
         step later than steps of ``full`` tokens."""
-        return room < full and rows_s * queued * (1 / room - 1 / full) > self.target_itl_s
+        return bool(self.target_itl_s) and room < full and rows_s * queued * (1 / room - 1 / full) > self.target_itl_s
 
     def chunks(self, t: Traffic, n: int, seconds: float, room: float) -> list[float]:
         """A prompt's steps (seconds each): ``room`` prompt tokens at most, its time split by tokens."""
