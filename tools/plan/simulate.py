@@ -147,8 +147,7 @@ class _Engine:
         rows_s = self.planner.decode_rows(self.t, rows) * self.slow_decode
         token_s = self._token_s(self.prompts[0]) if self.prompts else self.mean_token_s
         full = max(self.planner.step_tokens - rows, BLOCK_TOKENS)
-        budgeted = min(full, max(BLOCK_TOKENS, (self.planner.target_itl_s - rows_s) / token_s))
-        return rows_s * queued * (1 / budgeted - 1 / full) > self.planner.target_itl_s
+        return self.planner.yields(rows_s, queued, self.planner.prompt_room(rows, rows_s, token_s), full)
 
     def gap_budget(self, now: float) -> float | None:
         """What the time target leaves the ViT before the next step while sequences decode
